@@ -1,0 +1,46 @@
+"""Default run configuration; ``configs/*.py`` start from it and override.
+
+Every field is documented here. ``batch_size`` counts the images of one
+optimizer update; it is split into ``accumulation_steps`` (k) micro-batches of
+``batch_size // k`` images, one per tick. The paper's "batch size 64, k = 2"
+is ``batch_size=128, accumulation_steps=2``.
+"""
+
+import ml_collections
+
+METHODS = ("backprop", "revprop", "petra")
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The default configuration: a small RevNet18 trained with PETRA."""
+  c = ml_collections.ConfigDict()
+  c.method = "petra"          # one of METHODS
+  c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
+  c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
+
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
+  c.model.width = 64          # channels per stream after the stem (paper: 64)
+  c.model.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
+
+  c.batch_size = 128          # images per optimizer update (k micro-batches)
+  c.accumulation_steps = 2    # k: micro-batches averaged per update
+  c.num_epochs = 300
+  c.steps_per_epoch = 0       # updates per epoch; 0 = the full training split
+  c.eval_every = 1            # epochs between test evaluations; 0 = at the end only
+  c.eval_batch_size = 500
+  c.log_every = 50            # updates between train_loss lines in metrics.jsonl
+  c.num_devices = 0           # devices to spread the stages over; 0 = all local devices
+  c.seed = 0
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.name = "sgd"
+  c.optim.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
+  c.optim.momentum = 0.9
+  c.optim.nesterov = True
+  c.optim.weight_decay = 5e-4  # on conv and dense kernels only
+  c.optim.schedule = "step"    # "step", "cosine" or "constant"
+  c.optim.warmup_epochs = 5.0  # linear warm-up from 0
+  c.optim.decay_epochs = (150, 225)  # "step": multiply by decay_factor at these epochs
+  c.optim.decay_factor = 0.1
+  return c

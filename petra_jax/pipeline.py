@@ -1,0 +1,371 @@
+"""The PETRA engine: a host-side tick loop over stages on their own devices.
+
+Each stage ``j`` lives on one device (``jax.device_put``) and owns a carried
+:class:`StageState` (parameters, BatchNorm statistics, optimizer state with the
+gradient accumulator, update counter). On every tick (paper Alg. 1, Eq. 5):
+
+* every stage runs a forward on the micro-batch it received on the previous
+  tick and sends the output to stage ``j+1``;
+* every stage runs a reverse-backward on the ``(x~_j, delta_{j+1})`` it
+  received from stage ``j+1`` on the previous tick -- a reversible stage
+  rebuilds its input from its output with its *current* weights, a
+  non-reversible one pops its input buffer and recomputes -- updates its
+  parameters with optax, and sends ``(x~_{j-1}, delta_j)`` to stage ``j-1``;
+* the last stage runs forward, loss and backward at once.
+
+Forward and backward of a tick both use ``theta_j^t``; the update follows them.
+Micro-batch ``m``'s backward at stage ``j`` runs ``tau_j = 2(J-1-j)`` ticks
+after its forward there (:mod:`petra_jax.schedule`). The jitted steps are
+compiled once per stage and donate the carried state; the loop never waits for
+the devices (losses are returned as device arrays).
+
+``revprop`` (synchronous reversible backprop) is this same engine drained after
+every micro-batch: the delays are 0 and the gradients exact up to the
+reconstruction's round-off. ``backprop`` is ``jax.grad`` of the composed model
+(:meth:`Pipeline.backprop_step`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import optax
+from flax.training import train_state
+
+from petra_jax import schedule
+from petra_jax import transport
+from petra_jax.stage import (Stage, cross_entropy, forward, loss_vjp, recompute_vjp,
+                             reverse_vjp)
+
+PyTree = Any
+BN_POLICIES = ("backward", "forward")
+
+
+class StageState(train_state.TrainState):
+  """Carried state of one stage.
+
+  ``params`` and ``opt_state`` as in Flax's ``TrainState`` (the optax state
+  holds momentum and, for ``k > 1``, the ``MultiSteps`` accumulator and
+  counter); ``batch_stats`` the BatchNorm running statistics; ``step`` counts
+  backward passes (micro-batches) at this stage.
+  """
+  batch_stats: PyTree = None
+
+
+class Message(NamedTuple):
+  """An activation (or ``(x~, delta)`` pair) tagged with its micro-batch."""
+  micro_batch: int
+  payload: PyTree
+
+
+@dataclasses.dataclass
+class PipelineState:
+  """Everything the next tick depends on.
+
+  Attributes:
+    stages: per-stage carried state, each on its stage's device.
+    tick: ticks run so far.
+    next_micro_batch: index the next fed micro-batch gets.
+    fwd_inbox: ``fwd_inbox[j]``: the input stage ``j`` runs forward next tick.
+    bwd_inbox: ``bwd_inbox[j]``: ``(x~_j or None, delta_{j+1})`` stage ``j``
+      runs backward next tick (``x~`` is only sent to reversible stages).
+    buffers: FIFO of inputs of each non-reversible stage (empty otherwise).
+    labels: FIFO of labels in flight to the last stage (on its device).
+  """
+  stages: list
+  tick: int = 0
+  next_micro_batch: int = 0
+  fwd_inbox: list = dataclasses.field(default_factory=list)
+  bwd_inbox: list = dataclasses.field(default_factory=list)
+  buffers: list = dataclasses.field(default_factory=list)
+  labels: collections.deque = dataclasses.field(default_factory=collections.deque)
+
+  def in_flight(self) -> int:
+    """Micro-batches fed whose backward has not reached stage 0 yet."""
+    waiting = {m.micro_batch for m in self.fwd_inbox + self.bwd_inbox if m is not None}
+    for buf in self.buffers:
+      waiting |= {m.micro_batch for m in buf}
+    return len(waiting)
+
+
+class TickOutput(NamedTuple):
+  """What the last stage produced on a tick: the loss of one micro-batch."""
+  micro_batch: int
+  loss: jax.Array  # float32 scalar, still on the device
+
+
+# ----------------------------------------------------------------------------
+# Jitted per-stage steps (module-level pure functions; one jit per stage).
+# ----------------------------------------------------------------------------
+
+def _update(state: StageState, grads, new_stats, take_stats: bool) -> StageState:
+  return state.apply_gradients(
+      grads=grads, batch_stats=new_stats if take_stats else state.batch_stats)
+
+
+def forward_step(stage: Stage, state: StageState, x):
+  """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1)."""
+  return forward(stage, state.params, state.batch_stats, x)
+
+
+def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy):
+  """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
+
+  Returns ``(new_state, x_tilde, dx)``.
+  """
+  x, dx, grads, stats = reverse_vjp(stage, state.params, state.batch_stats, y, dy)
+  return _update(state, grads, stats, take_stats), x, dx
+
+
+def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
+                            state: StageState, x, dy):
+  """Non-reversible stage: recompute from the buffered input, vjp and update.
+
+  Returns ``(new_state, dx)`` (``dx`` is None without ``input_grad``).
+  """
+  dx, grads, stats = recompute_vjp(stage, state.params, state.batch_stats, x, dy,
+                                   input_grad=input_grad)
+  return _update(state, grads, stats, take_stats), dx
+
+
+def loss_step(stage: Stage, state: StageState, x, labels):
+  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
+  loss, dx, grads, stats = loss_vjp(stage, state.params, state.batch_stats, x, labels)
+  return _update(state, grads, stats, True), dx, loss
+
+
+def eval_step(stage: Stage, state: StageState, x):
+  """Stage forward with the running BatchNorm statistics (evaluation)."""
+  return forward(stage, state.params, state.batch_stats, x, train=False)[0]
+
+
+def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images, labels):
+  """Exact synchronous backprop: ``jax.grad`` of the composed model.
+
+  Running statistics are updated by the (only) forward pass.
+  Returns ``(new_states, loss)``.
+  """
+  def loss_fn(params):
+    x, new_stats = images, []
+    for stage, state, p in zip(stages, states, params):
+      x, stats = forward(stage, p, state.batch_stats, x)
+      new_stats.append(stats)
+    return cross_entropy(x, labels), new_stats
+
+  (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      [s.params for s in states])
+  return [_update(s, g, n, True) for s, g, n in zip(states, grads, new_stats)], loss
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
+def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
+  """Contiguous blocks of stages per device: stage ``j`` -> ``devices[j*n//J]``."""
+  n = len(devices)
+  return [devices[j * n // num_stages] for j in range(num_stages)]
+
+
+class Pipeline:
+  """PETRA over ``J`` stages placed on devices.
+
+  Args:
+    stages: the model's stages (at least 2; the last one computes the loss).
+    tx: the optax optimizer of every stage (its state is per stage).
+    devices: devices to spread the stages over in contiguous blocks (default:
+      all local devices). Fewer devices than stages is fine.
+    bn_stats: ``"backward"`` (paper, Sec. 4: running statistics updated by the
+      backward recomputation/reconstruction, never by the forward) or
+      ``"forward"`` (the authors' code: updated by the forward).
+    record_timeline: keep ``(tick, stage, "F"|"B", micro_batch)`` events in
+      ``self.timeline`` (paper Fig. 1).
+
+  Raises:
+    ValueError: fewer than 2 stages, a reversible first or last stage, or an
+      unknown ``bn_stats`` policy.
+  """
+
+  def __init__(self, stages: Sequence[Stage], tx: optax.GradientTransformation,
+               devices: Optional[Sequence[jax.Device]] = None, *,
+               bn_stats: str = "backward", record_timeline: bool = False):
+    if len(stages) < 2:
+      raise ValueError(f"PETRA needs at least 2 stages, got {len(stages)}.")
+    if stages[0].reversible or stages[-1].reversible:
+      raise ValueError("the first stage (input) and the last (loss) cannot be reversible.")
+    if bn_stats not in BN_POLICIES:
+      raise ValueError(f"Unknown bn_stats policy {bn_stats!r}; choose one of {BN_POLICIES}.")
+    self.stages = list(stages)
+    self.num_stages = len(stages)
+    self.tx = tx
+    self.devices = assign_devices(self.num_stages, devices or jax.local_devices())
+    self.stats_in_forward = bn_stats == "forward"
+    self.record_timeline = record_timeline
+    self.timeline: list[tuple[int, int, str, int]] = []
+
+    take = not self.stats_in_forward
+    self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
+    self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
+    self._backward = []
+    for j, s in enumerate(stages):
+      if j == self.num_stages - 1:
+        fn = jax.jit(functools.partial(loss_step, s), donate_argnums=0)
+      elif s.reversible:
+        fn = jax.jit(functools.partial(reverse_backward_step, s, take), donate_argnums=(0, 1, 2))
+      else:
+        fn = jax.jit(functools.partial(recompute_backward_step, s, take, j > 0), donate_argnums=0)
+      self._backward.append(fn)
+    self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
+
+  # -- set-up ----------------------------------------------------------------
+
+  def init(self, key: jax.Array, sample_input: jax.Array) -> PipelineState:
+    """Initialises every stage on its device.
+
+    Args:
+      key: PRNG key; stage ``j`` uses ``fold_in(key, j)``.
+      sample_input: a model input ``float32[B, H, W, C]`` (only its shape and
+        dtype matter).
+    """
+    states = []
+    x = jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
+    for j, stage in enumerate(self.stages):
+      zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
+      variables = stage.init(jax.random.fold_in(key, j), zeros)
+      state = StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
+                                batch_stats=variables["batch_stats"])
+      states.append(jax.device_put(state, self.devices[j]))
+      x = jax.eval_shape(functools.partial(forward, stage), variables["params"],
+                         variables["batch_stats"], x)[0]
+    J = self.num_stages
+    return PipelineState(stages=states, fwd_inbox=[None] * J, bwd_inbox=[None] * J,
+                         buffers=[collections.deque() for _ in range(J)])
+
+  # -- PETRA -----------------------------------------------------------------
+
+  def tick(self, state: PipelineState, images: Optional[jax.Array] = None,
+           labels: Optional[jax.Array] = None) -> tuple[PipelineState, Optional[TickOutput]]:
+    """Runs one tick of every stage (paper Alg. 1, Eq. 5).
+
+    Args:
+      state: the pipeline state; updated in place and returned.
+      images: a new micro-batch ``float32[B, H, W, C]`` for stage 0, or None
+        to feed nothing (pipeline drain).
+      labels: its labels ``int32[B]`` (sent straight to the last stage).
+
+    Returns:
+      ``(state, output)``: ``output`` is the loss of the micro-batch that
+      reached the last stage on this tick, or None during the fill.
+    """
+    J = self.num_stages
+    if images is not None:
+      m = state.next_micro_batch
+      state.fwd_inbox[0] = Message(m, transport.send(images, self.devices[0]))
+      state.labels.append(Message(m, transport.send(labels, self.devices[-1])))
+      state.next_micro_batch += 1
+    fwd_next, bwd_next = [None] * J, [None] * J
+    output = None
+    for j, stage in enumerate(self.stages):
+      st = state.stages[j]
+      fin, bin_ = state.fwd_inbox[j], state.bwd_inbox[j]
+      if j == J - 1:
+        if fin is not None:
+          lab = state.labels.popleft()
+          assert lab.micro_batch == fin.micro_batch, (lab.micro_batch, fin.micro_batch)
+          st, dx, loss = self._backward[j](st, fin.payload, lab.payload)
+          bwd_next[j - 1] = self._send_back(j, fin.micro_batch, fin.payload, dx)
+          output = TickOutput(fin.micro_batch, loss)
+          self._record(state.tick, j, "F", fin.micro_batch)
+          self._record(state.tick, j, "B", fin.micro_batch)
+        state.stages[j] = st
+        continue
+      if fin is not None:  # forward with theta^t
+        y, stats = self._forward[j](st, fin.payload)
+        if self.stats_in_forward:
+          st = st.replace(batch_stats=stats)
+        if not stage.reversible:
+          state.buffers[j].append(fin)
+        fwd_next[j + 1] = Message(fin.micro_batch, transport.send(y, self.devices[j + 1]))
+        self._record(state.tick, j, "F", fin.micro_batch)
+      if bin_ is not None:  # reverse-backward with theta^t, then the update
+        y, dy = bin_.payload
+        if stage.reversible:
+          st, x, dx = self._backward[j](st, y, dy)
+        else:
+          buffered = state.buffers[j].popleft()
+          assert buffered.micro_batch == bin_.micro_batch, (buffered.micro_batch, bin_.micro_batch)
+          x = buffered.payload
+          st, dx = self._backward[j](st, x, dy)
+        if j > 0:
+          bwd_next[j - 1] = self._send_back(j, bin_.micro_batch, x, dx)
+        self._record(state.tick, j, "B", bin_.micro_batch)
+      state.stages[j] = st
+    state.fwd_inbox, state.bwd_inbox = fwd_next, bwd_next
+    state.tick += 1
+    return state, output
+
+  def drain(self, state: PipelineState) -> tuple[PipelineState, list[TickOutput]]:
+    """Runs ticks without new input until no micro-batch is in flight."""
+    outputs = []
+    for _ in range(schedule.drain_ticks(self.num_stages)):
+      if not state.in_flight():
+        break
+      state, out = self.tick(state)
+      if out is not None:
+        outputs.append(out)
+    return state, outputs
+
+  def revprop_step(self, state: PipelineState, images, labels):
+    """Synchronous reversible backprop of one micro-batch (no delay).
+
+    The same stage steps as :meth:`tick`, with the pipeline drained after the
+    micro-batch. Returns ``(state, loss)``.
+
+    Raises:
+      RuntimeError: if micro-batches are already in flight.
+    """
+    if state.in_flight():
+      raise RuntimeError("revprop_step needs an empty pipeline; call drain() first.")
+    state, out = self.tick(state, images, labels)
+    state, outs = self.drain(state)
+    return state, (out or outs[0]).loss
+
+  def backprop_step(self, state: PipelineState, images, labels):
+    """Exact backprop of one micro-batch; needs every stage on one device.
+
+    Returns ``(state, loss)``.
+
+    Raises:
+      ValueError: if the stages are on more than one device.
+    """
+    if len(set(self.devices)) > 1:
+      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
+    images = transport.send(images, self.devices[0])
+    labels = transport.send(labels, self.devices[0])
+    state.stages, loss = self._backprop(state.stages, images, labels)
+    return state, loss
+
+  # -- evaluation ------------------------------------------------------------
+
+  def predict(self, state: PipelineState, images: jax.Array) -> jax.Array:
+    """Logits ``float32[B, K]`` with the current weights and running statistics."""
+    x = transport.send(images, self.devices[0])
+    for j in range(self.num_stages):
+      x = self._eval[j](state.stages[j], transport.send(x, self.devices[j]))
+    return x
+
+  # -- helpers ---------------------------------------------------------------
+
+  def _send_back(self, j: int, micro_batch: int, x, dx) -> Message:
+    """``(x~_{j-1}, delta_j)`` to stage ``j-1``; ``x~`` only if it is reversible."""
+    dst = self.devices[j - 1]
+    x = transport.send(x, dst) if self.stages[j - 1].reversible else None
+    return Message(micro_batch, (x, transport.send(dx, dst)))
+
+  def _record(self, tick: int, j: int, kind: str, micro_batch: int):
+    if self.record_timeline:
+      self.timeline.append((tick, j, kind, micro_batch))

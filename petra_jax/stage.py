@@ -1,0 +1,183 @@
+"""A PETRA stage as pure functions: forward, reconstruction and reverse vjp.
+
+Activations are pytrees of ``float32`` arrays: the image ``[B, H, W, 3]`` at
+the input of stage 0, two streams ``(x1, x2)`` of ``[B, H, W, C]`` between
+stages. Parameters and BatchNorm statistics are Flax variable dicts.
+
+A *reversible* stage holds only the residual function ``F`` (one stream) and
+implements the coupling of paper Fig. 2::
+
+    forward:  (y1, y2) = (x2 + F(x1), x1)
+    inverse:  (x1, x2) = (y2, y1 - F(y2))
+
+Its backward (:func:`reverse_vjp`) reconstructs the input from the output with
+the *current* weights and takes the vector-Jacobian product at the
+reconstruction (paper Eq. 5); ``F`` is evaluated once, its vjp recorded while
+reconstructing. A non-reversible stage (stem, downsampling, head) recomputes
+its forward from a buffered input (:func:`recompute_vjp`, Alg. 1 l. 15-17).
+
+BatchNorm always normalises with the current batch's statistics in training
+(forward and reconstruction alike). Every function returns the BatchNorm
+running statistics its evaluation would produce; the engine decides which
+evaluation updates them (the paper's policy: the backward recomputation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import optax
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Stage:
+  """One pipeline stage.
+
+  Attributes:
+    name: a readable label, e.g. ``"group1_rev1"``.
+    module: the Flax module. For a reversible stage, the residual function
+      ``F`` on one stream (``[B, H, W, C] -> [B, H, W, C]``); otherwise the
+      whole block on the stage's input activation. Modules take ``train``.
+    reversible: whether the stage is the coupling of ``module`` (Fig. 2) and
+      can rebuild its input from its output.
+  """
+  name: str
+  module: nn.Module
+  reversible: bool
+
+  def init(self, key: jax.Array, x: PyTree) -> dict:
+    """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
+    x_in = x[0] if self.reversible else x
+    variables = dict(self.module.init(key, x_in, train=True))
+    variables.setdefault("batch_stats", {})
+    return variables
+
+
+def _apply(module, params, batch_stats, x, train):
+  """``module.apply`` -> ``(output, new_batch_stats)``."""
+  variables = {"params": params}
+  if batch_stats:
+    variables["batch_stats"] = batch_stats
+  if not train:
+    return module.apply(variables, x, train=False), batch_stats
+  out, mutated = module.apply(variables, x, train=True, mutable=["batch_stats"])
+  return out, mutated.get("batch_stats", {})
+
+
+def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
+  """Stage forward ``x_j = F_j(x_{j-1}, theta_j)`` (paper Eq. 1).
+
+  Args:
+    stage: the stage.
+    params, batch_stats: its variables.
+    x: input activation (image ``[B, H, W, 3]`` or streams ``(x1, x2)``).
+    train: BatchNorm uses batch statistics when True, running ones otherwise.
+
+  Returns:
+    ``(y, new_batch_stats)``: the output activation and the running statistics
+    updated by this evaluation (unchanged when ``train`` is False).
+  """
+  if not stage.reversible:
+    return _apply(stage.module, params, batch_stats, x, train)
+  x1, x2 = x
+  f, new_stats = _apply(stage.module, params, batch_stats, x1, train)
+  return (x2 + f, x1), new_stats
+
+
+def inverse(stage: Stage, params, batch_stats, y):
+  """Reconstruction ``x = F_j^{-1}(y, theta_j)`` of a reversible stage.
+
+  Returns the streams ``(x1, x2) = (y2, y1 - F(y2))``.
+
+  Raises:
+    ValueError: if the stage is not reversible.
+  """
+  if not stage.reversible:
+    raise ValueError(f"stage {stage.name!r} is not reversible")
+  y1, y2 = y
+  f, _ = _apply(stage.module, params, batch_stats, y2, True)
+  return y2, y1 - f
+
+
+def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
+  """Reverse-backward of a reversible stage (paper Eq. 5, rows 2-4).
+
+  With ``y = (y1, y2)`` the stage's output (as rebuilt by the next stage) and
+  ``dy = (dy1, dy2)`` its cotangent ``delta_{j+1}``::
+
+    x~ = F^{-1}(y, theta)          = (y2, y1 - F(y2))
+    delta_j = d_x F(x~, theta)^T dy = (dy2 + J_F(y2)^T dy1, dy1)
+    Delta_j = d_theta F(x~, theta)^T dy = d_theta F(y2)^T dy1
+
+  ``F`` is evaluated once: its vjp is recorded while reconstructing.
+
+  Args:
+    stage: a reversible stage.
+    params, batch_stats: the stage's *current* variables (``theta_j^t``).
+    y: streams ``(y1, y2)``, each ``[B, H, W, C]``.
+    dy: cotangent streams, same shapes.
+
+  Returns:
+    ``(x_tilde, dx, dparams, new_batch_stats)``: the reconstructed input
+    streams, their cotangent, the parameter gradient (a pytree like
+    ``params``) and the running statistics of the reconstruction.
+  """
+  y1, y2 = y
+  dy1, dy2 = dy
+
+  def residual(p, x1):
+    return _apply(stage.module, p, batch_stats, x1, True)
+
+  f, f_vjp, new_stats = jax.vjp(residual, params, y2, has_aux=True)
+  dparams, dx1 = f_vjp(dy1)
+  return (y2, y1 - f), (dy2 + dx1, dy1), dparams, new_stats
+
+
+def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool = True):
+  """Backward of a non-reversible stage by recomputation (Alg. 1, l. 15-17).
+
+  Args:
+    stage: any stage.
+    params, batch_stats: the stage's current variables.
+    x: the buffered input activation.
+    dy: cotangent of the stage's output.
+    input_grad: whether to compute ``dx`` (stage 0 does not need it).
+
+  Returns:
+    ``(dx, dparams, new_batch_stats)``; ``dx`` is None if not ``input_grad``.
+  """
+  if input_grad:
+    _, vjp, new_stats = jax.vjp(
+        lambda p, x: forward(stage, p, batch_stats, x), params, x, has_aux=True)
+    dparams, dx = vjp(dy)
+  else:
+    _, vjp, new_stats = jax.vjp(
+        lambda p: forward(stage, p, batch_stats, x), params, has_aux=True)
+    (dparams,), dx = vjp(dy), None
+  return dx, dparams, new_stats
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy: ``logits [B, K]``, ``labels int32 [B]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def loss_vjp(stage: Stage, params, batch_stats, x, labels):
+  """Last stage: forward, loss and backward at once (Alg. 1, l. 27-30).
+
+  Returns:
+    ``(loss, dx, dparams, new_batch_stats)`` with ``loss`` a float32 scalar
+    (mean cross-entropy over the micro-batch) and ``dx = nabla_x L``.
+  """
+  def loss_fn(p, x):
+    logits, new_stats = forward(stage, p, batch_stats, x)
+    return cross_entropy(logits, labels), new_stats
+
+  (loss, new_stats), (dparams, dx) = jax.value_and_grad(
+      loss_fn, argnums=(0, 1), has_aux=True)(params, x)
+  return loss, dx, dparams, new_stats

@@ -1,0 +1,236 @@
+"""Training entry point: ``python -m petra_jax.train --config=configs/cifar10.py``.
+
+``main`` only parses flags; the work is in :func:`train_and_evaluate`, which
+tests import. Errors in the configuration or the data end the run with one
+line naming the fix, never a JAX traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+
+import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
+
+from absl import app, flags, logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from ml_collections import config_flags
+from tqdm import tqdm
+
+from petra_jax import config as config_lib
+from petra_jax import data as data_lib
+from petra_jax import metrics as metrics_lib
+from petra_jax import models, optim
+from petra_jax.pipeline import Pipeline
+
+
+class ConfigError(ValueError):
+  """A configuration value that cannot work; the message names the fix."""
+
+
+def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -> None:
+  """Checks the config before anything is built.
+
+  Raises:
+    ConfigError: unknown method/model, ``accumulation_steps < 1``, a batch
+      that does not split into k micro-batches, more devices than exist.
+  """
+  if config.method not in config_lib.METHODS:
+    raise ConfigError(f"Unknown method {config.method!r}; choose one of "
+                      f"{config_lib.METHODS} (--config.method=...).")
+  if config.model.name not in models.MODEL_SPECS:
+    raise ConfigError(f"Unknown model {config.model.name!r}; choose one of "
+                      f"{sorted(models.MODEL_SPECS)} (--config.model.name=...).")
+  k = config.accumulation_steps
+  if k < 1:
+    raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
+  if config.batch_size < 1 or config.batch_size % k:
+    raise ConfigError(
+        f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
+        f"micro-batches; use a batch_size that is a multiple of {k}.")
+  if config.num_devices > num_local_devices:
+    raise ConfigError(
+        f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
+        "use --config.num_devices=0 for all of them.")
+
+
+def _devices(config) -> list:
+  devices = jax.local_devices()
+  return devices[:config.num_devices] if config.num_devices else devices
+
+
+def evaluate(pipe: Pipeline, state, split: data_lib.Split, info, batch_size: int):
+  """Test loss and accuracy over the whole split (the last batch is padded).
+
+  Returns:
+    ``{"test_loss": float, "test_accuracy": float}`` (accuracy in [0, 1]).
+  """
+  n = len(split.labels)
+  loss_sum, correct = 0.0, 0
+  normalize = jax.jit(functools.partial(data_lib.normalize, mean=info.mean, std=info.std))
+  for start in range(0, n, batch_size):
+    images = split.images[start:start + batch_size]
+    labels = split.labels[start:start + batch_size]
+    valid = len(labels)
+    if valid < batch_size:  # pad to one shape: no recompilation
+      pad = batch_size - valid
+      images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
+    logits = np.asarray(pipe.predict(state, normalize(images)))[:valid]
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    loss_sum += float(-logp[np.arange(valid), labels].sum())
+    correct += int((logits.argmax(1) == labels).sum())
+  return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+
+
+class _LossLog:
+  """Collects per-micro-batch losses (device scalars) and writes train lines.
+
+  A batch's line is written once its k losses exist; PETRA's arrive ``J-1``
+  ticks after their micro-batch entered. Converting them to floats then costs
+  no wait: those ticks have been dispatched long since.
+  """
+
+  def __init__(self, writer, k, log_every, steps_per_epoch, schedule):
+    self.writer, self.k, self.log_every = writer, k, log_every
+    self.steps_per_epoch, self.schedule = steps_per_epoch, schedule
+    self.losses: dict[int, jax.Array] = {}
+    self.next_step = 0
+    self.window: list = []
+    self.last_loss = float("nan")
+
+  def add(self, micro_batch: int, loss: jax.Array):
+    self.losses[micro_batch] = loss
+    self._flush()
+
+  def _flush(self, final_step: int | None = None):
+    while all(self.next_step * self.k + i in self.losses for i in range(self.k)):
+      s = self.next_step
+      self.window.extend(self.losses.pop(s * self.k + i) for i in range(self.k))
+      self.next_step += 1
+      if self.next_step % self.log_every == 0 or self.next_step == final_step:
+        self._write(s + 1)
+
+  def _write(self, step):
+    value = float(np.mean(jax.device_get(self.window)))
+    self.window = []
+    if not math.isfinite(value):
+      raise FloatingPointError(
+          f"train_loss is {value} at step {step}: training diverged; lower "
+          "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+    self.last_loss = value
+    self.writer.write(step, epoch=step / self.steps_per_epoch, train_loss=value,
+                      learning_rate=float(self.schedule(step - 1)))
+
+  def finish(self, final_step):
+    self._flush(final_step)
+    if self.window:
+      self._write(self.next_step)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config.model`` with ``config.method`` and evaluates it.
+
+  Writes ``WORKDIR/metrics.jsonl`` (``step``, ``epoch``, ``train_loss``,
+  ``learning_rate`` every ``log_every`` updates; ``test_loss``,
+  ``test_accuracy`` at each evaluation) and TensorBoard events.
+
+  Returns:
+    The last evaluation's metrics plus ``wall_time`` (seconds since start).
+
+  Raises:
+    ConfigError, data.DataError: bad config or missing data.
+    FloatingPointError: a NaN or Inf training loss.
+  """
+  start = time.time()
+  devices = _devices(config)
+  validate_config(config, len(jax.local_devices()))
+  info = data_lib.get_dataset_info(config.dataset)
+  data_dir = config.data_dir or None
+  train = data_lib.load_split(config.dataset, info.train_split, data_dir)
+  test = data_lib.load_split(config.dataset, info.test_split, data_dir)
+  logging.info("data: %d train / %d test images, %.1f s", len(train.labels),
+               len(test.labels), time.time() - start)
+
+  k = config.accumulation_steps
+  micro = config.batch_size // k
+  steps_per_epoch = config.steps_per_epoch or len(train.labels) // config.batch_size
+  total_steps = steps_per_epoch * config.num_epochs
+  tx = optim.make_optimizer(config, steps_per_epoch)
+  schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+
+  stages = models.build_model(config.model.name, width=config.model.width,
+                              num_classes=info.num_classes)
+  if config.method == "backprop":
+    devices = devices[:1]
+  pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats)
+  state = pipe.init(jax.random.key(config.seed), jnp.zeros((micro,) + info.image_shape))
+  logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
+               [d.id for d in pipe.devices])
+
+  augment = jax.jit(functools.partial(data_lib.augment, mean=info.mean, std=info.std))
+  data_key = jax.random.key(config.seed + 1)
+  writer = metrics_lib.MetricWriter(workdir)
+  loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
+  result = {}
+  bar = tqdm(total=total_steps * config.batch_size, unit="img", unit_scale=True,
+             desc=config.method, disable=None, mininterval=2.0)
+  micro_batch = 0
+  for epoch in range(config.num_epochs):
+    for idx in data_lib.batch_indices(len(train.labels), config.batch_size, config.seed,
+                                      epoch, steps_per_epoch):
+      for i in range(k):
+        sl = idx[i * micro:(i + 1) * micro]
+        images = augment(jax.random.fold_in(data_key, micro_batch),
+                         jax.device_put(train.images[sl], pipe.devices[0]))
+        labels = train.labels[sl]
+        if config.method == "petra":
+          state, out = pipe.tick(state, images, labels)
+          if out is not None:
+            loss_log.add(out.micro_batch, out.loss)
+        else:
+          step_fn = pipe.revprop_step if config.method == "revprop" else pipe.backprop_step
+          state, loss = step_fn(state, images, labels)
+          loss_log.add(micro_batch, loss)
+        micro_batch += 1
+      bar.update(config.batch_size)
+    last_epoch = epoch + 1 == config.num_epochs
+    if last_epoch:  # finish the in-flight micro-batches (their updates count)
+      state, outs = pipe.drain(state)
+      for out in outs:
+        loss_log.add(out.micro_batch, out.loss)
+      loss_log.finish(total_steps)
+    if last_epoch or (config.eval_every and (epoch + 1) % config.eval_every == 0):
+      result = evaluate(pipe, state, test, info, config.eval_batch_size)
+      result["wall_time"] = time.time() - start
+      writer.write((epoch + 1) * steps_per_epoch, epoch=epoch + 1, **result)
+      bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
+                f"test_loss {result['test_loss']:.4f} test_accuracy "
+                f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
+  bar.close()
+  writer.close()
+  return result
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, data_lib.DataError, FloatingPointError, ValueError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  app.run(main)

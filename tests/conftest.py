@@ -1,0 +1,31 @@
+"""Test set-up: 4 virtual CPU devices, set before JAX initialises its backend."""
+
+import os
+import pathlib
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
+import pytest  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHARED_TFDS = REPO_ROOT.parent / "shared" / "data" / "tensorflow_datasets"
+
+
+def _real_data_dir():
+  env = os.environ.get("TFDS_DATA_DIR")
+  for d in (env, str(SHARED_TFDS)):
+    if d and (pathlib.Path(d) / "cifar10").is_dir():
+      return d
+  return None
+
+
+@pytest.fixture(scope="session")
+def cifar10_dir():
+  """The tfds data_dir that holds the real CIFAR-10; skips when absent."""
+  d = _real_data_dir()
+  if d is None:
+    pytest.skip("real CIFAR-10 not found (set TFDS_DATA_DIR)")
+  return d
