@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.accumulation_steps = 2    # k: micro-batches averaged per update
   c.num_epochs = 300
   c.steps_per_epoch = 0       # updates per epoch; 0 = the full training split
+  c.max_steps = 0             # stop after this many updates; 0 = num_epochs epochs (schedules still span num_epochs)
   c.eval_every = 1            # epochs between test evaluations; 0 = at the end only
   c.eval_batch_size = 500
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl

@@ -1,8 +1,11 @@
-"""Reversible networks (RevNets) split into PETRA stages.
+"""ResNets and reversible networks (RevNets) split into PETRA stages.
 
 A model is a list of :class:`~petra_jax.stage.Stage` objects, one residual
-block per stage, as in the paper (Sec. 4, "Model adaptations"): RevNet18 has 10
-stages (stem, 8 blocks, head). Activations between stages are *two streams*
+block per stage, as in the paper (Sec. 4, "Model adaptations"): 10 stages for
+the 18-layer models (stem, 8 blocks, head), 18 for the 34- and 50-layer ones
+(stem, 16 blocks, head).
+
+RevNets (``revnet18/34/50``). Activations between stages are *two streams*
 ``(x1, x2)``, each ``float32[B, H, W, C]``: the stem's ``2C`` output channels
 are split in half, the image is not duplicated.
 
@@ -12,22 +15,43 @@ are split in half, the image is not duplicated.
 * Non-reversible stages (stem, downsampling, head) are ordinary Flax modules
   on the whole activation; PETRA buffers their input and recomputes.
 
+ResNets (``resnet18/34/50``) are the torchvision models (v1.5 bottleneck,
+stride on the 3x3 conv) on a single ``[B, H, W, C]`` tensor; every stage is
+non-reversible. They are the paper's backprop baselines.
+
 Architectures follow the authors' code (``../shared/reference``), with two
 documented choices: convolutions have no bias (a BatchNorm follows each one),
 and the basic downsampling block's ``y2`` is the clean ``BN(conv(x1))`` (the
 reference's post-ReLU ``y2`` comes from in-place aliasing).
+
+RevNet50 widths (the authors' code, checked against Table 2's 30.4M): the stem
+gives ``width`` channels per stream; group ``g`` has bottleneck width
+``h = width * 2**g`` and stream width ``4 h`` (256/512/1024/2048 per stream at
+``width=64``, i.e. torchvision's ResNet50 widths *per stream*). Each group
+starts with a bottleneck downsampling block (stride 1 in the first group).
+Against ResNet50 this adds one 1x1 projection per group and a head on
+``2 x 2048`` features: 25.6M + 2.8M + 2.0M = 30.4M.
+
+Run ``python -m petra_jax.models NAME --dataset=cifar10 [--width=W] [--json]``
+to print the stages, their output shapes and parameter counts.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
-from typing import Callable, Sequence
+import json
+import math
+import os
+import sys
+from typing import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from petra_jax import stage as stage_lib
 from petra_jax.stage import Stage
 
 # PyTorch's default initialisation (kaiming-uniform, a=sqrt(5)), as in the
@@ -47,26 +71,44 @@ _Conv = functools.partial(
 _BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
 
 
+def _conv_bn(x, features: int, kernel: int, stride: int, train: bool):
+  """``BN(conv_kxk stride s (x))``: ``[B, H, W, C_in] -> [B, H/s, W/s, features]``."""
+  x = _Conv(features, (kernel, kernel), strides=(stride, stride))(x)
+  return _BatchNorm(use_running_average=not train)(x)
+
+
 class Stem(nn.Module):
-  """Input stage: image ``[B, H, W, 3]`` -> streams ``2 x [B, H', W', width]``.
+  """Input stage: image ``[B, H, W, 3]`` -> activation of the first group.
 
   CIFAR stem: conv3x3 stride 1 -> BN -> ReLU. ImageNet stem: conv7x7 stride 2
-  -> BN -> ReLU -> 2x2 max-pool stride 2 (as in the authors' code).
+  -> BN -> ReLU -> max-pool. With ``two_streams`` (RevNets) the conv has
+  ``2 * width`` channels, split into streams ``2 x [B, H', W', width]``, and
+  the pool is the authors' 2x2 stride 2. Otherwise (ResNets) the output is
+  ``[B, H', W', width]`` and the pool is torchvision's 3x3 stride 2 padding 1.
   """
   width: int
   imagenet: bool = False
+  two_streams: bool = True
 
   @nn.compact
   def __call__(self, x, train: bool = True):
+    channels = 2 * self.width if self.two_streams else self.width
     if self.imagenet:
-      x = _Conv(2 * self.width, (7, 7), strides=(2, 2))(x)
+      x = _Conv(channels, (7, 7), strides=(2, 2))(x)
     else:
-      x = _Conv(2 * self.width, (3, 3))(x)
+      x = _Conv(channels, (3, 3))(x)
     x = nn.relu(_BatchNorm(use_running_average=not train)(x))
-    if self.imagenet:
+    if self.imagenet and self.two_streams:
       x = nn.max_pool(x, (2, 2), strides=(2, 2))
+    elif self.imagenet:
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    if not self.two_streams:
+      return x
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x1, x2
+
+
+# --- RevNet blocks -----------------------------------------------------------
 
 
 class BasicResidual(nn.Module):
@@ -80,14 +122,12 @@ class BasicResidual(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = _Conv(self.features, (3, 3))(x)
-    x = nn.relu(_BatchNorm(use_running_average=not train)(x))
-    x = _Conv(self.features, (3, 3))(x)
-    return nn.relu(_BatchNorm(use_running_average=not train)(x))
+    x = nn.relu(_conv_bn(x, self.features, 3, 1, train))
+    return nn.relu(_conv_bn(x, self.features, 3, 1, train))
 
 
 class BasicDownsample(nn.Module):
-  """Non-reversible downsampling block on two streams.
+  """Non-reversible basic downsampling block on two streams.
 
   ``y2 = BN(conv3x3_s(x1))``, ``y1 = ReLU(BN(conv3x3(ReLU(y2)))) +
   BN(conv1x1_s(x2))``: streams ``[B, H, W, C_in]`` -> ``[B, H/s, W/s, C]``
@@ -99,79 +139,344 @@ class BasicDownsample(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     x1, x2 = x
-    s = (self.stride, self.stride)
-    y2 = _BatchNorm(use_running_average=not train)(_Conv(self.features, (3, 3), strides=s)(x1))
-    h = _Conv(self.features, (3, 3))(nn.relu(y2))
-    h = nn.relu(_BatchNorm(use_running_average=not train)(h))
-    shortcut = _BatchNorm(use_running_average=not train)(
-        _Conv(self.features, (1, 1), strides=s)(x2))
-    return h + shortcut, y2
+    y2 = _conv_bn(x1, self.features, 3, self.stride, train)
+    h = nn.relu(_conv_bn(nn.relu(y2), self.features, 3, 1, train))
+    return h + _conv_bn(x2, self.features, 1, self.stride, train), y2
+
+
+class BottleneckResidual(nn.Module):
+  """Bottleneck residual function F of RevNet50, on one stream.
+
+  conv1x1 -> conv3x3 (stride ``stride``) -> conv1x1, each followed by BN and
+  ReLU (as in the authors' code): ``[B, H, W, C_in] -> [B, H/s, W/s, C]`` with
+  ``C = features`` and ``hidden`` channels inside. Reversible blocks use
+  ``stride=1`` and ``C_in = C``.
+  """
+  features: int
+  hidden: int
+  stride: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.relu(_conv_bn(x, self.hidden, 1, 1, train))
+    x = nn.relu(_conv_bn(x, self.hidden, 3, self.stride, train))
+    return nn.relu(_conv_bn(x, self.features, 1, 1, train))
+
+
+class BottleneckDownsample(nn.Module):
+  """Non-reversible bottleneck downsampling block of RevNet50, on two streams.
+
+  ``y2 = BN(conv1x1_s(x1))``, ``y1 = F(x1) + BN(conv1x1_s(x2))`` with ``F`` a
+  :class:`BottleneckResidual` of stride ``s``: streams ``[B, H, W, C_in]`` ->
+  ``[B, H/s, W/s, C]`` with ``C = features``.
+  """
+  features: int
+  hidden: int
+  stride: int = 2
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x1, x2 = x
+    f = BottleneckResidual(self.features, self.hidden, self.stride)(x1, train)
+    y2 = _conv_bn(x1, self.features, 1, self.stride, train)
+    return f + _conv_bn(x2, self.features, 1, self.stride, train), y2
+
+
+# --- ResNet blocks (torchvision layout) ---------------------------------------
+
+
+class ResNetBasicBlock(nn.Module):
+  """torchvision's BasicBlock: ``ReLU(BN(conv3x3(ReLU(BN(conv3x3_s(x))))) + sc)``.
+
+  ``[B, H, W, C_in] -> [B, H/s, W/s, C]`` with ``C = features``; the shortcut
+  ``sc`` is ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
+  """
+  features: int
+  stride: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    h = nn.relu(_conv_bn(x, self.features, 3, self.stride, train))
+    h = _conv_bn(h, self.features, 3, 1, train)
+    if self.stride != 1 or x.shape[-1] != self.features:
+      x = _conv_bn(x, self.features, 1, self.stride, train)
+    return nn.relu(h + x)
+
+
+class ResNetBottleneck(nn.Module):
+  """torchvision's Bottleneck (v1.5, stride on the 3x3 conv).
+
+  ``ReLU(BN(conv1x1(ReLU(BN(conv3x3_s(ReLU(BN(conv1x1(x))))))))) + sc)``:
+  ``[B, H, W, C_in] -> [B, H/s, W/s, 4 * features]``; the shortcut is
+  ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
+  """
+  features: int
+  stride: int = 1
+  expansion: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    out = self.expansion * self.features
+    h = nn.relu(_conv_bn(x, self.features, 1, 1, train))
+    h = nn.relu(_conv_bn(h, self.features, 3, self.stride, train))
+    h = _conv_bn(h, out, 1, 1, train)
+    if self.stride != 1 or x.shape[-1] != out:
+      x = _conv_bn(x, out, 1, self.stride, train)
+    return nn.relu(h + x)
 
 
 class Head(nn.Module):
-  """Last stage: streams -> concat -> global average pool -> Dense -> logits.
+  """Last stage: (concat streams) -> global average pool -> Dense -> logits.
 
-  Returns ``float32[B, num_classes]``; the softmax cross-entropy is applied by
-  the engine (:func:`petra_jax.stage.head_loss`).
+  Takes streams ``(x1, x2)`` (RevNets) or one ``[B, H, W, C]`` tensor
+  (ResNets). Returns ``float32[B, num_classes]``; the softmax cross-entropy is
+  applied by the engine (:func:`petra_jax.stage.cross_entropy`).
   """
   num_classes: int
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train
-    h = jnp.concatenate(x, axis=-1).mean(axis=(1, 2))
+    if isinstance(x, (tuple, list)):
+      x = jnp.concatenate(x, axis=-1)
+    h = x.mean(axis=(1, 2))
     return nn.Dense(self.num_classes, kernel_init=_torch_default_init,
                     bias_init=_torch_bias_init(h.shape[-1]))(h)
 
 
+# --- Model specs ------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """How to build a model: blocks per resolution group and block types."""
+  """How to build a model.
+
+  Attributes:
+    family: ``"revnet"`` (two streams, reversible blocks) or ``"resnet"``
+      (one tensor, every stage non-reversible).
+    blocks_per_group: residual blocks per resolution group.
+    bottleneck: bottleneck blocks (channel expansion 4) instead of basic ones.
+  """
+  family: str
   blocks_per_group: Sequence[int]
-  residual: Callable[[int], nn.Module]
-  downsample: Callable[[int, int], nn.Module]
+  bottleneck: bool = False
+
+  @property
+  def reversible(self) -> bool:
+    """Whether the model has reversible stages."""
+    return self.family == "revnet"
+
+  @property
+  def expansion(self) -> int:
+    """Output channels of a block over its base width."""
+    return 4 if self.bottleneck else 1
 
 
-# Reversible blocks per group (the first block of groups 2.. is a non-reversible
-# downsampling block, counted in the group). Reference notes: RevNet18 = stem +
+# Blocks per group, stages = stem + sum(blocks) + head. RevNets: the first
+# block of groups 2.. (and of group 1 with bottlenecks) is a non-reversible
+# downsampling block, counted in the group. Reference notes: RevNet18 = stem +
 # [2 rev] + [ds + rev] x 3 + head; RevNet34 = stem + [3 rev] + [ds + 3 rev] +
-# [ds + 5 rev] + [ds + 2 rev] + head.
+# [ds + 5 rev] + [ds + 2 rev] + head; RevNet50 = stem + [ds(stride 1) + 2] +
+# [ds + 3] + [ds + 5] + [ds + 2] + head.
 MODEL_SPECS = {
-    "revnet18": ModelSpec((2, 2, 2, 2), BasicResidual, BasicDownsample),
-    "revnet34": ModelSpec((3, 4, 6, 3), BasicResidual, BasicDownsample),
+    "resnet18": ModelSpec("resnet", (2, 2, 2, 2)),
+    "resnet34": ModelSpec("resnet", (3, 4, 6, 3)),
+    "resnet50": ModelSpec("resnet", (3, 4, 6, 3), bottleneck=True),
+    "revnet18": ModelSpec("revnet", (2, 2, 2, 2)),
+    "revnet34": ModelSpec("revnet", (3, 4, 6, 3)),
+    "revnet50": ModelSpec("revnet", (3, 4, 6, 3), bottleneck=True),
 }
+
+# Model name -> "revnet" | "resnet": lets the trainer tell reversible models
+# (PETRA can reconstruct) from plain ones (backprop / delayed-gradient only).
+MODEL_FAMILY = {name: spec.family for name, spec in MODEL_SPECS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetShape:
+  """What a dataset fixes for a model: input size, classes and stem."""
+  image_shape: tuple[int, int, int]
+  num_classes: int
+  imagenet_stem: bool
+
+
+DATASETS = {
+    "cifar10": DatasetShape((32, 32, 3), 10, False),
+    "cifar100": DatasetShape((32, 32, 3), 100, False),
+    "imagenet32": DatasetShape((32, 32, 3), 1000, False),
+    "imagenet": DatasetShape((224, 224, 3), 1000, True),
+}
+
+
+def _unknown_model_message(name: str) -> str:
+  return f"Unknown model {name!r}; choose one of {sorted(MODEL_SPECS)}."
 
 
 def build_model(name: str, *, width: int = 64, num_classes: int = 10,
                 imagenet_stem: bool = False) -> list[Stage]:
-  """Builds the stage list of a RevNet, one residual block per stage.
+  """Builds the stage list of a model, one residual block per stage.
 
   Args:
-    name: one of ``MODEL_SPECS`` (``revnet18``, ``revnet34``).
-    width: channels per stream after the stem (the paper's 64); groups use
-      ``width * (1, 2, 4, 8)``.
+    name: one of ``MODEL_SPECS`` (``resnet18/34/50``, ``revnet18/34/50``).
+    width: base channels (the paper's 64): per stream after the stem for
+      RevNets, of the stem's output for ResNets; group ``g`` has base width
+      ``width * 2**g`` (times 4 at block outputs for the 50-layer models).
     num_classes: classes of the head.
     imagenet_stem: 7x7/2 conv + max-pool stem instead of the CIFAR 3x3 one.
 
   Returns:
-    ``[stem, block, ..., head]``: 10 stages for RevNet18, 18 for RevNet34.
+    ``[stem, block, ..., head]``: 10 stages for the 18-layer models, 18 for
+    the 34- and 50-layer ones.
 
   Raises:
     ValueError: unknown ``name`` or ``width < 1``.
   """
   if name not in MODEL_SPECS:
-    raise ValueError(f"Unknown model {name!r}; choose one of {sorted(MODEL_SPECS)} "
-                     "(--config.model.name=...).")
+    raise ValueError(f"{_unknown_model_message(name)} (--config.model.name=...)")
   if width < 1:
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = MODEL_SPECS[name]
-  stages = [Stage("stem", Stem(width, imagenet=imagenet_stem), reversible=False)]
+  build = _revnet_blocks if spec.reversible else _resnet_blocks
+  stem = Stem(width, imagenet=imagenet_stem, two_streams=spec.reversible)
+  return ([Stage("stem", stem, reversible=False)] + build(spec, width) +
+          [Stage("head", Head(num_classes), reversible=False)])
+
+
+def _revnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
+  """The RevNet block stages: downsampling (non-reversible) and reversible."""
+  stages = []
   for g, n in enumerate(spec.blocks_per_group):
-    c = width * 2**g
+    hidden = width * 2**g
+    c = spec.expansion * hidden
     for b in range(n):
-      if g > 0 and b == 0:
-        stages.append(Stage(f"group{g}_down", spec.downsample(c, 2), reversible=False))
+      if b == 0 and spec.bottleneck:
+        module = BottleneckDownsample(c, hidden, stride=1 if g == 0 else 2)
+        stages.append(Stage(f"group{g}_down", module, reversible=False))
+      elif b == 0 and g > 0:
+        stages.append(Stage(f"group{g}_down", BasicDownsample(c, 2), reversible=False))
+      elif spec.bottleneck:
+        stages.append(Stage(f"group{g}_rev{b}", BottleneckResidual(c, hidden), reversible=True))
       else:
-        stages.append(Stage(f"group{g}_rev{b}", spec.residual(c), reversible=True))
-  stages.append(Stage("head", Head(num_classes), reversible=False))
+        stages.append(Stage(f"group{g}_rev{b}", BasicResidual(c), reversible=True))
   return stages
+
+
+def _resnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
+  """The ResNet block stages, all non-reversible."""
+  block = ResNetBottleneck if spec.bottleneck else ResNetBasicBlock
+  stages = []
+  for g, n in enumerate(spec.blocks_per_group):
+    for b in range(n):
+      stride = 2 if (b == 0 and g > 0) else 1
+      stages.append(Stage(f"group{g}_block{b}", block(width * 2**g, stride),
+                          reversible=False))
+  return stages
+
+
+def supports_reversible(stages: Sequence[Stage]) -> bool:
+  """Whether any stage is reversible (PETRA's input reconstruction applies)."""
+  return any(s.reversible for s in stages)
+
+
+# --- Summaries and CLI ---------------------------------------------------------
+
+
+def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list[dict]:
+  """Per-stage output shape and parameter count, without allocating weights.
+
+  Shapes are traced with :func:`jax.eval_shape` on a batch of one, so this is
+  fast even for ImageNet-size models.
+
+  Args:
+    stages: a model from :func:`build_model`.
+    image_shape: ``(H, W, C)`` of the input image.
+
+  Returns:
+    One dict per stage: ``index``, ``name``, ``kind`` (``"reversible"`` or
+    ``"non-reversible"``), ``output_shape`` (per stream, without the batch:
+    ``[H, W, C]``, or ``[num_classes]`` for the head) and ``params`` (number of
+    trainable parameters; BatchNorm statistics excluded).
+  """
+  key = jax.random.key(0)
+  x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
+  rows = []
+  for i, s in enumerate(stages):
+    variables = jax.eval_shape(functools.partial(s.init, key), x)
+    x = jax.eval_shape(
+        lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x,
+                                            train=False)[0], variables, x)
+    out = x[0] if isinstance(x, tuple) else x
+    rows.append({
+        "index": i,
+        "name": s.name,
+        "kind": "reversible" if s.reversible else "non-reversible",
+        "output_shape": list(out.shape[1:]),
+        "params": sum(math.prod(p.shape) for p in jax.tree.leaves(variables["params"])),
+    })
+  return rows
+
+
+def count_params(stages: Sequence[Stage], image_shape: Sequence[int]) -> int:
+  """Total trainable parameters of a model on ``image_shape = (H, W, C)``."""
+  return sum(r["params"] for r in stage_summaries(stages, image_shape))
+
+
+def summarize(name: str, dataset: str, width: int = 64) -> dict:
+  """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
+
+  The dataset fixes the input size, the stem and the classes (``DATASETS``);
+  stages are as in :func:`stage_summaries`.
+
+  Raises:
+    ValueError: unknown ``name`` or ``dataset``.
+  """
+  if dataset not in DATASETS:
+    raise ValueError(f"Unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}.")
+  d = DATASETS[dataset]
+  stages = build_model(name, width=width, num_classes=d.num_classes,
+                       imagenet_stem=d.imagenet_stem)
+  rows = stage_summaries(stages, d.image_shape)
+  return {"total_params": sum(r["params"] for r in rows), "stages": rows}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m petra_jax.models NAME --dataset=D [--width=W] [--json]``."""
+  parser = argparse.ArgumentParser(
+      prog="python -m petra_jax.models",
+      description="Print a model's PETRA stages, output shapes (per stream, "
+                  "[H, W, C]) and parameter counts.")
+  parser.add_argument("name", help=f"model: one of {sorted(MODEL_SPECS)}")
+  parser.add_argument("--dataset", choices=sorted(DATASETS), default="cifar10",
+                      help="fixes input size, stem and classes (default cifar10)")
+  parser.add_argument("--width", type=int, default=64, help="base width (default 64)")
+  parser.add_argument("--json", action="store_true", help="print JSON")
+  args = parser.parse_args(argv)
+  if args.name not in MODEL_SPECS:
+    print(f"error: {_unknown_model_message(args.name)}", file=sys.stderr)
+    return 2
+  if args.width < 1:
+    print(f"error: --width must be >= 1, got {args.width}.", file=sys.stderr)
+    return 2
+  summary = summarize(args.name, args.dataset, args.width)
+  if args.json:
+    print(json.dumps(summary))
+    return 0
+  family = MODEL_FAMILY[args.name]
+  print(f"{args.name} ({family}) on {args.dataset}, width {args.width}: "
+        f"{len(summary['stages'])} stages")
+  print(f"{'idx':>3}  {'name':<14} {'kind':<15} {'output (HxWxC)':<22} {'params':>12}")
+  for r in summary["stages"]:
+    shape = "x".join(map(str, r["output_shape"]))
+    if family == "revnet" and r["name"] != "head":
+      shape = f"2 x {shape}"
+    print(f"{r['index']:>3}  {r['name']:<14} {r['kind']:<15} {shape:<22} {r['params']:>12,}")
+  print(f"total: {summary['total_params']:,} parameters")
+  return 0
+
+
+if __name__ == "__main__":
+  try:
+    sys.exit(main())
+  except BrokenPipeError:  # e.g. `| head`: stop quietly (Python docs' recipe).
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)

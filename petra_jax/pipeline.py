@@ -223,24 +223,33 @@ class Pipeline:
 
   # -- set-up ----------------------------------------------------------------
 
-  def init(self, key: jax.Array, sample_input: jax.Array) -> PipelineState:
+  def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises every stage on its device.
 
+    All stages are initialised by one jitted function, with the ``"rbg"``
+    PRNG: on CPU its compilation takes about 4 s for RevNet18 against 12 s
+    with threefry (and 20 s for one jit per stage).
+
     Args:
-      key: PRNG key; stage ``j`` uses ``fold_in(key, j)``.
+      seed: integer seed; stage ``j`` draws from ``fold_in(key(seed), j)``.
       sample_input: a model input ``float32[B, H, W, C]`` (only its shape and
         dtype matter).
     """
-    states = []
-    x = jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
-    for j, stage in enumerate(self.stages):
-      zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
-      variables = stage.init(jax.random.fold_in(key, j), zeros)
-      state = StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
-                                batch_stats=variables["batch_stats"])
-      states.append(jax.device_put(state, self.devices[j]))
-      x = jax.eval_shape(functools.partial(forward, stage), variables["params"],
-                         variables["batch_stats"], x)[0]
+    def init_all(key):
+      states = []
+      # Parameters do not depend on the batch: initialise on one example.
+      x = jax.ShapeDtypeStruct((1,) + sample_input.shape[1:], sample_input.dtype)
+      for j, stage in enumerate(self.stages):
+        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
+        variables = stage.init(jax.random.fold_in(key, j), zeros)
+        states.append(StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
+                                        batch_stats=variables["batch_stats"]))
+        x = jax.eval_shape(functools.partial(forward, stage), variables["params"],
+                           variables["batch_stats"], x)[0]
+      return states
+
+    shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
+    states = jax.jit(init_all, out_shardings=shardings)(jax.random.key(seed, impl="rbg"))
     J = self.num_stages
     return PipelineState(stages=states, fwd_inbox=[None] * J, bwd_inbox=[None] * J,
                          buffers=[collections.deque() for _ in range(J)])

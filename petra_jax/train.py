@@ -161,6 +161,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   micro = config.batch_size // k
   steps_per_epoch = config.steps_per_epoch or len(train.labels) // config.batch_size
   total_steps = steps_per_epoch * config.num_epochs
+  if config.max_steps:
+    total_steps = min(total_steps, config.max_steps)
+  num_epochs = -(-total_steps // steps_per_epoch)
   tx = optim.make_optimizer(config, steps_per_epoch)
   schedule = optim.learning_rate_schedule(config, steps_per_epoch)
 
@@ -169,7 +172,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if config.method == "backprop":
     devices = devices[:1]
   pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats)
-  state = pipe.init(jax.random.key(config.seed), jnp.zeros((micro,) + info.image_shape))
+  state = pipe.init(config.seed, jnp.zeros((micro,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
                [d.id for d in pipe.devices])
 
@@ -180,10 +183,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   result = {}
   bar = tqdm(total=total_steps * config.batch_size, unit="img", unit_scale=True,
              desc=config.method, disable=None, mininterval=2.0)
-  micro_batch = 0
-  for epoch in range(config.num_epochs):
+  micro_batch = step = 0
+  for epoch in range(num_epochs):
     for idx in data_lib.batch_indices(len(train.labels), config.batch_size, config.seed,
-                                      epoch, steps_per_epoch):
+                                      epoch, steps_per_epoch)[:total_steps - step]:
       for i in range(k):
         sl = idx[i * micro:(i + 1) * micro]
         images = augment(jax.random.fold_in(data_key, micro_batch),
@@ -198,8 +201,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           state, loss = step_fn(state, images, labels)
           loss_log.add(micro_batch, loss)
         micro_batch += 1
+      step += 1
       bar.update(config.batch_size)
-    last_epoch = epoch + 1 == config.num_epochs
+    last_epoch = step == total_steps
     if last_epoch:  # finish the in-flight micro-batches (their updates count)
       state, outs = pipe.drain(state)
       for out in outs:
@@ -208,7 +212,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if last_epoch or (config.eval_every and (epoch + 1) % config.eval_every == 0):
       result = evaluate(pipe, state, test, info, config.eval_batch_size)
       result["wall_time"] = time.time() - start
-      writer.write((epoch + 1) * steps_per_epoch, epoch=epoch + 1, **result)
+      writer.write(step, epoch=step / steps_per_epoch, **result)
       bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
                 f"test_loss {result['test_loss']:.4f} test_accuracy "
                 f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")

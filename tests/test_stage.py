@@ -16,7 +16,7 @@ def tiny():
   stages = models.build_model("revnet18", width=4)
   pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1])
   x, y = random_batch()
-  state = pipe.init(jax.random.key(0), x)
+  state = pipe.init(0, x)
   return stages, pipe, state, x, y
 
 

@@ -1,0 +1,171 @@
+"""Model zoo: Table 2 parameter counts, stage splits, shapes, inverses, CLI."""
+
+import functools
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from petra_jax import models
+from petra_jax import stage as stage_lib
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REVNETS = ("revnet18", "revnet34", "revnet50")
+
+# Paper Table 2 ("Param. count" column, ImageNet heads: 1000 classes, 224x224).
+TABLE2_PARAMS = {
+    "resnet18": 11.7e6, "revnet18": 12.2e6,
+    "resnet34": 21.8e6, "revnet34": 22.3e6,
+    "resnet50": 25.6e6, "revnet50": 30.4e6,
+}
+# torchvision's exact counts (resnet18/34/50 with the default 1000-class head).
+TORCHVISION_PARAMS = {"resnet18": 11_689_512, "resnet34": 21_797_672,
+                      "resnet50": 25_557_032}
+
+
+# Tracing a model takes ~0.5 s: each (name, dataset, width) is traced once.
+_summarize = functools.lru_cache(models.summarize)
+
+
+@pytest.mark.parametrize("name", sorted(TABLE2_PARAMS))
+def test_imagenet_param_count_matches_table2(name):
+  total = _summarize(name, "imagenet", 64)["total_params"]
+  assert abs(total - TABLE2_PARAMS[name]) <= 0.02 * TABLE2_PARAMS[name], total
+  if name in TORCHVISION_PARAMS:
+    assert total == TORCHVISION_PARAMS[name]
+
+
+def test_revnet18_param_count_matches_reference_without_biases():
+  # The authors' count (11,185,802 on CIFAR-10) includes conv biases, which
+  # petra_jax drops (a BN follows each conv): stem 128 + group 0 2 * 2 * 64 +
+  # groups 1-3 (3 convs in the downsample, 2 in the rev block) 5 * (128 + 256 +
+  # 512) = 4,864 biases.
+  total = _summarize("revnet18", "cifar10", 64)["total_params"]
+  assert total == 11_185_802 - 4_864
+
+
+@pytest.mark.parametrize("name,n_stages", [
+    ("resnet18", 10), ("revnet18", 10), ("resnet34", 18), ("revnet34", 18),
+    ("resnet50", 18), ("revnet50", 18)])
+def test_stage_counts_and_kinds(name, n_stages):
+  stages = models.build_model(name, width=4)
+  assert len(stages) == n_stages
+  assert not stages[0].reversible and not stages[-1].reversible
+  is_rev = name.startswith("revnet")
+  assert models.MODEL_FAMILY[name] == ("revnet" if is_rev else "resnet")
+  assert models.MODEL_SPECS[name].reversible == is_rev
+  assert models.supports_reversible(stages) == is_rev
+  # Reversible = blocks - downsampling blocks (3 in the basic RevNets, one per
+  # group in RevNet50).
+  n_rev = sum(s.reversible for s in stages)
+  assert n_rev == {"revnet18": 5, "revnet34": 13, "revnet50": 12}.get(name, 0)
+
+
+def test_revnet18_cifar10_shapes_match_reference_table():
+  # Reference notes, "Stage split of RevNet18": output per stream (C x H x W).
+  expected = [(64, 32), (64, 32), (64, 32), (128, 16), (128, 16), (256, 8),
+              (256, 8), (512, 4), (512, 4)]
+  kinds = ["non-reversible", "reversible", "reversible", "non-reversible",
+           "reversible", "non-reversible", "reversible", "non-reversible",
+           "reversible", "non-reversible"]
+  rows = _summarize("revnet18", "cifar10", 64)["stages"]
+  assert [r["output_shape"] for r in rows[:-1]] == [[h, h, c] for c, h in expected]
+  assert rows[-1]["output_shape"] == [10]
+  assert [r["kind"] for r in rows] == kinds
+  assert [r["index"] for r in rows] == list(range(10))
+
+
+@pytest.mark.parametrize("name,dataset,size,classes", [
+    ("resnet50", "cifar100", 32, 100), ("revnet50", "imagenet32", 32, 1000),
+    ("resnet50", "imagenet", 56, 1000), ("revnet50", "imagenet", 56, 1000)])
+def test_dataset_fixes_stem_and_classes(name, dataset, size, classes):
+  rows = _summarize(name, dataset, 4)["stages"]
+  assert rows[0]["output_shape"] == [size, size, 4]
+  assert rows[-2]["output_shape"] == [size // 8, size // 8, 4 * 8 * 4]
+  assert rows[-1]["output_shape"] == [classes]
+
+
+def _random_variables(stage, x, seed):
+  """Variables shaped like ``stage.init``'s, filled by numpy.
+
+  Fast: real init compiles jax.random's threefry once per kernel shape, which
+  takes seconds per stage on a small CPU. Kernels get He-normal values, 1-D
+  variables (BN scale, bias and statistics, dense bias) values in [0.5, 1.5].
+  """
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(functools.partial(stage.init, jax.random.key(0)), x)
+
+  def fill(a):
+    if len(a.shape) >= 2:
+      std = (2 / math.prod(a.shape[:-1])) ** 0.5
+      return jnp.asarray(rng.normal(0.0, std, a.shape), jnp.float32)
+    return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32)
+
+  return jax.tree.map(fill, shapes)
+
+
+@pytest.mark.parametrize("name", REVNETS)
+def test_every_reversible_stage_round_trips(name):
+  stages = models.build_model(name, width=4)
+  x = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+  for i, s in enumerate(stages[:-1]):
+    v = _random_variables(s, x, i)
+    y, _ = stage_lib.forward(s, v["params"], v["batch_stats"], x)
+    if s.reversible:
+      x_rec = stage_lib.inverse(s, v["params"], v["batch_stats"], y)
+      chex.assert_trees_all_close(x_rec, x, atol=1e-5, rtol=1e-5)
+      assert float(jnp.abs(y[0] - x[0]).max()) > 0.1  # not vacuous
+    else:
+      with pytest.raises(ValueError, match="not reversible"):
+        stage_lib.inverse(s, v["params"], v["batch_stats"], y)
+    x = y
+
+
+def test_resnet50_forward_gives_logits():
+  # One real forward (eval_shape already traces every model in the tests
+  # above; a forward per ResNet would cost ~4 s of op compilation each).
+  stages = models.build_model("resnet50", width=4, num_classes=7)
+  x = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+  for i, s in enumerate(stages):
+    v = _random_variables(s, x, i)
+    x, _ = stage_lib.forward(s, v["params"], v["batch_stats"], x)
+  assert x.shape == (2, 7)
+  assert bool(jnp.isfinite(x).all())
+
+
+def test_build_model_unknown_name():
+  with pytest.raises(ValueError, match="revnet50"):
+    models.build_model("revnet101")
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "petra_jax.models", *args],
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_json_matches_python_api():
+  out = _cli("revnet50", "--dataset=imagenet", "--width=64", "--json")
+  assert out.returncode == 0, out.stderr
+  got = json.loads(out.stdout)
+  assert got == _summarize("revnet50", "imagenet", 64)
+  assert set(got) == {"total_params", "stages"}
+  assert got["total_params"] == sum(r["params"] for r in got["stages"])
+  for r in got["stages"]:
+    assert set(r) == {"index", "name", "kind", "output_shape", "params"}
+    assert isinstance(r["params"], int) and r["kind"] in ("reversible", "non-reversible")
+
+
+def test_cli_unknown_model():
+  out = _cli("revnet101", "--dataset=cifar10")
+  assert out.returncode == 2
+  assert "Traceback" not in out.stderr
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) == 1 and "revnet101" in lines[0]
+  assert all(name in lines[0] for name in models.MODEL_SPECS)
