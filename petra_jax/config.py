@@ -35,13 +35,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0
 
   c.optim = ml_collections.ConfigDict()
-  c.optim.name = "sgd"
+  c.optim.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)
   c.optim.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
-  c.optim.momentum = 0.9
-  c.optim.nesterov = True
-  c.optim.weight_decay = 5e-4  # on conv and dense kernels only
-  c.optim.schedule = "step"    # "step", "cosine" or "constant"
+  c.optim.momentum = 0.9       # sgd, lars
+  c.optim.nesterov = True      # sgd, lars
+  c.optim.weight_decay = 5e-4  # on conv and dense kernels only (adam: decoupled, times lr)
+  c.optim.schedule = "step"    # "step", "cosine", "polynomial" or "constant"
   c.optim.warmup_epochs = 5.0  # linear warm-up from 0
   c.optim.decay_epochs = (150, 225)  # "step": multiply by decay_factor at these epochs
   c.optim.decay_factor = 0.1
+  c.optim.end_learning_rate = 0.0  # "cosine", "polynomial": the rate at the last update
+  c.optim.polynomial_power = 2.0   # "polynomial": exponent of the decay
+  c.optim.trust_coefficient = 0.02  # lars: eta; trust ratio clipped at 1 (LARC)
+  c.optim.lars_eps = 1e-8
+  c.optim.adam_b1 = 0.9
+  c.optim.adam_b2 = 0.999
+  c.optim.adam_eps = 1e-8
   return c

@@ -1,27 +1,41 @@
-"""Image-classification data: in-memory tfds splits, batching and augmentation.
+"""Image-classification data: tfds splits, batching and augmentation.
 
-A split is decoded once into host memory (``load_split``) and then served as
-index batches (``batch_indices``) that the training loop gathers from; the
-random crop / flip / normalisation runs on the accelerator as a jittable pure
-function (``augment``). Evaluation uses ``normalize`` only.
+Data sets (paper Sec. 4): CIFAR-10, CIFAR-100, ImageNet32 and ImageNet. The
+small ones are decoded once into host memory (``load_split``); their random
+crop / flip / normalisation runs on the accelerator as a jittable pure function
+(``augment``). ImageNet (1.28M images) cannot be held in memory: its split is a
+``LazySplit`` whose records are read and decoded per batch on the host, with
+the standard random-resized crop for training and resize 256 / center crop 224
+for evaluation. Either way the training loop sees index batches
+(``batch_indices``) and one uniform API:
+
+* ``open_split(name, split, data_dir)`` -> ``Split`` or ``LazySplit``;
+* ``make_train_batch_fn(info, device)(split, indices, key)`` -> augmented,
+  normalised float32 images on ``device`` and their int32 labels;
+* ``eval_batches(split, info, batch_size)`` -> normalised batches of one shape
+  (the last one padded) with their labels and valid counts.
 
 Data is read with ``tfds.data_source`` (array_record files, no TensorFlow) and
 the images are decoded with Pillow, so the pixels do not depend on whether
 OpenCV happens to be installed.
 
 Example:
-  info = get_dataset_info("cifar10")
-  train = load_split("cifar10", info.train_split)
-  for idx in batch_indices(len(train), 128, seed=0, epoch=0):
-    x = augment(key, train.images[idx], info.mean, info.std)  # f32 [128,32,32,3]
+  info = get_dataset_info("cifar100")
+  train = open_split("cifar100", info.train_split)
+  batch_fn = make_train_batch_fn(info, jax.devices()[0])
+  for step, idx in enumerate(batch_indices(len(train), 128, seed=0, epoch=0)):
+    x, y = batch_fn(train, idx, jax.random.fold_in(key, step))
+    # x: f32 [128, 32, 32, 3] on the device; y: int32 [128] (numpy)
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import io
+import math
 import os
 import pathlib
-from typing import Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +49,15 @@ _SHARED_DATA_DIR = _REPO_ROOT.parent / "shared" / "data" / "tensorflow_datasets"
 _TFDS_DEFAULT_DATA_DIR = "~/tensorflow_datasets"
 # Records read and decoded per ``__getitems__`` call in ``load_split``.
 _READ_CHUNK = 4096
+# The usual ImageNet channel statistics (torchvision), in [0, 1] units; also
+# used for ImageNet32, whose pixels come from the same images.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# ImageNet crops (paper Sec. 4, "standard data augmentation"): torchvision's
+# RandomResizedCrop(224) for training, Resize(256) + CenterCrop(224) to eval.
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+EVAL_RESIZE = 256
 
 
 class DataError(Exception):
@@ -54,6 +77,10 @@ class DatasetInfo:
     std: per-channel standard deviation, in [0, 1] units, ``[C]``.
     train_split: tfds split name used for training.
     test_split: tfds split name used for evaluation.
+    lazy: if True the split is too large for memory: ``open_split`` returns a
+      ``LazySplit`` decoded per batch with ImageNet crops (the images may have
+      any size; ``image_shape`` is the crop). If False the split is decoded
+      once (``load_split``) and augmented with ``augment``.
   """
 
   tfds_name: str
@@ -63,6 +90,7 @@ class DatasetInfo:
   std: tuple[float, ...]
   train_split: str = "train"
   test_split: str = "test"
+  lazy: bool = False
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -72,6 +100,30 @@ DATASETS: dict[str, DatasetInfo] = {
         image_shape=(32, 32, 3),
         mean=(0.4914, 0.4822, 0.4465),
         std=(0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": DatasetInfo(
+        tfds_name="cifar100",
+        num_classes=100,
+        image_shape=(32, 32, 3),
+        mean=(0.5071, 0.4865, 0.4409),
+        std=(0.2673, 0.2564, 0.2762),
+    ),
+    "imagenet32": DatasetInfo(
+        tfds_name="imagenet_resized/32x32",
+        num_classes=1000,
+        image_shape=(32, 32, 3),
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        test_split="validation",
+    ),
+    "imagenet": DatasetInfo(
+        tfds_name="imagenet2012",
+        num_classes=1000,
+        image_shape=(224, 224, 3),
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        test_split="validation",
+        lazy=True,
     ),
 }
 
@@ -90,6 +142,31 @@ class Split:
 
   def __len__(self) -> int:
     return len(self.labels)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LazySplit:
+  """A split read and decoded per batch (ImageNet: too large for memory).
+
+  Attributes:
+    name: registry name of the dataset.
+    source: the tfds data source; ``source[i]`` is a dict with the encoded
+      image bytes under ``"image"`` and an int ``"label"``.
+    num_examples: examples used, ``len(source)`` or fewer (``limit``).
+  """
+
+  name: str
+  source: Any
+  num_examples: int
+
+  def __len__(self) -> int:
+    return self.num_examples
+
+  def read(self, indices: Sequence[int]) -> tuple[list[bytes], np.ndarray]:
+    """Encoded images (a list of ``len(indices)`` bytes) and int32 labels."""
+    records = self.source.__getitems__([int(i) for i in indices])
+    labels = np.array([r["label"] for r in records], np.int32)
+    return [r["image"] for r in records], labels
 
 
 def get_dataset_info(name: str) -> DatasetInfo:
@@ -148,10 +225,11 @@ def load_split(
 
   Results are cached (keyed on the dataset, split, resolved data dir and
   limit); the returned arrays are read-only so the cache cannot be corrupted.
-  The full CIFAR-10 train split takes about 10 s to decode and 150 MB.
+  The full CIFAR-10 train split takes about 10 s to decode and 150 MB; the
+  ImageNet32 one about 3.9 GB.
 
   Args:
-    name: registry name (a key of ``DATASETS``).
+    name: registry name (a key of ``DATASETS``) of a non-lazy dataset.
     split: tfds split, e.g. ``"train"``, ``"test"`` or ``"train[:10%]"``.
     data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
     limit: if set, only the first ``limit`` examples are decoded.
@@ -160,21 +238,53 @@ def load_split(
     A ``Split`` with uint8 images ``[N, H, W, C]`` and int32 labels ``[N]``.
 
   Raises:
-    DataError: unknown dataset, data not found or unreadable (the message names
-      the dataset, the directory tried and how to point to the data), or an
-      image of the wrong shape.
+    DataError: unknown or lazy dataset (use ``open_split``), data not found or
+      unreadable (the message names the dataset, the directory tried and how
+      to point to the data), or an image of the wrong shape.
   """
-  get_dataset_info(name)  # Fails early on an unknown name.
-  if limit is not None and limit < 0:
-    raise DataError(f"limit must be >= 0 or None, got {limit}.")
+  if get_dataset_info(name).lazy:
+    raise DataError(
+        f"Dataset {name!r} is too large to decode into memory; read it per "
+        "batch with open_split / make_train_batch_fn / eval_batches."
+    )
+  _check_limit(limit)
   return _load_split_cached(name, split, resolve_data_dir(data_dir), limit)
 
 
-@functools.lru_cache(maxsize=8)
-def _load_split_cached(
-    name: str, split: str, data_dir: str, limit: int | None
-) -> Split:
-  """``load_split`` with all arguments resolved (the cache key)."""
+def open_split(
+    name: str,
+    split: str,
+    data_dir: str | None = None,
+    limit: int | None = None,
+) -> Split | LazySplit:
+  """Opens a split of any dataset: decoded in memory, or lazy for ImageNet.
+
+  Args:
+    name: registry name (a key of ``DATASETS``).
+    split: tfds split name.
+    data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
+    limit: if set, only the first ``limit`` examples are used.
+
+  Returns:
+    ``load_split(...)`` for in-memory datasets, a ``LazySplit`` (cached like
+    ``load_split``) for ``DatasetInfo.lazy`` ones.
+
+  Raises:
+    DataError: as ``load_split``.
+  """
+  if not get_dataset_info(name).lazy:
+    return load_split(name, split, data_dir, limit)
+  _check_limit(limit)
+  return _open_lazy_cached(name, split, resolve_data_dir(data_dir), limit)
+
+
+def _check_limit(limit: int | None) -> None:
+  if limit is not None and limit < 0:
+    raise DataError(f"limit must be >= 0 or None, got {limit}.")
+
+
+def _open_source(name: str, split: str, data_dir: str):
+  """The tfds data source of a split, images left encoded (bytes)."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   info = get_dataset_info(name)
@@ -182,7 +292,7 @@ def _load_split_cached(
   if not dataset_dir.is_dir():
     raise _missing_data_error(name, data_dir, f"no folder {str(dataset_dir)!r}")
   try:
-    source = tfds.data_source(
+    return tfds.data_source(
         info.tfds_name,
         split=split,
         data_dir=data_dir,
@@ -193,6 +303,23 @@ def _load_split_cached(
     reason = f"tfds failed ({type(e).__name__}: {str(e).splitlines()[0]})"
     raise _missing_data_error(name, data_dir, reason) from None
 
+
+@functools.lru_cache(maxsize=8)
+def _open_lazy_cached(
+    name: str, split: str, data_dir: str, limit: int | None
+) -> LazySplit:
+  source = _open_source(name, split, data_dir)
+  n = len(source) if limit is None else min(limit, len(source))
+  return LazySplit(name=name, source=source, num_examples=n)
+
+
+@functools.lru_cache(maxsize=8)
+def _load_split_cached(
+    name: str, split: str, data_dir: str, limit: int | None
+) -> Split:
+  """``load_split`` with all arguments resolved (the cache key)."""
+  info = get_dataset_info(name)
+  source = _open_source(name, split, data_dir)
   n = len(source) if limit is None else min(limit, len(source))
   images = np.empty((n, *info.image_shape), np.uint8)
   labels = np.empty((n,), np.int32)
@@ -200,7 +327,7 @@ def _load_split_cached(
   for start in range(0, n, _READ_CHUNK):
     stop = min(start + _READ_CHUNK, n)
     for i, ex in enumerate(source.__getitems__(list(range(start, stop))), start):
-      image = np.asarray(Image.open(io.BytesIO(ex["image"])).convert(mode))
+      image = np.asarray(_decode(ex["image"], mode))
       image = image.reshape(image.shape[:2] + (-1,))
       if image.shape != info.image_shape:
         raise DataError(
@@ -212,6 +339,11 @@ def _load_split_cached(
   images.flags.writeable = False
   labels.flags.writeable = False
   return Split(images=images, labels=labels)
+
+
+def _decode(encoded: bytes, mode: str = "RGB") -> Image.Image:
+  """Decodes PNG/JPEG bytes with Pillow into ``mode`` ("RGB" or "L")."""
+  return Image.open(io.BytesIO(encoded)).convert(mode)
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
@@ -321,3 +453,203 @@ def augment(
     return jnp.where(flip, crop[:, ::-1], crop)
 
   return normalize(jax.vmap(crop_flip)(padded, offsets, flips), mean, std)
+
+
+# ------------------------------------------------ ImageNet crops (host side)
+
+
+def random_resized_crop_box(
+    height: int,
+    width: int,
+    rng: np.random.Generator,
+    scale: tuple[float, float] = CROP_SCALE,
+    ratio: tuple[float, float] = CROP_RATIO,
+) -> tuple[int, int, int, int]:
+  """A random crop box, as torchvision's ``RandomResizedCrop.get_params``.
+
+  Up to 10 tries draw an area fraction uniform in ``scale`` and a log-uniform
+  aspect ratio (width / height) in ``ratio``; the first box that fits is
+  placed uniformly. If none fits, the central crop of the whole image with
+  its aspect ratio clamped to ``ratio`` is returned.
+
+  Args:
+    height: image height H in pixels.
+    width: image width W in pixels.
+    rng: NumPy generator (the only source of randomness).
+    scale: bounds of the crop area as a fraction of ``H * W``.
+    ratio: bounds of the crop's width / height.
+
+  Returns:
+    ``(top, left, crop_height, crop_width)`` in pixels, inside the image.
+  """
+  area = height * width
+  log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+  for _ in range(10):
+    target_area = area * rng.uniform(*scale)
+    aspect = math.exp(rng.uniform(*log_ratio))
+    w = int(round(math.sqrt(target_area * aspect)))
+    h = int(round(math.sqrt(target_area / aspect)))
+    if 0 < w <= width and 0 < h <= height:
+      return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+  in_ratio = width / height
+  if in_ratio < ratio[0]:
+    w, h = width, int(round(width / ratio[0]))
+  elif in_ratio > ratio[1]:
+    h, w = height, int(round(height * ratio[1]))
+  else:
+    w, h = width, height
+  return (height - h) // 2, (width - w) // 2, h, w
+
+
+def imagenet_train_image(encoded: bytes, seed: int, size: int = 224) -> np.ndarray:
+  """Decodes one image, random-resized-crops it to ``size`` and maybe flips it.
+
+  Bilinear resampling (Pillow), a horizontal flip with probability 0.5.
+
+  Args:
+    encoded: JPEG/PNG bytes of an image of any size.
+    seed: seed of this image's crop and flip.
+    size: output side in pixels.
+
+  Returns:
+    uint8 ``[size, size, 3]``.
+  """
+  rng = np.random.default_rng(seed)
+  image = _decode(encoded)
+  top, left, h, w = random_resized_crop_box(image.height, image.width, rng)
+  image = image.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+  out = np.asarray(image)
+  return out[:, ::-1] if rng.random() < 0.5 else out
+
+
+def imagenet_eval_image(
+    encoded: bytes, size: int = 224, resize: int = EVAL_RESIZE
+) -> np.ndarray:
+  """Decodes one image, resizes its shorter side to ``resize``, center-crops.
+
+  As torchvision's ``Resize(256)`` + ``CenterCrop(224)``, bilinear.
+
+  Args:
+    encoded: JPEG/PNG bytes of an image of any size.
+    size: output side in pixels.
+    resize: shorter side after resizing, in pixels (>= ``size``).
+
+  Returns:
+    uint8 ``[size, size, 3]``.
+  """
+  image = _decode(encoded)
+  w, h = image.size
+  if w <= h:
+    new_w, new_h = resize, int(resize * h / w)
+  else:
+    new_w, new_h = int(resize * w / h), resize
+  if (new_w, new_h) != (w, h):
+    image = image.resize((new_w, new_h), Image.BILINEAR)
+  top, left = int(round((new_h - size) / 2)), int(round((new_w - size) / 2))
+  return np.asarray(image)[top:top + size, left:left + size]
+
+
+@functools.lru_cache(maxsize=1)
+def _thread_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """Decoding threads (Pillow releases the GIL while decoding and resizing)."""
+  return concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+
+
+def _decode_lazy_batch(
+    split: LazySplit, indices: Sequence[int], transform: Callable[..., np.ndarray],
+    *per_image_args: Sequence[Any],
+) -> tuple[np.ndarray, np.ndarray]:
+  """Reads ``indices`` and maps ``transform`` over them on the thread pool."""
+  encoded, labels = split.read(indices)
+  images = list(_thread_pool().map(transform, encoded, *per_image_args))
+  return np.stack(images), labels
+
+
+# ---------------------------------------------------- uniform batch API
+
+
+TrainBatchFn = Callable[[Any, np.ndarray, jax.Array], tuple[jax.Array, np.ndarray]]
+
+
+def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
+  """The training-batch function of a dataset (paper Sec. 4 augmentation).
+
+  In-memory datasets: gather uint8 images, ship them to ``device``, then
+  ``augment`` (pad-4 random crop + flip + normalise) there. Lazy ones
+  (ImageNet): read and decode on the host, random-resized crop to
+  ``info.image_shape`` + flip (``imagenet_train_image``), ship the uint8 crops,
+  normalise on ``device``.
+
+  Args:
+    info: the dataset's registry entry.
+    device: where the images go (the first stage's device).
+
+  Returns:
+    ``fn(split, indices, key) -> (images, labels)``: ``split`` from
+    ``open_split``; ``indices`` int ``[B]``; ``key`` a PRNG key (the batch's
+    randomness, as a function of the key only); ``images`` float32
+    ``[B, H, W, C]`` on ``device``; ``labels`` int32 ``[B]`` (NumPy).
+  """
+  normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
+  if not info.lazy:
+    augment_fn = jax.jit(functools.partial(augment, mean=info.mean, std=info.std))
+
+    def in_memory_fn(split: Split, indices: np.ndarray, key: jax.Array):
+      images = jax.device_put(split.images[indices], device)
+      return augment_fn(jax.device_put(key, device), images), split.labels[indices]
+
+    return in_memory_fn
+
+  size = info.image_shape[0]
+
+  def lazy_fn(split: LazySplit, indices: np.ndarray, key: jax.Array):
+    seeds = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
+                                  ).integers(0, 2**63, len(indices))
+    transform = functools.partial(imagenet_train_image, size=size)
+    images, labels = _decode_lazy_batch(split, indices, transform, seeds.tolist())
+    return normalize_fn(jax.device_put(images, device)), labels
+
+  return lazy_fn
+
+
+def eval_batches(
+    split: Split | LazySplit,
+    info: DatasetInfo,
+    batch_size: int,
+    device: jax.Device | None = None,
+) -> Iterator[tuple[jax.Array, np.ndarray, int]]:
+  """The split in order, normalised, in batches of one shape.
+
+  Lazy (ImageNet) images are resized to 256 on the shorter side and
+  center-cropped to ``info.image_shape`` (``imagenet_eval_image``).
+
+  Args:
+    split: from ``open_split``.
+    info: the dataset's registry entry.
+    batch_size: images per batch B.
+    device: where the images go; ``None`` = JAX's default device.
+
+  Yields:
+    ``(images, labels, valid)``: float32 ``[B, H, W, C]`` on ``device``, whose
+    rows past ``valid`` (last batch only) are padding, black images before
+    normalisation; int32 labels ``[valid]`` (NumPy); ``valid`` in ``1 .. B``.
+
+  Raises:
+    ValueError: ``batch_size < 1``.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+  normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
+  transform = functools.partial(imagenet_eval_image, size=info.image_shape[0])
+  n = len(split)
+  for start in range(0, n, batch_size):
+    indices = np.arange(start, min(start + batch_size, n))
+    if info.lazy:
+      images, labels = _decode_lazy_batch(split, indices, transform)
+    else:
+      images, labels = split.images[indices], split.labels[indices]
+    valid = len(indices)
+    if valid < batch_size:  # pad to one shape: no recompilation
+      pad = np.zeros((batch_size - valid,) + images.shape[1:], images.dtype)
+      images = np.concatenate([images, pad])
+    yield normalize_fn(jax.device_put(images, device)), labels, valid

@@ -7,7 +7,6 @@ line naming the fix, never a JAX traceback.
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 import time
@@ -46,6 +45,11 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   if config.model.name not in models.MODEL_SPECS:
     raise ConfigError(f"Unknown model {config.model.name!r}; choose one of "
                       f"{sorted(models.MODEL_SPECS)} (--config.model.name=...).")
+  if config.method in ("petra", "revprop") and models.MODEL_FAMILY[config.model.name] != "revnet":
+    raise ConfigError(
+        f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
+        f"use --config.method=backprop or a RevNet "
+        f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
@@ -64,23 +68,20 @@ def _devices(config) -> list:
   return devices[:config.num_devices] if config.num_devices else devices
 
 
-def evaluate(pipe: Pipeline, state, split: data_lib.Split, info, batch_size: int):
+def evaluate(pipe: Pipeline, state, split, info, batch_size: int):
   """Test loss and accuracy over the whole split (the last batch is padded).
+
+  Args:
+    split: from ``data.open_split`` (in memory, or lazy for ImageNet).
 
   Returns:
     ``{"test_loss": float, "test_accuracy": float}`` (accuracy in [0, 1]).
   """
-  n = len(split.labels)
+  n = len(split)
   loss_sum, correct = 0.0, 0
-  normalize = jax.jit(functools.partial(data_lib.normalize, mean=info.mean, std=info.std))
-  for start in range(0, n, batch_size):
-    images = split.images[start:start + batch_size]
-    labels = split.labels[start:start + batch_size]
-    valid = len(labels)
-    if valid < batch_size:  # pad to one shape: no recompilation
-      pad = batch_size - valid
-      images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
-    logits = np.asarray(pipe.predict(state, normalize(images)))[:valid]
+  for images, labels, valid in data_lib.eval_batches(split, info, batch_size,
+                                                     pipe.devices[0]):
+    logits = np.asarray(pipe.predict(state, images))[:valid]
     logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
         - logits.max(1, keepdims=True)
     loss_sum += float(-logp[np.arange(valid), labels].sum())
@@ -152,14 +153,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   validate_config(config, len(jax.local_devices()))
   info = data_lib.get_dataset_info(config.dataset)
   data_dir = config.data_dir or None
-  train = data_lib.load_split(config.dataset, info.train_split, data_dir)
-  test = data_lib.load_split(config.dataset, info.test_split, data_dir)
-  logging.info("data: %d train / %d test images, %.1f s", len(train.labels),
-               len(test.labels), time.time() - start)
+  train = data_lib.open_split(config.dataset, info.train_split, data_dir)
+  test = data_lib.open_split(config.dataset, info.test_split, data_dir)
+  logging.info("data: %d train / %d test images, %.1f s", len(train),
+               len(test), time.time() - start)
 
   k = config.accumulation_steps
   micro = config.batch_size // k
-  steps_per_epoch = config.steps_per_epoch or len(train.labels) // config.batch_size
+  steps_per_epoch = config.steps_per_epoch or len(train) // config.batch_size
   total_steps = steps_per_epoch * config.num_epochs
   if config.max_steps:
     total_steps = min(total_steps, config.max_steps)
@@ -168,7 +169,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   schedule = optim.learning_rate_schedule(config, steps_per_epoch)
 
   stages = models.build_model(config.model.name, width=config.model.width,
-                              num_classes=info.num_classes)
+                              num_classes=info.num_classes,
+                              imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
   if config.method == "backprop":
     devices = devices[:1]
   pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats)
@@ -176,7 +178,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
                [d.id for d in pipe.devices])
 
-  augment = jax.jit(functools.partial(data_lib.augment, mean=info.mean, std=info.std))
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
   data_key = jax.random.key(config.seed + 1)
   writer = metrics_lib.MetricWriter(workdir)
   loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
@@ -185,13 +187,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
              desc=config.method, disable=None, mininterval=2.0)
   micro_batch = step = 0
   for epoch in range(num_epochs):
-    for idx in data_lib.batch_indices(len(train.labels), config.batch_size, config.seed,
+    for idx in data_lib.batch_indices(len(train), config.batch_size, config.seed,
                                       epoch, steps_per_epoch)[:total_steps - step]:
       for i in range(k):
         sl = idx[i * micro:(i + 1) * micro]
-        images = augment(jax.random.fold_in(data_key, micro_batch),
-                         jax.device_put(train.images[sl], pipe.devices[0]))
-        labels = train.labels[sl]
+        images, labels = batch_fn(train, sl, jax.random.fold_in(data_key, micro_batch))
         if config.method == "petra":
           state, out = pipe.tick(state, images, labels)
           if out is not None:

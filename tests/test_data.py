@@ -153,3 +153,216 @@ def test_augment_deterministic_per_key():
   np.testing.assert_array_equal(a, f(jax.random.key(0), images, MEAN, STD))
   assert not np.array_equal(a, f(jax.random.key(1), images, MEAN, STD))
   assert not np.allclose(a, data.normalize(images, MEAN, STD))
+
+
+# ------------------------------------------- tiny tfds data sets on disk
+
+
+def write_tiny_tfds(data_dir, name, splits, image_fn, num_classes,
+                    fmt="PNG", config=None):
+  """Writes a real tfds data set (array_record + metadata) without downloads.
+
+  The registered builder of ``name`` (its features, version, file layout) is
+  subclassed with generators of a few synthetic examples, then prepared with
+  ``download_and_prepare``; images are passed already encoded (Pillow), so
+  TensorFlow is not needed.
+
+  Args:
+    data_dir: the tfds data dir to write into.
+    name: registered tfds name, e.g. ``"cifar100"``.
+    splits: ``{split: num_examples}``.
+    image_fn: ``(split, i) -> uint8 [H, W, 3]``.
+    num_classes: labels are ``i % num_classes`` scaled to the full range.
+    fmt: Pillow format of the encoded images ("PNG" or "JPEG").
+    config: builder config name, e.g. ``"32x32"``.
+  """
+  import io
+
+  import tensorflow_datasets as tfds
+  from PIL import Image
+
+  def label(i):
+    return (i * 37) % num_classes
+
+  class Tiny(tfds.builder_cls(name), skip_registration=True):
+
+    def _split_generators(self, dl_manager):
+      return {s: self._examples(s, n) for s, n in splits.items()}
+
+    def _examples(self, split, n):
+      for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(image_fn(split, i)).save(buf, format=fmt)
+        ex = {"image": buf.getvalue(), "label": label(i)}
+        extra = {"id": f"{split}_{i}", "coarse_label": 0, "file_name": f"{i}.JPEG"}
+        ex.update({k: v for k, v in extra.items() if k in self.info.features})
+        yield i, ex
+
+  Tiny.name = name
+  builder = Tiny(data_dir=str(data_dir), config=config, file_format="array_record")
+  builder.download_and_prepare(
+      download_config=tfds.download.DownloadConfig(manual_dir=str(data_dir)))
+
+
+def _random_image(shape):
+  def image_fn(split, i):
+    seed = ({"train": 0, "test": 1, "validation": 2}[split], i)
+    return np.random.default_rng(seed).integers(0, 256, shape, np.uint8)
+  return image_fn
+
+
+def _gradient_image(height, width):
+  """Columns brighten left to right: a flip makes rows decrease."""
+  row = np.linspace(0, 255, width).astype(np.uint8)
+  return lambda split, i: np.broadcast_to(row[None, :, None], (height, width, 3)).copy()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  """A tfds data dir with tiny cifar100, imagenet_resized/32x32, imagenet2012."""
+  d = tmp_path_factory.mktemp("tfds")
+  write_tiny_tfds(d, "cifar100", {"train": 12, "test": 5},
+                  _random_image((32, 32, 3)), 100)
+  write_tiny_tfds(d, "imagenet_resized", {"train": 12, "validation": 5},
+                  _random_image((32, 32, 3)), 1000, config="32x32")
+  write_tiny_tfds(d, "imagenet2012", {"train": 16, "validation": 3},
+                  _gradient_image(60, 90), 1000)
+  return str(d)
+
+
+@pytest.fixture(scope="module")
+def eval_image_dir(tmp_path_factory):
+  """imagenet2012 whose validation images are 256 x 320 random pixels (PNG)."""
+  d = tmp_path_factory.mktemp("tfds_eval")
+  write_tiny_tfds(d, "imagenet2012", {"train": 1, "validation": 2},
+                  _random_image((256, 320, 3)), 1000)
+  return str(d)
+
+
+NEW_DATASETS = ("cifar100", "imagenet32", "imagenet")
+
+
+def test_registry_entries():
+  assert data.get_dataset_info("cifar100").num_classes == 100
+  assert data.get_dataset_info("imagenet32").num_classes == 1000
+  assert data.get_dataset_info("imagenet32").tfds_name == "imagenet_resized/32x32"
+  imagenet = data.get_dataset_info("imagenet")
+  assert imagenet.tfds_name == "imagenet2012" and imagenet.num_classes == 1000
+  assert imagenet.image_shape == (224, 224, 3) and imagenet.lazy
+  assert imagenet.mean == (0.485, 0.456, 0.406)
+  assert imagenet.std == (0.229, 0.224, 0.225)
+
+
+@pytest.mark.parametrize("name", NEW_DATASETS)
+def test_missing_data_error_for_each_dataset(name, tmp_path):
+  for d in (tmp_path / "nowhere", tmp_path):  # absent dir; dir without it
+    info = data.get_dataset_info(name)
+    with pytest.raises(data.DataError) as e:
+      data.open_split(name, info.train_split, data_dir=str(d))
+    for part in (repr(name), str(d), "--config.data_dir", "TFDS_DATA_DIR"):
+      assert part in str(e.value)
+
+
+def test_load_split_refuses_lazy_dataset(tiny_dir):
+  with pytest.raises(data.DataError, match="open_split"):
+    data.load_split("imagenet", "train", data_dir=tiny_dir)
+
+
+@pytest.mark.parametrize("name,num_train,num_test", [
+    ("cifar100", 12, 5), ("imagenet32", 12, 5)])
+def test_in_memory_datasets_read_back(name, num_train, num_test, tiny_dir):
+  info = data.get_dataset_info(name)
+  train = data.open_split(name, info.train_split, data_dir=tiny_dir)
+  test = data.open_split(name, info.test_split, data_dir=tiny_dir)
+  assert isinstance(train, data.Split) and len(train) == num_train
+  assert len(test) == num_test
+  assert train.images.shape == (num_train, 32, 32, 3)
+  assert train.images.dtype == np.uint8 and train.labels.dtype == np.int32
+  assert train.labels.max() < info.num_classes and train.labels.max() > 10
+  # The pixels are the PNG's, losslessly: each one is one of the written images.
+  written = {_random_image((32, 32, 3))(info.train_split, i).tobytes()
+             for i in range(num_train)}
+  assert {im.tobytes() for im in train.images} == written
+
+  batch_fn = data.make_train_batch_fn(info, jax.devices()[0])
+  idx = np.array([3, 0, 7, 7])
+  x, y = batch_fn(train, idx, jax.random.key(0))
+  assert x.shape == (4, 32, 32, 3) and x.dtype == np.float32
+  assert x.devices() == {jax.devices()[0]}
+  np.testing.assert_array_equal(y, train.labels[idx])
+  np.testing.assert_allclose(  # == augment on the gathered images
+      x, data.augment(jax.random.key(0), train.images[idx], info.mean, info.std),
+      atol=1e-6)
+
+  batches = list(data.eval_batches(test, info, batch_size=2))
+  assert [v for _, _, v in batches] == [2, 2, 1]
+  for i, (images, labels, valid) in enumerate(batches):
+    assert images.shape == (2, 32, 32, 3) and images.dtype == np.float32
+    assert labels.dtype == np.int32 and labels.shape == (valid,)
+    want = (test.images[2 * i:2 * i + valid] / 255.0 - np.array(info.mean)) / np.array(info.std)
+    np.testing.assert_allclose(images[:valid], want, atol=1e-5)
+    np.testing.assert_array_equal(labels, test.labels[2 * i:2 * i + valid])
+
+
+def test_imagenet_lazy_train_batches(tiny_dir):
+  info = data.get_dataset_info("imagenet")
+  train = data.open_split("imagenet", "train", data_dir=tiny_dir)
+  assert isinstance(train, data.LazySplit) and len(train) == 16
+  assert data.open_split("imagenet", "train", data_dir=tiny_dir) is train
+  assert len(data.open_split("imagenet", "train", data_dir=tiny_dir, limit=5)) == 5
+  batch_fn = data.make_train_batch_fn(info, jax.devices()[1])
+  idx = np.arange(16)
+  x, y = batch_fn(train, idx, jax.random.key(0))
+  assert x.shape == (16, 224, 224, 3) and x.dtype == np.float32
+  assert x.devices() == {jax.devices()[1]}
+  assert y.dtype == np.int32 and y.shape == (16,) and y.max() < 1000
+  np.testing.assert_array_equal(y, train.read(idx)[1])
+  # Same key, same batch; another key, other crops.
+  np.testing.assert_array_equal(x, batch_fn(train, idx, jax.random.key(0))[0])
+  assert not np.allclose(x, batch_fn(train, idx, jax.random.key(1))[0])
+  # Undo the normalisation: pixels in 0..255, rows rise (no flip) or fall (flip).
+  pixels = np.asarray(x) * np.array(info.std) + np.array(info.mean)
+  assert pixels.min() > -1e-3 and pixels.max() < 1 + 1e-3
+  slope = pixels[:, :, -1].mean(axis=(1, 2)) - pixels[:, :, 0].mean(axis=(1, 2))
+  assert (slope > 0.05).any() and (slope < -0.05).any()
+  assert np.all(np.abs(slope) > 0.05)
+
+
+def test_imagenet_eval_is_resize_256_center_crop_224(eval_image_dir):
+  info = data.get_dataset_info("imagenet")
+  val = data.open_split("imagenet", "validation", data_dir=eval_image_dir)
+  (images, labels, valid), = data.eval_batches(val, info, batch_size=4)
+  assert images.shape == (4, 224, 224, 3) and valid == 2 and labels.shape == (2,)
+  # Shorter side already 256: no resize; the crop is rows 16:240, cols 48:272.
+  originals = [_random_image((256, 320, 3))("validation", i) for i in range(2)]
+  crops = (np.asarray(images[:2]) * np.array(info.std) + np.array(info.mean)) * 255
+  got = {np.rint(c).astype(np.uint8).tobytes() for c in crops}
+  assert got == {o[16:240, 48:272].tobytes() for o in originals}
+
+
+def test_imagenet_eval_image_resizes_shorter_side():
+  import io
+
+  from PIL import Image
+  buf = io.BytesIO()
+  Image.fromarray(np.full((100, 150, 3), 77, np.uint8)).save(buf, format="PNG")
+  out = data.imagenet_eval_image(buf.getvalue())
+  assert out.shape == (224, 224, 3) and out.dtype == np.uint8
+  assert np.all(out == 77)
+
+
+def test_random_resized_crop_box_bounds():
+  rng = np.random.default_rng(0)
+  for h, w in [(60, 90), (375, 500), (500, 333), (20, 400)]:
+    for _ in range(200):
+      top, left, ch, cw = data.random_resized_crop_box(h, w, rng)
+      assert 0 <= top and top + ch <= h and 0 <= left and left + cw <= w
+      assert ch > 0 and cw > 0
+  # A large image always fits on the first try: scale and ratio are honoured.
+  for _ in range(200):
+    _, _, ch, cw = data.random_resized_crop_box(1000, 1000, rng)
+    assert 0.08 * 0.95 <= ch * cw / 1e6 <= 1.0
+    assert 3 / 4 * 0.95 <= cw / ch <= 4 / 3 * 1.05
+  # Fallback for an extreme aspect ratio: central crop at the ratio bound.
+  assert data.random_resized_crop_box(10, 1000, np.random.default_rng(0)) == (
+      0, (1000 - 13) // 2, 10, 13)

@@ -1,0 +1,285 @@
+"""What each stage stores between a micro-batch's forward and its backward.
+
+``python -m petra_jax.benchmarks.memory --model=revnet50 --dataset=imagenet
+--batch-size=64 [--method=petra] [--json]`` reports:
+
+* **Analytic bytes per stage** for four buffer configurations (paper Table 3):
+  stage ``j`` keeps ``tau_j = 2(J-1-j)`` micro-batches in flight, and for each
+  one stores its input if it buffers inputs (always for a non-reversible
+  stage) and a copy of its parameters if it stashes weights:
+
+  ========== ============ ============ =====================================
+  method     input buffer param buffer
+  ========== ============ ============ =====================================
+  delayed    yes          yes          PipeDream-like delayed gradients
+  input_only yes          no           Xu et al. / DSP
+  param_only no           yes
+  petra      no           no           only non-reversible stages store
+  ========== ============ ============ =====================================
+
+  Shapes come from :func:`jax.eval_shape`, so full-size models cost nothing.
+* **Measured bytes per stage** in a live PETRA run at steady state: the sum of
+  ``nbytes`` over ``state.buffers[j]`` (by default at a tiny width, to check
+  the formula; ``--live-width``/``--live-batch`` for the real size).
+* **Table 3's model**: model size (parameter bytes) + input buffers (the
+  first stage's excluded: it re-reads the dataset) + parameter buffers, in GB,
+  with savings against the ``delayed`` row.
+
+A reversible coupling ``(y1, y2) = (x2 + F(x1), x1)`` needs only ``x1`` to
+compute its gradients, so a delayed-gradient method can stash one stream of a
+reversible stage's input (``--rev-stash=x1``, the default for Table 3) rather
+than both (``both``, what the authors' code stores: 1911.3 MiB for RevNet18 on
+CIFAR-10, batch 64). The ``stored_bytes_per_stage`` lists always count both
+streams, like a live engine would hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from petra_jax import models, schedule
+from petra_jax import stage as stage_lib
+from petra_jax.pipeline import Pipeline
+from petra_jax.stage import Stage
+
+# (input_buffer, param_buffer) per method, in Table 3's row order.
+METHODS = {
+    "delayed": (True, True),
+    "input_only": (True, False),
+    "param_only": (False, True),
+    "petra": (False, False),
+}
+MIB = 2**20
+GB = 1e9
+PAPER_TABLE3 = [(44.5, 0.0), (43.6, 2.0), (21.2, 52.3), (20.3, 54.3)]  # GB, saving %
+
+
+def _nbytes(tree) -> int:
+  """Bytes of a pytree of arrays or ``ShapeDtypeStruct``s."""
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(tree)))
+
+
+def stage_sizes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
+                dtype=jnp.float32) -> list[dict]:
+  """Per-stage input and parameter bytes, from shapes only (no compute).
+
+  Args:
+    stages: a model from :func:`petra_jax.models.build_model`.
+    image_shape: ``(H, W, C)`` of one input image.
+    batch_size: micro-batch size.
+
+  Returns:
+    One dict per stage: ``name``, ``reversible``, ``delay`` (``tau_j``),
+    ``input_bytes`` (its whole input activation, both streams),
+    ``input_x1_bytes`` (the first stream of a two-stream input, else the
+    whole input) and ``param_bytes``.
+  """
+  key = jax.random.key(0)
+  x = jax.ShapeDtypeStruct((batch_size, *image_shape), dtype)
+  rows = []
+  for j, s in enumerate(stages):
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
+    variables = jax.eval_shape(functools.partial(s.init, key), one)
+    rows.append({
+        "name": s.name,
+        "reversible": s.reversible,
+        "delay": schedule.delay(j, len(stages)),
+        "input_bytes": _nbytes(x),
+        "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
+        "param_bytes": _nbytes(variables["params"]),
+    })
+    x = jax.eval_shape(
+        lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x)[0],
+        variables, x)
+  return rows
+
+
+def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
+                 first_input: bool = True) -> list[int]:
+  """Bytes stage ``j`` holds between forward and backward: ``tau_j`` entries.
+
+  Args:
+    sizes: :func:`stage_sizes` (or :func:`measure_live`'s ``sizes``).
+    method: a key of ``METHODS``.
+    rev_stash: ``"both"`` streams or only ``"x1"`` of a reversible stage's
+      input when the method buffers inputs.
+    first_input: count stage 0's input buffer (Table 3 does not).
+
+  Raises:
+    ValueError: unknown ``method`` or ``rev_stash``.
+  """
+  if method not in METHODS:
+    raise ValueError(f"Unknown method {method!r}; choose one of {list(METHODS)}.")
+  if rev_stash not in ("both", "x1"):
+    raise ValueError(f"rev_stash must be 'both' or 'x1', got {rev_stash!r}")
+  input_buffer, param_buffer = METHODS[method]
+  out = []
+  for j, r in enumerate(sizes):
+    entry = 0
+    if not r["reversible"] and (j > 0 or first_input):
+      entry += r["input_bytes"]
+    elif r["reversible"] and input_buffer:
+      entry += r["input_x1_bytes"] if rev_stash == "x1" else r["input_bytes"]
+    if param_buffer:
+      entry += r["param_bytes"]
+    out.append(r["delay"] * entry)
+  return out
+
+
+def table3(sizes: Sequence[dict], rev_stash: str = "x1") -> list[dict]:
+  """Paper Table 3's model: model + input buffers + parameter buffers.
+
+  The model size is the parameter bytes; the first stage's input buffer is
+  left out. Savings are against the first row (both buffers).
+
+  Returns:
+    Four dicts: ``method``, ``input_buffer``, ``param_buffer``,
+    ``memory_gb`` (10^9 bytes) and ``saving_pct``.
+  """
+  model = sum(r["param_bytes"] for r in sizes)
+  rows = []
+  for method, (inp, par) in METHODS.items():
+    total = model + sum(stored_bytes(sizes, method, rev_stash=rev_stash, first_input=False))
+    rows.append({"method": method, "input_buffer": inp, "param_buffer": par,
+                 "memory_gb": total / GB})
+  for r in rows:
+    r["saving_pct"] = 100.0 * (1.0 - r["memory_gb"] / rows[0]["memory_gb"])
+  return rows
+
+
+def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
+                 num_classes: int = 10, seed: int = 0) -> dict:
+  """Runs PETRA to steady state and reads what each stage holds.
+
+  Feeds ``2(J-1) + 1`` micro-batches (one per tick) on one device; after the
+  last tick every stage has ``tau_j`` micro-batches between its forward and
+  its backward.
+
+  Returns:
+    ``{"petra": [bytes per stage], "delayed": [...], "sizes": [...]}``:
+    ``petra`` sums ``nbytes`` over ``state.buffers[j]``; ``delayed`` is what
+    stashing every stage's input and parameters ``tau_j`` times would hold,
+    with the sizes read from the live arrays (``sizes``, as
+    :func:`stage_sizes`).
+  """
+  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1])
+  rng = np.random.default_rng(seed)
+  images = jnp.asarray(rng.normal(size=(batch_size, *image_shape)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)
+  state = pipe.init(seed, images)
+  for _ in range(schedule.drain_ticks(pipe.num_stages) + 1):
+    state, _ = pipe.tick(state, images, labels)
+  jax.block_until_ready(state.stages)
+  petra = [sum(_nbytes(m.payload) for m in buf) for buf in state.buffers]
+  sizes = []
+  for j, s in enumerate(stages):
+    x = images if j == 0 else state.fwd_inbox[j].payload  # its next input
+    sizes.append({"name": s.name, "reversible": s.reversible,
+                  "delay": schedule.delay(j, pipe.num_stages),
+                  "input_bytes": _nbytes(x),
+                  "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
+                  "param_bytes": _nbytes(state.stages[j].params)})
+  return {"petra": petra, "delayed": stored_bytes(sizes, "delayed"), "sizes": sizes}
+
+
+def report(model: str, dataset: str, batch_size: int, width: int = 64,
+           live_width: Optional[int] = 4, live_batch: int = 4,
+           rev_stash: str = "x1") -> dict:
+  """The CLI's JSON.
+
+  Returns:
+    ``stored_bytes_per_stage`` (method -> bytes per stage, first stage
+    included, both streams), ``total_mib`` (method -> MiB), ``table3`` (rows
+    of :func:`table3` with ``rev_stash``), ``table3_both_streams``,
+    ``delays``, ``stage_names`` and, with ``live_width``, ``live``: the
+    measured bytes at ``live_width``/``live_batch`` against the analytic
+    ones there (``max_rel_err``).
+  """
+  d = models.DATASETS[dataset]
+  build = functools.partial(models.build_model, model, num_classes=d.num_classes,
+                            imagenet_stem=d.imagenet_stem)
+  sizes = stage_sizes(build(width=width), d.image_shape, batch_size)
+  stored = {m: stored_bytes(sizes, m) for m in METHODS}
+  out = {
+      "model": model, "dataset": dataset, "batch_size": batch_size, "width": width,
+      "stage_names": [r["name"] for r in sizes],
+      "delays": [r["delay"] for r in sizes],
+      "stored_bytes_per_stage": stored,
+      "total_mib": {m: sum(v) / MIB for m, v in stored.items()},
+      "table3": table3(sizes, rev_stash),
+      "table3_rev_stash": rev_stash,
+      "table3_both_streams": table3(sizes, "both"),
+  }
+  if live_width:
+    live_stages = build(width=live_width)
+    measured = measure_live(live_stages, d.image_shape, live_batch, d.num_classes)
+    analytic = stored_bytes(stage_sizes(live_stages, d.image_shape, live_batch), "petra")
+    err = max(abs(m - a) / max(a, 1) for m, a in zip(measured["petra"], analytic))
+    out["live"] = {"width": live_width, "batch_size": live_batch,
+                   "measured_bytes_per_stage": {k: measured[k] for k in ("petra", "delayed")},
+                   "analytic_bytes_per_stage": analytic, "max_rel_err": err}
+  return out
+
+
+def _print(r: dict, methods: Sequence[str]) -> None:
+  print(f"{r['model']} on {r['dataset']}, width {r['width']}, batch {r['batch_size']}: "
+        "MiB held between forward and backward, per stage (tau_j entries)")
+  print(f"{'stage':<15}{'tau':>4}" + "".join(f"{m:>12}" for m in methods))
+  for j, name in enumerate(r["stage_names"]):
+    print(f"{name:<15}{r['delays'][j]:>4}" +
+          "".join(f"{r['stored_bytes_per_stage'][m][j] / MIB:12.1f}" for m in methods))
+  print(f"{'total':<19}" + "".join(f"{r['total_mib'][m]:12.1f}" for m in methods))
+  if "live" in r:
+    lv = r["live"]
+    print(f"live PETRA run (width {lv['width']}, batch {lv['batch_size']}): measured "
+          f"{[b / MIB for b in lv['measured_bytes_per_stage']['petra']]} MiB, "
+          f"max rel. error vs analytic {lv['max_rel_err']:.2%}")
+  for key, label in (("table3", f"rev. stash {r['table3_rev_stash']}"),
+                     ("table3_both_streams", "rev. stash both streams")):
+    print(f"Table 3 model ({label}; first stage's input excluded):")
+    for row, (gb, pct) in zip(r[key], PAPER_TABLE3):
+      print(f"  input {'Y' if row['input_buffer'] else 'N'} params "
+            f"{'Y' if row['param_buffer'] else 'N'}: {row['memory_gb']:6.1f} GB, saving "
+            f"{row['saving_pct']:5.1f} %   (paper: {gb} GB, {pct} %)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m petra_jax.benchmarks.memory``; see the module docstring."""
+  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.memory",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="revnet50", choices=sorted(models.MODEL_SPECS))
+  p.add_argument("--dataset", default="imagenet", choices=sorted(models.DATASETS))
+  p.add_argument("--batch-size", type=int, default=64)
+  p.add_argument("--width", type=int, default=64)
+  p.add_argument("--method", default="all", choices=["all", *METHODS],
+                 help="methods to print (JSON always has all)")
+  p.add_argument("--rev-stash", default="x1", choices=["x1", "both"],
+                 help="reversible input stash in the Table 3 model")
+  p.add_argument("--live-width", type=int, default=4,
+                 help="width of the live PETRA check (0: skip)")
+  p.add_argument("--live-batch", type=int, default=4, help="batch of the live check")
+  p.add_argument("--json", action="store_true", help="print JSON")
+  args = p.parse_args(argv)
+  r = report(args.model, args.dataset, args.batch_size, args.width, args.live_width,
+             args.live_batch, args.rev_stash)
+  if args.json:
+    print(json.dumps(r))
+  else:
+    _print(r, list(METHODS) if args.method == "all" else [args.method])
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

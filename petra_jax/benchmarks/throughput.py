@@ -1,0 +1,424 @@
+"""Time per training step: backprop, revprop and PETRA (paper Tables 1 and 5).
+
+``python -m petra_jax.benchmarks.throughput --model=revnet18 --dataset=cifar10
+--batch-size=64 [--width=W] [--iters=N] [--json]`` measures, on one device and
+after warm-up, the median time (ms) of one training step -- one micro-batch
+through every stage, forward and backward:
+
+* ``backprop``: :meth:`Pipeline.backprop_step` (``jax.grad`` of the model);
+* ``revprop``: :meth:`Pipeline.revprop_step` (reconstruct instead of store);
+* ``petra``: one steady-state :meth:`Pipeline.tick` with the pipeline full:
+  every stage runs one forward and one backward, i.e. the same work as one
+  step, done by one device in sequence.
+
+It also times each stage's jitted forward and backward on correctly shaped
+inputs, and the ``jax.device_put`` of the activations a stage sends per tick
+between two (virtual CPU) devices. From these it simulates PETRA on ``J``
+devices: a tick takes ``max_j (F_j + B_j + T_j)`` against a sequential revprop
+step of ``sum_j (F_j + B_j)``; and it finds the contiguous grouping of the
+blocks on ``J' < J`` devices that minimises the slowest group (stage
+balancing). The paper (Table 5) reports 3.0x for RevNet18 on 10 GPUs and 2.4x
+for RevNet34 on 18; Table 1's floor for ``petra / backprop`` on one device is
+4/3 (a reversible backward re-runs the forward).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _request_cpu_devices(count: int) -> None:
+  """Asks XLA for ``count`` virtual CPU devices unless the user chose a count.
+
+  Only effective before JAX initialises its backend.
+  """
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _DEVICE_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
+
+
+if __name__ == "__main__":  # before JAX starts: one device to run, one to send to
+  _request_cpu_devices(2)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Callable, Optional, Sequence  # noqa: E402
+
+import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from petra_jax import models, schedule  # noqa: E402
+from petra_jax.pipeline import Pipeline  # noqa: E402
+from petra_jax.stage import Stage  # noqa: E402
+
+PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
+
+
+# ----------------------------------------------------------------------------
+# Timing helpers.
+# ----------------------------------------------------------------------------
+
+def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
+              setup: Optional[Callable[[], None]] = None) -> float:
+  """Median wall time (ms) of ``step()``, each call waited for.
+
+  Args:
+    step: runs one measured call and returns what to wait for.
+    iters: measured calls.
+    warmup: unmeasured calls first (compilation, caches).
+    setup: run (and waited for) before every call, outside the timer.
+  """
+  times = []
+  for i in range(warmup + iters):
+    if setup is not None:
+      jax.block_until_ready(setup())
+    start = time.perf_counter()
+    jax.block_until_ready(step())
+    if i >= warmup:
+      times.append(1e3 * (time.perf_counter() - start))
+  return statistics.median(times)
+
+
+def _copy(tree):
+  """A fresh copy of a pytree of arrays (inputs of donating steps)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _pipeline_arrays(state):
+  """Every array the next tick depends on (to wait for a whole tick)."""
+  msgs = [m.payload for m in state.fwd_inbox + state.bwd_inbox if m is not None]
+  return state.stages, msgs
+
+
+# ----------------------------------------------------------------------------
+# Measurements.
+# ----------------------------------------------------------------------------
+
+def step_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
+  """Median ms of one ``backprop``, ``revprop`` and steady-state ``petra`` step.
+
+  Args:
+    pipe: a pipeline whose stages all live on one device.
+    state: its freshly initialised (empty) state; consumed.
+    images, labels: one micro-batch, reused by every step.
+    iters, warmup: measured and unmeasured steps per method.
+
+  Returns:
+    ``({"backprop": ms, "revprop": ms, "petra": ms}, state)`` with the
+    pipeline left full.
+  """
+  box = {"state": state}
+
+  def run(method):
+    def step():
+      if method == "petra":
+        box["state"], out = pipe.tick(box["state"], images, labels)
+        return _pipeline_arrays(box["state"]), out.loss
+      fn = pipe.backprop_step if method == "backprop" else pipe.revprop_step
+      box["state"], loss = fn(box["state"], images, labels)
+      return box["state"].stages, loss
+    return step
+
+  ms = {"backprop": median_ms(run("backprop"), iters, warmup),
+        "revprop": median_ms(run("revprop"), iters, warmup)}
+  for _ in range(schedule.drain_ticks(pipe.num_stages)):  # fill: every stage busy
+    box["state"], _ = pipe.tick(box["state"], images, labels)
+  ms["petra"] = median_ms(run("petra"), iters, warmup)
+  return ms, box["state"]
+
+
+def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
+  """Median ms of each stage's jitted forward and backward, called directly.
+
+  Inputs are the activations of a forward through the model; cotangents are
+  ones. The last stage's ``backward`` is its whole tick (forward, loss and
+  backward at once), so its cost per tick is ``backward`` alone.
+
+  Args:
+    pipe, state: a pipeline on one device and its state (stage states are
+      advanced by the backward steps, which donate them).
+    images, labels: one micro-batch.
+
+  Returns:
+    ``(rows, activations)``: one dict per stage with ``forward`` and
+    ``backward`` (ms), and the stage inputs ``[images, x_1, ..., x_{J-1}]``.
+  """
+  J = pipe.num_stages
+  acts = [images]
+  for j in range(J - 1):
+    acts.append(pipe._forward[j](state.stages[j], acts[j])[0])
+  rows = []
+  for j, stage in enumerate(pipe.stages):
+    box = {"args": None}
+    fwd = median_ms(lambda: pipe._forward[j](state.stages[j], acts[j]), iters, warmup)
+    if j == J - 1:
+      def setup():
+        box["args"] = (acts[j], labels)
+        return box["args"]
+    elif stage.reversible:  # (y, dy), both donated
+      def setup():
+        box["args"] = _copy((acts[j + 1], jax.tree.map(jnp.ones_like, acts[j + 1])))
+        return box["args"]
+    else:  # (buffered input, dy)
+      def setup():
+        box["args"] = (acts[j], jax.tree.map(jnp.ones_like, acts[j + 1]))
+        return box["args"]
+
+    def bwd():
+      out = pipe._backward[j](state.stages[j], *box["args"])
+      state.stages[j] = out[0]
+      return out
+    rows.append({"name": stage.name, "reversible": stage.reversible, "forward": fwd,
+                 "backward": median_ms(bwd, iters, warmup, setup=setup)})
+  return rows, acts
+
+
+def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Device,
+                   iters: int, warmup: int = 1) -> list[dict]:
+  """Median ms of the ``jax.device_put`` of what each stage sends per tick.
+
+  Stage ``j`` sends its output to ``j+1`` (``send_forward``) and
+  ``(x~_j, delta_j)`` to ``j-1`` (``send_backward``; ``x~_j`` only when stage
+  ``j-1`` is reversible), as in :meth:`Pipeline.tick`.
+
+  Args:
+    pipe: the pipeline (for the stage kinds).
+    acts: stage inputs ``[images, x_1, ..., x_{J-1}]`` (on ``src``).
+    src, dst: two distinct devices.
+
+  Returns:
+    One dict per stage: ``send_forward``, ``send_backward`` (ms; 0 where the
+    stage sends nothing) and ``bytes_forward``, ``bytes_backward``.
+  """
+  J = pipe.num_stages
+  acts = [jax.device_put(a, src) for a in acts]
+
+  def put(tree):
+    return median_ms(lambda: jax.device_put(tree, dst), iters, warmup)
+
+  rows = []
+  for j in range(J):
+    fwd = acts[j + 1] if j < J - 1 else None
+    bwd = None
+    if j > 0:
+      bwd = (acts[j], acts[j]) if pipe.stages[j - 1].reversible else (acts[j],)
+    rows.append({"send_forward": put(fwd) if fwd is not None else 0.0,
+                 "send_backward": put(bwd) if bwd is not None else 0.0,
+                 "bytes_forward": _nbytes(fwd), "bytes_backward": _nbytes(bwd)})
+  return rows
+
+
+def _nbytes(tree) -> int:
+  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+
+# ----------------------------------------------------------------------------
+# The J-device simulation and stage balancing.
+# ----------------------------------------------------------------------------
+
+def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:
+  """Compute (ms) of each stage per tick: ``F_j + B_j``, the last stage ``B_j``.
+
+  The last stage's backward step already contains its forward.
+  """
+  costs = [f + b for f, b in zip(forward_ms, backward_ms)]
+  costs[-1] = backward_ms[-1]
+  return costs
+
+
+def group_cost(costs: Sequence[float], a: int, b: int,
+               send_forward: Optional[Sequence[float]] = None,
+               send_backward: Optional[Sequence[float]] = None) -> float:
+  """Tick time (ms) of one device running stages ``a..b`` (inclusive).
+
+  Its compute plus the sends that leave the group: the forward output of
+  stage ``b`` (unless last) and the backward message of stage ``a`` (unless
+  first). Sends within the group are free (same device).
+  """
+  total = float(sum(costs[a:b + 1]))
+  if send_forward is not None and b < len(costs) - 1:
+    total += send_forward[b]
+  if send_backward is not None and a > 0:
+    total += send_backward[a]
+  return total
+
+
+def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[float]] = None,
+                      send_backward: Optional[Sequence[float]] = None) -> float:
+  """PETRA on one device per stage against sequential revprop.
+
+  ``sum_j c_j / max_j (c_j + T_j)``: a PETRA tick waits for the slowest stage
+  (compute ``c_j`` plus its sends ``T_j``), while a sequential reversible step
+  runs every stage's forward and backward in turn.
+  """
+  tick = max(group_cost(costs, j, j, send_forward, send_backward) for j in range(len(costs)))
+  return float(sum(costs)) / tick
+
+
+def balanced_partition(costs: Sequence[float], num_groups: int,
+                       send_forward: Optional[Sequence[float]] = None,
+                       send_backward: Optional[Sequence[float]] = None):
+  """Contiguous split of stages into groups minimising the slowest group.
+
+  Dynamic programming over ``best[g][i]``: the smallest max group cost of the
+  first ``i`` stages in ``g`` groups (:func:`group_cost`, sends included when
+  given).
+
+  Args:
+    costs: per-stage (per-block) compute, ms.
+    num_groups: ``J'``, between 1 and ``len(costs)``.
+
+  Returns:
+    ``(groups, max_cost)``: ``groups`` a list of ``(first, last)`` stage
+    indices (inclusive), ``max_cost`` the slowest group's cost (ms).
+
+  Raises:
+    ValueError: ``num_groups`` outside ``[1, len(costs)]``.
+  """
+  n = len(costs)
+  if not 1 <= num_groups <= n:
+    raise ValueError(f"num_groups must be in [1, {n}], got {num_groups}")
+  inf = float("inf")
+  cost = lambda a, b: group_cost(costs, a, b, send_forward, send_backward)
+  best = [[inf] * (n + 1) for _ in range(num_groups + 1)]
+  cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
+  best[0][0] = 0.0
+  for g in range(1, num_groups + 1):
+    for i in range(g, n + 1):
+      for k in range(g - 1, i):  # last group is stages k..i-1
+        value = max(best[g - 1][k], cost(k, i - 1))
+        if value < best[g][i]:
+          best[g][i], cut[g][i] = value, k
+  groups, i = [], n
+  for g in range(num_groups, 0, -1):
+    k = cut[g][i]
+    groups.append((k, i - 1))
+    i = k
+  return groups[::-1], best[num_groups][n]
+
+
+def balancing_table(costs, send_forward=None, send_backward=None,
+                    group_counts: Sequence[int] = (2, 3, 4, 6, 8)) -> list[dict]:
+  """Simulated speed-up of the best grouping for a few device counts ``J'``."""
+  rows = []
+  for g in sorted({k for k in group_counts if 1 <= k <= len(costs)} | {len(costs)}):
+    groups, tick = balanced_partition(costs, g, send_forward, send_backward)
+    rows.append({"devices": g, "groups": [list(x) for x in groups], "tick_ms": tick,
+                 "simulated_speedup": float(sum(costs)) / tick})
+  return rows
+
+
+# ----------------------------------------------------------------------------
+# The whole benchmark.
+# ----------------------------------------------------------------------------
+
+def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
+              batch_size: int, iters: int = 5, warmup: int = 1, seed: int = 0) -> dict:
+  """Runs every measurement on ``jax.devices()[0]`` and returns the report.
+
+  Args:
+    stages: the model (:func:`petra_jax.models.build_model`).
+    input_shape: one example's shape, e.g. ``(32, 32, 3)``.
+    num_classes: classes of the head.
+    batch_size: micro-batch size.
+    iters, warmup: measured and unmeasured calls per timing.
+    seed: initialisation and data seed.
+
+  Returns:
+    A JSON-able dict: ``ms_per_step`` (``backprop``, ``revprop``, ``petra``),
+    ``ratio_petra_backprop``, ``ratio_revprop_backprop``, ``stage_ms`` (per
+    stage ``forward``, ``backward``, ``send_forward``, ``send_backward``, ms),
+    ``simulated_speedup`` (with sends), ``simulated_speedup_compute_only``,
+    ``balancing`` (:func:`balancing_table`), ``num_stages``, ``devices``.
+  """
+  devices = jax.devices()
+  pipe = Pipeline(stages, optax.sgd(1e-3, momentum=0.9), devices[:1])
+  rng = np.random.default_rng(seed)
+  images = jax.device_put(
+      rng.normal(size=(batch_size, *input_shape)).astype(np.float32), devices[0])
+  labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32),
+                          devices[0])
+  state = pipe.init(seed, images)
+  ms, state = step_times(pipe, state, images, labels, iters, warmup)
+  rows, acts = stage_times(pipe, state, images, labels, iters, warmup)
+  if len(devices) > 1:
+    sends = transfer_times(pipe, acts, devices[0], devices[1], iters, warmup)
+  else:  # nowhere to send to: report compute only
+    sends = [{"send_forward": 0.0, "send_backward": 0.0} for _ in rows]
+  for row, send in zip(rows, sends):
+    row.update(send)
+  costs = stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])
+  fwd_send = [r["send_forward"] for r in rows]
+  bwd_send = [r["send_backward"] for r in rows]
+  return {
+      "ms_per_step": ms,
+      "ratio_petra_backprop": ms["petra"] / ms["backprop"],
+      "ratio_revprop_backprop": ms["revprop"] / ms["backprop"],
+      "stage_ms": rows,
+      "sum_stage_ms": float(sum(costs)),
+      "simulated_speedup": simulated_speedup(costs, fwd_send, bwd_send),
+      "simulated_speedup_compute_only": simulated_speedup(costs),
+      "balancing": balancing_table(costs, fwd_send, bwd_send),
+      "num_stages": len(stages),
+      "batch_size": batch_size,
+      "devices": [str(d) for d in devices[:2]],
+  }
+
+
+def _print_report(r: dict, name: str) -> None:
+  ms = r["ms_per_step"]
+  print(f"{name}: {r['num_stages']} stages, batch {r['batch_size']}, "
+        f"ms per step (median):")
+  for k in ("backprop", "revprop", "petra"):
+    print(f"  {k:<9} {ms[k]:10.1f} ms  ({ms[k] / ms['backprop']:.2f}x backprop)")
+  print(f"{'stage':<13}{'F ms':>9}{'B ms':>9}{'send F':>9}{'send B':>9}")
+  for r_ in r["stage_ms"]:
+    print(f"{r_['name']:<13}{r_['forward']:9.1f}{r_['backward']:9.1f}"
+          f"{r_['send_forward']:9.2f}{r_['send_backward']:9.2f}")
+  print(f"sum of stage costs {r['sum_stage_ms']:.1f} ms; simulated speed-up on "
+        f"{r['num_stages']} devices: {r['simulated_speedup']:.2f}x "
+        f"({r['simulated_speedup_compute_only']:.2f}x without sends; paper Table 5: "
+        f"{PAPER_SPEEDUP.get(name, float('nan'))}x)")
+  print("stage balancing (contiguous groups on J' devices):")
+  for b in r["balancing"]:
+    print(f"  J'={b['devices']:<3} tick {b['tick_ms']:8.1f} ms  speed-up "
+          f"{b['simulated_speedup']:.2f}x  groups {b['groups']}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m petra_jax.benchmarks.throughput``; see the module docstring."""
+  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.throughput",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
+  p.add_argument("--dataset", default="cifar10", choices=sorted(models.DATASETS))
+  p.add_argument("--batch-size", type=int, default=64, help="micro-batch size")
+  p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
+  p.add_argument("--iters", type=int, default=5, help="measured calls per timing")
+  p.add_argument("--warmup", type=int, default=1, help="unmeasured calls first")
+  p.add_argument("--image-size", type=int, default=None,
+                 help="override the dataset's image side (tiny smoke runs)")
+  p.add_argument("--json", action="store_true", help="print JSON")
+  args = p.parse_args(argv)
+  d = models.DATASETS[args.dataset]
+  shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
+  stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
+                              imagenet_stem=d.imagenet_stem)
+  report = benchmark(stages, shape, d.num_classes, args.batch_size, args.iters, args.warmup)
+  report.update(model=args.model, dataset=args.dataset, width=args.width)
+  if args.json:
+    print(json.dumps(report))
+  else:
+    _print_report(report, args.model)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

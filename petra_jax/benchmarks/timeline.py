@@ -1,0 +1,163 @@
+"""The PETRA schedule as run: a Fig. 1-style chart of a recorded timeline.
+
+``python -m petra_jax.benchmarks.timeline --model=revnet18 --width=4 --ticks=30
+--out=docs/timeline.png`` runs a tiny PETRA pipeline with
+``record_timeline=True`` (a new micro-batch every tick), draws ticks on x,
+stages on y and one forward (F) and one backward (B) cell per stage and tick,
+labelled with the micro-batch id, and prints how long the pipeline took to
+fill and how many F/B slots stayed idle (bubbles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from typing import Optional, Sequence
+
+import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
+import jax
+import jax.numpy as jnp
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch, Rectangle  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from petra_jax import models  # noqa: E402
+from petra_jax.pipeline import Pipeline  # noqa: E402
+
+Event = tuple  # (tick, stage, "F" | "B", micro_batch)
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE"}
+
+
+def timeline_stats(timeline: Sequence[Event], num_stages: int,
+                   num_ticks: Optional[int] = None) -> dict:
+  """Fill and bubble counts of a recorded timeline.
+
+  Every stage has one F and one B slot per tick.
+
+  Args:
+    timeline: ``(tick, stage, kind, micro_batch)`` events.
+    num_stages: ``J``.
+    num_ticks: ticks run (default: last recorded tick + 1).
+
+  Returns:
+    ``ticks``, ``slots`` (``2 J ticks``), ``busy`` (events), ``bubbles``
+    (idle slots), ``first_loss_tick`` (the last stage's first event, ``J-1``
+    from empty) and ``fill_ticks`` (ticks before the first one with every slot
+    busy, ``2(J-1)`` from empty; None if never full).
+  """
+  if num_ticks is None:
+    num_ticks = 1 + max((e[0] for e in timeline), default=-1)
+  per_tick = collections.Counter(e[0] for e in timeline)
+  full = [t for t in range(num_ticks) if per_tick[t] == 2 * num_stages]
+  last = [e[0] for e in timeline if e[1] == num_stages - 1]
+  slots = 2 * num_stages * num_ticks
+  return {"ticks": num_ticks, "slots": slots, "busy": len(timeline),
+          "bubbles": slots - len(timeline),
+          "first_loss_tick": min(last) if last else None,
+          "fill_ticks": full[0] if full else None}
+
+
+def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
+                  title: Optional[str] = None, num_ticks: Optional[int] = None) -> str:
+  """Draws the timeline (paper Fig. 1 style) to an image file.
+
+  Each (tick, stage) cell is split in two: the forward on the left (blue), the
+  backward on the right (orange), each labelled with its micro-batch id; an
+  idle half (grey) is a bubble. Stage 0 is at the top.
+
+  Args:
+    timeline: ``(tick, stage, "F" | "B", micro_batch)`` events, e.g.
+      ``Pipeline.timeline``.
+    num_stages: ``J``.
+    path: output file (format from the extension, e.g. ``.png``).
+    title: the chart's title (default: a summary with the bubble count).
+    num_ticks: ticks on the x axis (default: up to the last event).
+
+  Returns:
+    ``path``.
+  """
+  stats = timeline_stats(timeline, num_stages, num_ticks)
+  ticks = stats["ticks"]
+  fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * ticks + 1.5), 0.45 * num_stages + 1.6))
+  small = 6 if ticks <= 40 else 4
+  for t in range(ticks):  # idle slots stay light grey
+    for j in range(num_stages):
+      ax.add_patch(Rectangle((t, j - 0.45), 1.0, 0.9, facecolor=COLORS["idle"],
+                             edgecolor="white", linewidth=0.5))
+  for t, j, kind, m in timeline:
+    x = t + (0.0 if kind == "F" else 0.5)
+    ax.add_patch(Rectangle((x, j - 0.45), 0.5, 0.9, facecolor=COLORS[kind],
+                           edgecolor="white", linewidth=0.5))
+    ax.text(x + 0.25, j, str(m), ha="center", va="center", fontsize=small, color="white")
+  ax.set_xlim(0, ticks)
+  ax.set_ylim(num_stages - 0.5, -0.5)
+  ax.set_xticks(np.arange(ticks) + 0.5, [str(t) for t in range(ticks)], fontsize=small + 1)
+  ax.set_yticks(range(num_stages))
+  ax.set_xlabel("tick")
+  ax.set_ylabel("stage")
+  ax.set_title(title or (f"PETRA schedule, {num_stages} stages: F then B per tick, "
+                         f"labels = micro-batch; {stats['bubbles']} idle of "
+                         f"{stats['slots']} slots"), fontsize=9)
+  ax.legend(handles=[Patch(color=COLORS["F"], label="forward (F)"),
+                     Patch(color=COLORS["B"], label="backward (B)"),
+                     Patch(color=COLORS["idle"], label="idle (bubble)")],
+            loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def run_timeline(stages, image_shape: Sequence[int], num_ticks: int,
+                 batch_size: int = 8, num_classes: int = 10, seed: int = 0):
+  """Runs ``num_ticks`` PETRA ticks (a micro-batch fed every tick).
+
+  Returns:
+    The recorded ``Pipeline.timeline``.
+  """
+  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], record_timeline=True)
+  key = jax.random.key(seed)
+  images = jax.random.normal(key, (batch_size, *image_shape), jnp.float32)
+  labels = jax.random.randint(key, (batch_size,), 0, num_classes, jnp.int32)
+  state = pipe.init(seed, images)
+  for _ in range(num_ticks):
+    state, _ = pipe.tick(state, images, labels)
+  jax.block_until_ready(state.stages)
+  return pipe.timeline
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m petra_jax.benchmarks.timeline``; see the module docstring."""
+  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.timeline",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
+  p.add_argument("--dataset", default="cifar10", choices=sorted(models.DATASETS))
+  p.add_argument("--width", type=int, default=4)
+  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--image-size", type=int, default=None,
+                 help="override the dataset's image side (the schedule does not depend on it)")
+  p.add_argument("--ticks", type=int, default=30)
+  p.add_argument("--out", default="docs/timeline.png")
+  args = p.parse_args(argv)
+  d = models.DATASETS[args.dataset]
+  shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
+  stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
+                              imagenet_stem=d.imagenet_stem)
+  timeline = run_timeline(stages, shape, args.ticks, args.batch_size, d.num_classes)
+  J = len(stages)
+  plot_timeline(timeline, J, args.out, num_ticks=args.ticks)
+  s = timeline_stats(timeline, J, args.ticks)
+  print(f"{args.model}: {J} stages, {s['ticks']} ticks -> {args.out}")
+  print(f"first loss on tick {s['first_loss_tick']} (J-1 = {J - 1}); pipeline full from "
+        f"tick {s['fill_ticks']} (2(J-1) = {2 * (J - 1)}); bubbles: {s['bubbles']} idle of "
+        f"{s['slots']} F/B slots ({s['busy']} busy)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

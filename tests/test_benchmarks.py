@@ -1,0 +1,152 @@
+"""Benchmarks: report schema, speed-up model, stage balancing, stored bytes, timeline."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from petra_jax import models, schedule
+from petra_jax.benchmarks import memory, throughput, timeline
+from petra_jax.stage import Stage
+
+IMAGE = (8, 8, 3)
+
+
+def _tiny_revnet():
+  """stem, rev, downsample, rev, head: a 5-stage RevNet of width 2 (fast to compile)."""
+  return [Stage("stem", models.Stem(2), False),
+          Stage("rev0", models.BasicResidual(2), True),
+          Stage("down", models.BasicDownsample(4, 2), False),
+          Stage("rev1", models.BasicResidual(4), True),
+          Stage("head", models.Head(10), False)]
+
+
+# --- throughput ----------------------------------------------------------------
+
+
+def test_throughput_report_schema():
+  r = throughput.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=4, iters=1, warmup=1)
+  r = json.loads(json.dumps(r))  # JSON-able
+  assert set(r["ms_per_step"]) == {"backprop", "revprop", "petra"}
+  assert all(v > 0 for v in r["ms_per_step"].values())
+  assert r["ratio_petra_backprop"] == pytest.approx(
+      r["ms_per_step"]["petra"] / r["ms_per_step"]["backprop"])
+  assert r["num_stages"] == 5 and len(r["stage_ms"]) == 5
+  for row in r["stage_ms"]:
+    assert row["forward"] > 0 and row["backward"] > 0
+  assert r["stage_ms"][0]["send_backward"] == 0 and r["stage_ms"][-1]["send_forward"] == 0
+  rows = r["stage_ms"]
+  assert rows[1]["bytes_backward"] == rows[0]["bytes_forward"]  # dx only to the stem
+  assert rows[2]["bytes_backward"] == 2 * rows[1]["bytes_forward"]  # (x~, dx) to a rev stage
+  assert r["simulated_speedup"] > 0
+  assert r["simulated_speedup"] <= r["simulated_speedup_compute_only"] + 1e-9
+  assert r["balancing"][-1]["devices"] == 5
+
+
+def test_stage_cost_last_stage_is_backward_only():
+  assert throughput.stage_cost([1, 2, 3], [10, 20, 30]) == [11, 22, 30]
+
+
+def test_simulated_speedup_formula():
+  costs = [2.0, 6.0, 4.0]
+  assert throughput.simulated_speedup(costs) == pytest.approx(12 / 6)
+  # Stage 1 sends forward 1 ms and backward 0.5 ms: its tick is 7.5 ms.
+  fwd, bwd = [0.5, 1.0, 0.0], [0.0, 0.5, 3.0]
+  assert throughput.simulated_speedup(costs, fwd, bwd) == pytest.approx(12 / 7.5)
+  # Stage 2: 4 + 3 (its backward send) = 7 < 7.5.
+  assert throughput.group_cost(costs, 2, 2, fwd, bwd) == pytest.approx(7.0)
+  # Balanced stages on J devices: speed-up J.
+  assert throughput.simulated_speedup([3.0] * 10) == pytest.approx(10.0)
+
+
+def _brute_force(costs, k, fwd=None, bwd=None):
+  n, best = len(costs), float("inf")
+  for cuts in itertools.combinations(range(1, n), k - 1):
+    bounds = (0, *cuts, n)
+    worst = max(throughput.group_cost(costs, a, b - 1, fwd, bwd)
+                for a, b in zip(bounds, bounds[1:]))
+    best = min(best, worst)
+  return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_partition_matches_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(1, 8))
+  costs = list(rng.uniform(0.1, 5.0, n))
+  fwd, bwd = list(rng.uniform(0, 1, n)), list(rng.uniform(0, 1, n))
+  for k in range(1, n + 1):
+    for sends in ((None, None), (fwd, bwd)):
+      groups, worst = throughput.balanced_partition(costs, k, *sends)
+      assert worst == pytest.approx(_brute_force(costs, k, *sends))
+      assert len(groups) == k and groups[0][0] == 0 and groups[-1][1] == n - 1
+      assert all(b + 1 == c for (_, b), (c, _) in zip(groups, groups[1:]))
+      assert max(throughput.group_cost(costs, a, b, *sends) for a, b in groups) == \
+          pytest.approx(worst)
+
+
+def test_balanced_partition_rejects_bad_group_count():
+  with pytest.raises(ValueError):
+    throughput.balanced_partition([1.0, 2.0], 3)
+
+
+# --- memory --------------------------------------------------------------------
+
+
+def test_measured_stored_bytes_match_formula():
+  stages = _tiny_revnet()
+  J, batch = len(stages), 4
+  live = memory.measure_live(stages, IMAGE, batch)
+  sizes = memory.stage_sizes(stages, IMAGE, batch)
+  analytic = memory.stored_bytes(sizes, "petra")
+  assert live["petra"] == analytic
+  assert live["delayed"] == memory.stored_bytes(sizes, "delayed")
+  for j, (s, b) in enumerate(zip(stages, live["petra"])):
+    tau = schedule.delay(j, J)
+    assert tau == 2 * (J - 1 - j)
+    assert b == (0 if s.reversible else tau * sizes[j]["input_bytes"])
+  assert live["petra"][0] == schedule.delay(0, J) * batch * int(np.prod(IMAGE)) * 4
+  # Table 3 leaves the first stage's input out (it re-reads the dataset).
+  table3_petra = memory.stored_bytes(sizes, "petra", first_input=False)
+  assert table3_petra[0] == 0 and table3_petra[1:] == analytic[1:]
+
+
+def test_revnet18_matches_reference_numbers():
+  stages = models.build_model("revnet18", width=64, num_classes=10)
+  sizes = memory.stage_sizes(stages, (32, 32, 3), 64)
+  petra = [b / memory.MIB for b in memory.stored_bytes(sizes, "petra")]
+  assert petra == pytest.approx([13.5, 0, 0, 384, 0, 128, 0, 32, 0, 0])
+  delayed = sum(memory.stored_bytes(sizes, "delayed")) / memory.MIB
+  assert delayed == pytest.approx(1911.3, rel=1e-3)  # the reference counts conv biases
+
+
+def test_table3_revnet50_imagenet():
+  d = models.DATASETS["imagenet"]
+  stages = models.build_model("revnet50", width=64, num_classes=d.num_classes,
+                              imagenet_stem=True)
+  rows = memory.table3(memory.stage_sizes(stages, d.image_shape, 64))
+  assert [(r["input_buffer"], r["param_buffer"]) for r in rows] == [
+      (True, True), (True, False), (False, True), (False, False)]
+  assert rows[0]["saving_pct"] == 0
+  for r, (_, paper) in zip(rows, memory.PAPER_TABLE3):
+    assert abs(r["saving_pct"] - paper) < 2.0
+
+
+# --- timeline ------------------------------------------------------------------
+
+
+def test_timeline_png(tmp_path):
+  stages, ticks = _tiny_revnet(), 12
+  J = len(stages)
+  events = timeline.run_timeline(stages, IMAGE, ticks, batch_size=2)
+  for t, j, kind, m in events:
+    assert t == (schedule.forward_tick if kind == "F" else schedule.backward_tick)(m, j, J)
+  stats = timeline.timeline_stats(events, J, ticks)
+  assert stats["first_loss_tick"] == J - 1
+  assert stats["fill_ticks"] == 2 * (J - 1)
+  assert stats["bubbles"] == 2 * J * (J - 1)  # j idle F slots + 2(J-1)-j idle B slots
+  path = timeline.plot_timeline(events, J, str(tmp_path / "timeline.png"), num_ticks=ticks)
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert (tmp_path / "timeline.png").stat().st_size > 1000
