@@ -18,11 +18,11 @@ def get_config():
   c.model.width = 8
   c.batch_size = 128
   c.accumulation_steps = 1
-  c.num_epochs = 5
+  c.num_epochs = 4
   c.num_devices = 1
   c.eval_every = 1
   c.log_every = 50
-  c.optim.learning_rate = 0.1
+  c.optim.learning_rate = 0.05
   c.optim.schedule = "cosine"
   c.optim.warmup_epochs = 0.5
   return c

@@ -8,7 +8,11 @@ is ``batch_size=128, accumulation_steps=2``.
 
 import ml_collections
 
-METHODS = ("backprop", "revprop", "petra")
+# backprop: jax.grad of the composed model; revprop: the pipeline with every
+# delay forced to 0 (synchronous reversible backprop); the others are the
+# asynchronous methods of paper Table 4 (see petra_jax.pipeline).
+METHODS = ("backprop", "revprop", "petra", "delayed", "dsp", "approximate_input")
+RECONSTRUCTING_METHODS = ("revprop", "petra", "approximate_input")
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -33,6 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices
   c.seed = 0
+  c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
+  c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
+  c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)

@@ -19,14 +19,18 @@ class MetricWriter:
   Args:
     workdir: output directory (created if needed).
     enabled: False on every process but 0 in multi-process runs.
+    truncate_to: on resume, cut ``metrics.jsonl`` to this many bytes first.
   """
 
-  def __init__(self, workdir: str, enabled: bool = True):
+  def __init__(self, workdir: str, enabled: bool = True, truncate_to: int | None = None):
     self.enabled = enabled
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
+    if truncate_to is not None and os.path.exists(self.path):
+      # Resuming: drop lines written after the checkpoint (they will be rewritten).
+      os.truncate(self.path, truncate_to)
     self._file = open(self.path, "a", encoding="utf-8")
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
@@ -42,6 +46,10 @@ class MetricWriter:
     for k, v in record.items():
       if k != "step" and isinstance(v, float) and math.isfinite(v):
         self._tb.add_scalar(k, v, step)
+
+  def offset(self) -> int:
+    """Bytes of ``metrics.jsonl`` written so far (saved in checkpoints)."""
+    return self._file.tell() if self.enabled else 0
 
   def close(self):
     if self.enabled:

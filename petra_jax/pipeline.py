@@ -33,16 +33,26 @@ import functools
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
 from petra_jax import schedule
 from petra_jax import transport
 from petra_jax.stage import (Stage, cross_entropy, forward, loss_vjp, recompute_vjp,
-                             reverse_vjp)
+                             reverse_vjp, reverse_vjp_stashed)
 
 PyTree = Any
 BN_POLICIES = ("backward", "forward")
+
+# Asynchronous methods of paper Table 4: what each stage keeps between a
+# micro-batch's forward and its backward (the last stage keeps nothing).
+#   method              inputs stashed          weights stashed  reversible stages
+#   petra               non-reversible only     no               reconstruct, current weights
+#   approximate_input   non-reversible only     yes              reconstruct (current), vjp (stashed)
+#   dsp                 all stages              no               no reconstruction (Xu et al.)
+#   delayed             all stages              yes              no reconstruction (PipeDream)
+PIPELINE_METHODS = ("petra", "approximate_input", "dsp", "delayed")
 
 
 class StageState(train_state.TrainState):
@@ -73,8 +83,16 @@ class PipelineState:
     fwd_inbox: ``fwd_inbox[j]``: the input stage ``j`` runs forward next tick.
     bwd_inbox: ``bwd_inbox[j]``: ``(x~_j or None, delta_{j+1})`` stage ``j``
       runs backward next tick (``x~`` is only sent to reversible stages).
-    buffers: FIFO of inputs of each non-reversible stage (empty otherwise).
+    buffers: FIFO of the inputs each stage stashed (non-reversible stages,
+      or every stage for ``dsp``/``delayed``).
+    weight_stash: FIFO of the parameters each stage's forward used
+      (``delayed``/``approximate_input`` only).
     labels: FIFO of labels in flight to the last stage (on its device).
+    probes: copies of the inputs of reversible stages for the micro-batches
+      whose reconstruction error is measured (``Pipeline(probe_every=...)``);
+      a diagnostic, not saved in checkpoints.
+    reconstruction_errors: ``(micro_batch, stage, error)`` measured since the
+      caller last emptied the list; ``error`` is a float32 device scalar.
   """
   stages: list
   tick: int = 0
@@ -82,7 +100,10 @@ class PipelineState:
   fwd_inbox: list = dataclasses.field(default_factory=list)
   bwd_inbox: list = dataclasses.field(default_factory=list)
   buffers: list = dataclasses.field(default_factory=list)
+  weight_stash: list = dataclasses.field(default_factory=list)
   labels: collections.deque = dataclasses.field(default_factory=collections.deque)
+  probes: dict = dataclasses.field(default_factory=dict)
+  reconstruction_errors: list = dataclasses.field(default_factory=list)
 
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""
@@ -90,6 +111,14 @@ class PipelineState:
     for buf in self.buffers:
       waiting |= {m.micro_batch for m in buf}
     return len(waiting)
+
+  def stored_bytes(self) -> list[int]:
+    """Bytes each stage holds between forwards and backwards (input buffers
+    and weight stashes; in-flight messages excluded)."""
+    def nbytes(msgs):
+      return sum(x.nbytes for m in msgs for x in jax.tree.leaves(m.payload))
+    stash = self.weight_stash or [()] * len(self.buffers)
+    return [nbytes(b) + nbytes(w) for b, w in zip(self.buffers, stash)]
 
 
 class TickOutput(NamedTuple):
@@ -112,22 +141,31 @@ def forward_step(stage: Stage, state: StageState, x):
   return forward(stage, state.params, state.batch_stats, x)
 
 
-def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy):
+def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
+                          vjp_params=None):
   """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
 
-  Returns ``(new_state, x_tilde, dx)``.
+  With ``vjp_params`` (stashed forward weights), the vjp is taken with them
+  (Table 4's "approximate input"). Returns ``(new_state, x_tilde, dx)``.
   """
-  x, dx, grads, stats = reverse_vjp(stage, state.params, state.batch_stats, y, dy)
+  if vjp_params is None:
+    x, dx, grads, stats = reverse_vjp(stage, state.params, state.batch_stats, y, dy)
+  else:
+    x, dx, grads, stats = reverse_vjp_stashed(stage, state.params, vjp_params,
+                                              state.batch_stats, y, dy)
   return _update(state, grads, stats, take_stats), x, dx
 
 
 def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
-                            state: StageState, x, dy):
-  """Non-reversible stage: recompute from the buffered input, vjp and update.
+                            state: StageState, x, dy, vjp_params=None):
+  """Recompute from the buffered input, vjp and update.
 
-  Returns ``(new_state, dx)`` (``dx`` is None without ``input_grad``).
+  The vjp uses ``vjp_params`` (stashed forward weights: ``delayed``) when
+  given, else the current weights. Returns ``(new_state, dx)`` (``dx`` is
+  None without ``input_grad``).
   """
-  dx, grads, stats = recompute_vjp(stage, state.params, state.batch_stats, x, dy,
+  params = state.params if vjp_params is None else vjp_params
+  dx, grads, stats = recompute_vjp(stage, params, state.batch_stats, x, dy,
                                    input_grad=input_grad)
   return _update(state, grads, stats, take_stats), dx
 
@@ -136,6 +174,13 @@ def loss_step(stage: Stage, state: StageState, x, labels):
   """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
   loss, dx, grads, stats = loss_vjp(stage, state.params, state.batch_stats, x, labels)
   return _update(state, grads, stats, True), dx, loss
+
+
+def relative_error(x_tilde, x) -> jax.Array:
+  """``||x~ - x|| / ||x||`` over all leaves (float32 scalar)."""
+  num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(x_tilde), jax.tree.leaves(x)))
+  den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(x))
+  return jnp.sqrt(num / den)
 
 
 def eval_step(stage: Stage, state: StageState, x):
@@ -177,6 +222,8 @@ class Pipeline:
   Args:
     stages: the model's stages (at least 2; the last one computes the loss).
     tx: the optax optimizer of every stage (its state is per stage).
+    method: one of ``PIPELINE_METHODS`` (see the table above); ``"petra"``
+      is paper Eq. 5.
     devices: devices to spread the stages over in contiguous blocks (default:
       all local devices). Fewer devices than stages is fine.
     bn_stats: ``"backward"`` (paper, Sec. 4: running statistics updated by the
@@ -184,27 +231,47 @@ class Pipeline:
       ``"forward"`` (the authors' code: updated by the forward).
     record_timeline: keep ``(tick, stage, "F"|"B", micro_batch)`` events in
       ``self.timeline`` (paper Fig. 1).
+    probe_every: if > 0, every micro-batch whose index is a multiple of it
+      has the reconstruction error ``||x~ - x|| / ||x||`` of each reversible
+      stage measured (its true input is copied at the forward) and appended to
+      ``state.reconstruction_errors``. Costs one copy of the input and one
+      small reduction per probed micro-batch and stage; nothing when 0.
 
   Raises:
-    ValueError: fewer than 2 stages, a reversible first or last stage, or an
-      unknown ``bn_stats`` policy.
+    ValueError: fewer than 2 stages, a reversible first or last stage, an
+      unknown ``bn_stats`` policy or method, or a reconstructing method on a
+      model without reversible stages.
   """
 
   def __init__(self, stages: Sequence[Stage], tx: optax.GradientTransformation,
                devices: Optional[Sequence[jax.Device]] = None, *,
-               bn_stats: str = "backward", record_timeline: bool = False):
+               method: str = "petra", bn_stats: str = "backward", record_timeline: bool = False,
+               probe_every: int = 0):
     if len(stages) < 2:
       raise ValueError(f"PETRA needs at least 2 stages, got {len(stages)}.")
     if stages[0].reversible or stages[-1].reversible:
       raise ValueError("the first stage (input) and the last (loss) cannot be reversible.")
     if bn_stats not in BN_POLICIES:
       raise ValueError(f"Unknown bn_stats policy {bn_stats!r}; choose one of {BN_POLICIES}.")
+    if method not in PIPELINE_METHODS:
+      raise ValueError(f"Unknown pipeline method {method!r}; choose one of {PIPELINE_METHODS}.")
+    if method in ("petra", "approximate_input") and not any(s.reversible for s in stages):
+      raise ValueError(f"method {method!r} reconstructs inputs and needs reversible stages; "
+                       "this model has none: use 'dsp' or 'delayed'.")
+    self.method = method
+    self.stash_inputs = method in ("dsp", "delayed")
+    self.stash_params = method in ("delayed", "approximate_input")
     self.stages = list(stages)
     self.num_stages = len(stages)
     self.tx = tx
     self.devices = assign_devices(self.num_stages, devices or jax.local_devices())
     self.stats_in_forward = bn_stats == "forward"
+    # Stage j rebuilds its input from its output (otherwise it pops a buffer).
+    self.reconstructs = [s.reversible and not self.stash_inputs for s in stages]
     self.record_timeline = record_timeline
+    self.probe_every = probe_every
+    self._relative_error = jax.jit(relative_error)
+    self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
     self.timeline: list[tuple[int, int, str, int]] = []
 
     take = not self.stats_in_forward
@@ -214,7 +281,7 @@ class Pipeline:
     for j, s in enumerate(stages):
       if j == self.num_stages - 1:
         fn = jax.jit(functools.partial(loss_step, s), donate_argnums=0)
-      elif s.reversible:
+      elif self.reconstructs[j]:
         fn = jax.jit(functools.partial(reverse_backward_step, s, take), donate_argnums=(0, 1, 2))
       else:
         fn = jax.jit(functools.partial(recompute_backward_step, s, take, j > 0), donate_argnums=0)
@@ -248,11 +315,12 @@ class Pipeline:
                            variables["batch_stats"], x)[0]
       return states
 
-    shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
-    states = jax.jit(init_all, out_shardings=shardings)(jax.random.key(seed, impl="rbg"))
+    states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
+    states = [transport.send(s, d) for s, d in zip(states, self.devices)]
     J = self.num_stages
     return PipelineState(stages=states, fwd_inbox=[None] * J, bwd_inbox=[None] * J,
-                         buffers=[collections.deque() for _ in range(J)])
+                         buffers=[collections.deque() for _ in range(J)],
+                         weight_stash=[collections.deque() for _ in range(J)])
 
   # -- PETRA -----------------------------------------------------------------
 
@@ -296,19 +364,32 @@ class Pipeline:
         y, stats = self._forward[j](st, fin.payload)
         if self.stats_in_forward:
           st = st.replace(batch_stats=stats)
-        if not stage.reversible:
+        if self.stash_params:  # copied: the backward donates the live ones
+          state.weight_stash[j].append(Message(fin.micro_batch, self._copy(st.params)))
+        if not self.reconstructs[j]:
           state.buffers[j].append(fin)
+        elif self.probe_every and fin.micro_batch % self.probe_every == 0:
+          state.probes[(j, fin.micro_batch)] = self._copy(fin.payload)  # later donated
         fwd_next[j + 1] = Message(fin.micro_batch, transport.send(y, self.devices[j + 1]))
         self._record(state.tick, j, "F", fin.micro_batch)
       if bin_ is not None:  # reverse-backward with theta^t, then the update
         y, dy = bin_.payload
-        if stage.reversible:
-          st, x, dx = self._backward[j](st, y, dy)
+        stashed = None
+        if self.stash_params:
+          msg = state.weight_stash[j].popleft()
+          assert msg.micro_batch == bin_.micro_batch, (msg.micro_batch, bin_.micro_batch)
+          stashed = msg.payload
+        if self.reconstructs[j]:
+          st, x, dx = self._backward[j](st, y, dy, stashed)
+          probe = state.probes.pop((j, bin_.micro_batch), None)
+          if probe is not None:
+            state.reconstruction_errors.append(
+                (bin_.micro_batch, j, self._relative_error(x, probe)))
         else:
           buffered = state.buffers[j].popleft()
           assert buffered.micro_batch == bin_.micro_batch, (buffered.micro_batch, bin_.micro_batch)
           x = buffered.payload
-          st, dx = self._backward[j](st, x, dy)
+          st, dx = self._backward[j](st, x, dy, stashed)
         if j > 0:
           bwd_next[j - 1] = self._send_back(j, bin_.micro_batch, x, dx)
         self._record(state.tick, j, "B", bin_.micro_batch)
@@ -329,10 +410,12 @@ class Pipeline:
     return state, outputs
 
   def revprop_step(self, state: PipelineState, images, labels):
-    """Synchronous reversible backprop of one micro-batch (no delay).
+    """One micro-batch with every delay forced to 0.
 
     The same stage steps as :meth:`tick`, with the pipeline drained after the
-    micro-batch. Returns ``(state, loss)``.
+    micro-batch: for ``method="petra"`` this is synchronous reversible
+    backprop (``revprop``); for every method the gradients are exact.
+    Returns ``(state, loss)``.
 
     Raises:
       RuntimeError: if micro-batches are already in flight.
@@ -372,7 +455,7 @@ class Pipeline:
   def _send_back(self, j: int, micro_batch: int, x, dx) -> Message:
     """``(x~_{j-1}, delta_j)`` to stage ``j-1``; ``x~`` only if it is reversible."""
     dst = self.devices[j - 1]
-    x = transport.send(x, dst) if self.stages[j - 1].reversible else None
+    x = transport.send(x, dst) if self.reconstructs[j - 1] else None
     return Message(micro_batch, (x, transport.send(dx, dst)))
 
   def _record(self, tick: int, j: int, kind: str, micro_batch: int):

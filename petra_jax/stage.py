@@ -138,6 +138,27 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
   return (y2, y1 - f), (dy2 + dx1, dy1), dparams, new_stats
 
 
+def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
+  """Reconstruct with the current weights, vjp with the stashed ones.
+
+  The "approximate input" configuration of paper Table 4 (line 4):
+  ``x~ = F^{-1}(y, theta^t)`` and the derivatives at ``(x~, theta^{t-tau})``.
+  ``F`` is evaluated twice (once per weight set).
+
+  Returns:
+    ``(x_tilde, dx, dparams, new_batch_stats)`` as :func:`reverse_vjp`.
+  """
+  y1, y2 = y
+  dy1, dy2 = dy
+  f_now, _ = _apply(stage.module, params, batch_stats, y2, True)
+  x_tilde = (y2, y1 - f_now)
+  _, vjp, new_stats = jax.vjp(
+      lambda p, x1: _apply(stage.module, p, batch_stats, x1, True), vjp_params, y2,
+      has_aux=True)
+  dparams, dx1 = vjp(dy1)
+  return x_tilde, (dy2 + dx1, dy1), dparams, new_stats
+
+
 def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool = True):
   """Backward of a non-reversible stage by recomputation (Alg. 1, l. 15-17).
 

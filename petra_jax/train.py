@@ -8,6 +8,7 @@ line naming the fix, never a JAX traceback.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 
@@ -21,6 +22,7 @@ import numpy as np
 from ml_collections import config_flags
 from tqdm import tqdm
 
+from petra_jax import checkpoint as checkpoint_lib
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import metrics as metrics_lib
@@ -45,10 +47,12 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   if config.model.name not in models.MODEL_SPECS:
     raise ConfigError(f"Unknown model {config.model.name!r}; choose one of "
                       f"{sorted(models.MODEL_SPECS)} (--config.model.name=...).")
-  if config.method in ("petra", "revprop") and models.MODEL_FAMILY[config.model.name] != "revnet":
+  if (config.method in config_lib.RECONSTRUCTING_METHODS
+      and models.MODEL_FAMILY[config.model.name] != "revnet"):
+    supported = [m for m in config_lib.METHODS if m not in config_lib.RECONSTRUCTING_METHODS]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
-        f"use --config.method=backprop or a RevNet "
+        f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
   k = config.accumulation_steps
   if k < 1:
@@ -61,6 +65,14 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError(
         f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
         "use --config.num_devices=0 for all of them.")
+
+
+def _pipeline_method(method: str, stages) -> str:
+  """The engine's method: revprop is petra drained after every micro-batch;
+  backprop only uses the engine for evaluation."""
+  if method in ("revprop", "backprop"):
+    return "petra" if models.supports_reversible(stages) else "dsp"
+  return method
 
 
 def _devices(config) -> list:
@@ -133,6 +145,30 @@ class _LossLog:
     if self.window:
       self._write(self.next_step)
 
+  def check_finite(self, k: int):
+    """Raises FloatingPointError if a pending loss is NaN/Inf (a host sync)."""
+    for m, loss in sorted(self.losses.items()):
+      if not math.isfinite(float(loss)):
+        raise FloatingPointError(
+            f"train_loss is {float(loss)} at step {m // k + 1}: training diverged; lower "
+            "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+    if self.window and not np.all(np.isfinite(jax.device_get(self.window))):
+      raise FloatingPointError(
+          f"train_loss is not finite before step {self.next_step}: training diverged; lower "
+          "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+
+  def state(self):
+    """``(json, arrays)``: what a checkpoint needs to resume the log exactly."""
+    arrays = dict(self.losses)
+    arrays.update({-(i + 1): v for i, v in enumerate(self.window)})
+    return {"next_step": self.next_step, "window": len(self.window),
+            "last_loss": self.last_loss}, arrays
+
+  def restore(self, meta, arrays):
+    self.next_step, self.last_loss = meta["next_step"], meta["last_loss"]
+    self.window = [arrays[-(i + 1)] for i in range(meta["window"])]
+    self.losses = {m: v for m, v in arrays.items() if m >= 0}
+
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
@@ -173,26 +209,53 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                               imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
   if config.method == "backprop":
     devices = devices[:1]
-  pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats)
+  pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats,
+                  method=_pipeline_method(config.method, stages),
+                  probe_every=config.reconstruction_error_every * k)
   state = pipe.init(config.seed, jnp.zeros((micro,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
                [d.id for d in pipe.devices])
 
+  # Augmentation keys are fold_in(data_key, micro_batch) and the epoch's
+  # permutation is a function of (seed, epoch): the data position is
+  # (epoch, step, micro_batch), all saved in checkpoints.
   batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
   data_key = jax.random.key(config.seed + 1)
-  writer = metrics_lib.MetricWriter(workdir)
-  loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
-  result = {}
-  bar = tqdm(total=total_steps * config.batch_size, unit="img", unit_scale=True,
-             desc=config.method, disable=None, mininterval=2.0)
   micro_batch = step = 0
-  for epoch in range(num_epochs):
+  ckpt = checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
+          model=config.model.name, width=config.model.width, method=config.method,
+          dataset=config.dataset, num_stages=len(stages), batch_size=config.batch_size,
+          accumulation_steps=k, seed=config.seed))
+  restored = ckpt.restore(state, pipe.devices)
+  metrics_offset = None
+  if restored is not None:
+    step, state, extra, extra_arrays = restored
+    micro_batch, metrics_offset = extra["micro_batch"], extra["metrics_offset"]
+    logging.info("resumed from %s/%d", ckpt.directory, step)
+  writer = metrics_lib.MetricWriter(workdir, truncate_to=metrics_offset)
+  loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
+  if restored is not None:
+    loss_log.restore(extra["loss_log"], extra_arrays)
+
+  def save_checkpoint():
+    loss_log.check_finite(k)  # never save a diverged state over a good one
+    log_meta, log_arrays = loss_log.state()
+    ckpt.save(step, state, extra={"micro_batch": micro_batch, "loss_log": log_meta,
+                                  "metrics_offset": writer.offset()},
+              extra_arrays=log_arrays)
+
+  result = {}
+  bar = tqdm(total=total_steps * config.batch_size, initial=step * config.batch_size,
+             unit="img", unit_scale=True, desc=config.method, disable=None, mininterval=2.0)
+  for epoch in range(step // steps_per_epoch, num_epochs):
+    offset = step - epoch * steps_per_epoch
     for idx in data_lib.batch_indices(len(train), config.batch_size, config.seed,
-                                      epoch, steps_per_epoch)[:total_steps - step]:
+                                      epoch, steps_per_epoch)[offset:total_steps - step + offset]:
       for i in range(k):
         sl = idx[i * micro:(i + 1) * micro]
         images, labels = batch_fn(train, sl, jax.random.fold_in(data_key, micro_batch))
-        if config.method == "petra":
+        if config.method not in ("revprop", "backprop"):  # the asynchronous methods
           state, out = pipe.tick(state, images, labels)
           if out is not None:
             loss_log.add(out.micro_batch, out.loss)
@@ -203,6 +266,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         micro_batch += 1
       step += 1
       bar.update(config.batch_size)
+      if state.reconstruction_errors and step % config.log_every == 0:
+        for m, j, err in state.reconstruction_errors:  # computed ticks ago: no wait
+          writer.write(m // k + 1, **{f"reconstruction_error/stage_{j}": float(err)})
+        state.reconstruction_errors.clear()
+      if (config.checkpoint_every and step % config.checkpoint_every == 0
+          and step % steps_per_epoch and step < total_steps):
+        save_checkpoint()  # (at an epoch's end, after its evaluation below)
     last_epoch = step == total_steps
     if last_epoch:  # finish the in-flight micro-batches (their updates count)
       state, outs = pipe.drain(state)
@@ -216,6 +286,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
                 f"test_loss {result['test_loss']:.4f} test_accuracy "
                 f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
+    if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total_steps:
+      save_checkpoint()
+  if config.checkpoint_every and (restored is None or restored[0] < total_steps):
+    save_checkpoint()
+  ckpt.wait()
+  ckpt.close()
   bar.close()
   writer.close()
   return result
@@ -231,7 +307,8 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, data_lib.DataError, FloatingPointError, ValueError) as e:
+  except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FloatingPointError,
+          ValueError) as e:
     sys.exit(f"error: {e}")
 
 

@@ -190,3 +190,20 @@ def test_bad_stage_lists_raise():
     pipeline.Pipeline(stages[1:], optax.sgd(0.1))
   with pytest.raises(ValueError, match="bn_stats"):
     pipeline.Pipeline(stages, optax.sgd(0.1), bn_stats="sometimes")
+
+
+@pytest.mark.parametrize("lr, low, high", [(0.0, 0.0, 1e-5), (0.5, 1e-4, 10.0)])
+def test_reconstruction_error_probe(lr, low, high):
+  """Without updates the reconstruction is exact up to float32 round-off;
+  with updates between forward and backward it is not."""
+  stages = models.build_model("revnet18", width=4)
+  pipe = pipeline.Pipeline(stages, optax.sgd(lr), jax.devices()[:1], probe_every=4)
+  state = pipe.init(0, random_batch()[0])
+  for i in range(30):
+    state, _ = pipe.tick(state, *random_batch(seed=i))
+  errors = [(m, j, float(e)) for m, j, e in state.reconstruction_errors]
+  reversible = [j for j, s in enumerate(stages) if s.reversible]
+  assert {j for _, j, _ in errors} == set(reversible)
+  assert {m for m, _, _ in errors} <= {0, 4, 8, 12, 16}
+  first = max(e for _, j, e in errors if j == reversible[0])
+  assert low <= first <= high

@@ -196,7 +196,7 @@ def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size
 
 def report(model: str, dataset: str, batch_size: int, width: int = 64,
            live_width: Optional[int] = 4, live_batch: int = 4,
-           rev_stash: str = "x1") -> dict:
+           rev_stash: str = "x1", live_image_size: Optional[int] = None) -> dict:
   """The CLI's JSON.
 
   Returns:
@@ -205,7 +205,8 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
     of :func:`table3` with ``rev_stash``), ``table3_both_streams``,
     ``delays``, ``stage_names`` and, with ``live_width``, ``live``: the
     measured bytes at ``live_width``/``live_batch`` against the analytic
-    ones there (``max_rel_err``).
+    ones there (``max_rel_err``), on ``live_image_size`` square images
+    (default: the dataset's).
   """
   d = models.DATASETS[dataset]
   build = functools.partial(models.build_model, model, num_classes=d.num_classes,
@@ -224,10 +225,11 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
   }
   if live_width:
     live_stages = build(width=live_width)
-    measured = measure_live(live_stages, d.image_shape, live_batch, d.num_classes)
-    analytic = stored_bytes(stage_sizes(live_stages, d.image_shape, live_batch), "petra")
+    shape = d.image_shape if live_image_size is None else (live_image_size, live_image_size, 3)
+    measured = measure_live(live_stages, shape, live_batch, d.num_classes)
+    analytic = stored_bytes(stage_sizes(live_stages, shape, live_batch), "petra")
     err = max(abs(m - a) / max(a, 1) for m, a in zip(measured["petra"], analytic))
-    out["live"] = {"width": live_width, "batch_size": live_batch,
+    out["live"] = {"width": live_width, "batch_size": live_batch, "image_shape": list(shape),
                    "measured_bytes_per_stage": {k: measured[k] for k in ("petra", "delayed")},
                    "analytic_bytes_per_stage": analytic, "max_rel_err": err}
   return out
@@ -243,16 +245,18 @@ def _print(r: dict, methods: Sequence[str]) -> None:
   print(f"{'total':<19}" + "".join(f"{r['total_mib'][m]:12.1f}" for m in methods))
   if "live" in r:
     lv = r["live"]
-    print(f"live PETRA run (width {lv['width']}, batch {lv['batch_size']}): measured "
-          f"{[b / MIB for b in lv['measured_bytes_per_stage']['petra']]} MiB, "
+    print(f"live PETRA run (width {lv['width']}, batch {lv['batch_size']}, image "
+          f"{lv['image_shape']}): measured "
+          f"{lv['measured_bytes_per_stage']['petra']} bytes, "
           f"max rel. error vs analytic {lv['max_rel_err']:.2%}")
   for key, label in (("table3", f"rev. stash {r['table3_rev_stash']}"),
                      ("table3_both_streams", "rev. stash both streams")):
     print(f"Table 3 model ({label}; first stage's input excluded):")
+    paper = (r["model"], r["dataset"], r["batch_size"]) == ("revnet50", "imagenet", 64)
     for row, (gb, pct) in zip(r[key], PAPER_TABLE3):
       print(f"  input {'Y' if row['input_buffer'] else 'N'} params "
-            f"{'Y' if row['param_buffer'] else 'N'}: {row['memory_gb']:6.1f} GB, saving "
-            f"{row['saving_pct']:5.1f} %   (paper: {gb} GB, {pct} %)")
+            f"{'Y' if row['param_buffer'] else 'N'}: {row['memory_gb']:6.2f} GB, saving "
+            f"{row['saving_pct']:5.1f} %" + (f"   (paper: {gb} GB, {pct} %)" if paper else ""))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -270,10 +274,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--live-width", type=int, default=4,
                  help="width of the live PETRA check (0: skip)")
   p.add_argument("--live-batch", type=int, default=4, help="batch of the live check")
+  p.add_argument("--live-image-size", type=int, default=None,
+                 help="image side of the live check (default: the dataset's)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   r = report(args.model, args.dataset, args.batch_size, args.width, args.live_width,
-             args.live_batch, args.rev_stash)
+             args.live_batch, args.rev_stash, args.live_image_size)
   if args.json:
     print(json.dumps(r))
   else:

@@ -1,0 +1,224 @@
+"""Checkpoints of the whole pipeline, with orbax ``CheckpointManager``.
+
+A PETRA run has state that plain training does not: micro-batches in flight,
+the input buffers of non-reversible stages, partial gradient accumulations
+(inside each stage's optax ``MultiSteps`` state) and per-stage counters. A
+checkpoint holds all of it, plus whatever the caller adds (the data position,
+the losses not yet logged), so a resumed run continues as if it had never
+stopped.
+
+Layout of one checkpoint (``WORKDIR/checkpoints/<step>/``):
+
+* ``arrays``: ``{"stages": [StageState, ...], "in_flight": {"00000": array, ...}}``
+  saved with ``ocp.args.StandardSave``;
+* ``meta``: JSON with the tick counters, where each in-flight array belongs
+  (slot, stage, micro-batch, pytree spec, shape, dtype), the caller's
+  ``extra`` dict and a ``fingerprint`` of the run (model, method, stages...).
+
+orbax writes each checkpoint into a temporary directory and renames it when
+complete, so a checkpoint being written when the process dies is never listed;
+a corrupt or partial one is skipped with a warning (:meth:`Checkpointer.restore`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from petra_jax.pipeline import Message, PipelineState
+
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used; the message says why and the fix."""
+
+
+def _encode(payload, leaves: list):
+  """Pytree of arrays / tuples / None -> JSON spec; appends arrays to leaves."""
+  if payload is None:
+    return None
+  if isinstance(payload, (tuple, list)):
+    return [_encode(p, leaves) for p in payload]
+  leaves.append(payload)
+  return "array"
+
+
+def _decode(spec, leaves):
+  if spec is None:
+    return None
+  if isinstance(spec, list):
+    return tuple(_decode(s, leaves) for s in spec)
+  return next(leaves)
+
+
+def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
+  """Lists every in-flight array of ``state`` (and ``extra_arrays``).
+
+  Args:
+    state: the pipeline state.
+    extra_arrays: caller's arrays to save alongside, keyed by an int id
+      (e.g. losses not yet logged, by micro-batch); saved on the last stage.
+
+  Returns:
+    ``(arrays, entries)``: ``arrays`` a dict ``"00000" -> jax.Array`` and
+    ``entries`` a JSON-able list saying where each payload goes back.
+  """
+  leaves, entries = [], []
+
+  def add(slot, stage, key, payload):
+    start = len(leaves)
+    spec = _encode(payload, leaves)
+    entries.append({"slot": slot, "stage": stage, "key": key, "spec": spec,
+                    "leaves": list(range(start, len(leaves)))})
+
+  last = len(state.stages) - 1
+  for j, msg in enumerate(state.fwd_inbox):
+    if msg is not None:
+      add("fwd_inbox", j, msg.micro_batch, msg.payload)
+  for j, msg in enumerate(state.bwd_inbox):
+    if msg is not None:
+      add("bwd_inbox", j, msg.micro_batch, msg.payload)
+  for j, buf in enumerate(state.buffers):
+    for msg in buf:
+      add("buffers", j, msg.micro_batch, msg.payload)
+  for j, stash in enumerate(state.weight_stash):
+    for msg in stash:
+      add("weight_stash", j, msg.micro_batch, msg.payload)
+  for msg in state.labels:
+    add("labels", last, msg.micro_batch, msg.payload)
+  for key, value in extra_arrays.items():
+    add("extra", last, int(key), value)
+  arrays = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
+  for e in entries:
+    e["shapes"] = [[list(leaves[i].shape), str(leaves[i].dtype)] for i in e["leaves"]]
+  return arrays, entries
+
+
+class Checkpointer:
+  """Saves and restores :class:`PipelineState` plus caller metadata.
+
+  Args:
+    directory: where checkpoints go (``WORKDIR/checkpoints``).
+    keep: how many of the latest checkpoints to keep.
+    fingerprint: what must match for a checkpoint to be resumed (model,
+      method, stage count...); JSON-able.
+  """
+
+  def __init__(self, directory: str, keep: int, fingerprint: dict):
+    self.directory = os.path.abspath(directory)
+    self.fingerprint = fingerprint
+    self.manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_names=("arrays", "meta"))
+
+  def save(self, step: int, state: PipelineState, extra: dict,
+           extra_arrays: Optional[dict[int, Any]] = None) -> None:
+    """Starts an (asynchronous) save of ``state`` at ``step``.
+
+    Args:
+      step: optimizer updates so far (the checkpoint's name).
+      state: the pipeline state; its arrays are copied off the devices before
+        this returns, so the pipeline can run on while the write finishes.
+      extra: JSON-able caller state (data position, log offsets...).
+      extra_arrays: caller arrays keyed by int (see :func:`flatten_in_flight`).
+    """
+    arrays, entries = flatten_in_flight(state, extra_arrays or {})
+    meta = {"fingerprint": self.fingerprint, "tick": state.tick,
+            "next_micro_batch": state.next_micro_batch, "in_flight": entries,
+            "extra": extra}
+    self.manager.save(step, args=ocp.args.Composite(
+        arrays=ocp.args.StandardSave({"stages": state.stages, "in_flight": arrays}),
+        meta=ocp.args.JsonSave(meta)))
+
+  def restore(self, template: PipelineState, devices: list) -> Optional[tuple]:
+    """Restores the latest valid checkpoint.
+
+    Args:
+      template: a freshly initialised state of the same pipeline (gives the
+        stage pytree structure, shapes and devices).
+      devices: the device of each stage (``Pipeline.devices``).
+
+    Returns:
+      ``(step, state, extra, extra_arrays)``, or None if there is no
+      checkpoint.
+
+    Raises:
+      CheckpointError: the checkpoint comes from a different run (model,
+        method, stage count...), or no checkpoint in the directory is valid.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    if not steps:
+      return None
+    for step in steps:
+      try:
+        meta = self.manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("checkpoint %s/%d is unreadable (%s); trying an older one.",
+                        self.directory, step, type(e).__name__)
+        continue
+      self._check_fingerprint(meta["fingerprint"], step)
+      try:
+        return (step,) + self._restore_arrays(step, meta, template, devices)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("checkpoint %s/%d is corrupt or partial (%s: %s); trying an older "
+                        "one.", self.directory, step, type(e).__name__, str(e)[:200])
+    raise CheckpointError(
+        f"no valid checkpoint in {self.directory} (steps tried: {steps}); delete the "
+        "directory to start afresh, or use another --workdir.")
+
+  def _check_fingerprint(self, saved: dict, step: int):
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
+             for k, v in self.fingerprint.items() if saved.get(k) != v]
+    if diffs:
+      raise CheckpointError(
+          f"checkpoint {self.directory}/{step} comes from a different run ("
+          + "; ".join(diffs) + "); use another --workdir or the original config.")
+
+  def _restore_arrays(self, step, meta, template: PipelineState, devices):
+    def abstract(x, device):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  sharding=jax.sharding.SingleDeviceSharding(device))
+
+    stages = [jax.tree.map(lambda x, d=d: abstract(x, d), s)
+              for s, d in zip(template.stages, devices)]
+    in_flight = {}
+    for e in meta["in_flight"]:
+      for i, (shape, dtype) in zip(e["leaves"], e["shapes"]):
+        in_flight[f"{i:05d}"] = abstract(np.empty(shape, dtype), devices[e["stage"]])
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        arrays=ocp.args.StandardRestore({"stages": stages, "in_flight": in_flight})))
+    arrays = restored["arrays"]
+    J = len(template.stages)
+    state = PipelineState(stages=list(arrays["stages"]), tick=meta["tick"],
+                          next_micro_batch=meta["next_micro_batch"],
+                          fwd_inbox=[None] * J, bwd_inbox=[None] * J,
+                          buffers=[collections.deque() for _ in range(J)],
+                          weight_stash=[collections.deque() for _ in range(J)])
+    extra_arrays = {}
+    for e in meta["in_flight"]:
+      payload = _decode(e["spec"], iter(arrays["in_flight"][f"{i:05d}"] for i in e["leaves"]))
+      msg = Message(e["key"], payload)
+      if e["slot"] in ("fwd_inbox", "bwd_inbox"):
+        getattr(state, e["slot"])[e["stage"]] = msg
+      elif e["slot"] in ("buffers", "weight_stash"):
+        getattr(state, e["slot"])[e["stage"]].append(msg)
+      elif e["slot"] == "labels":
+        state.labels.append(msg)
+      else:
+        extra_arrays[e["key"]] = payload
+    return state, meta["extra"], extra_arrays
+
+  def wait(self):
+    """Blocks until pending saves are on disk."""
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.close()

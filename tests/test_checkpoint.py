@@ -1,0 +1,122 @@
+"""Checkpoints hold the whole pipeline: bit-exact resume, corruption, mismatch."""
+
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from petra_jax import checkpoint, metrics, models, pipeline
+from helpers import random_batch
+from test_train import REPO
+
+FP = {"model": "revnet18", "width": 4}
+
+
+def _tiny_pipeline():
+  stages = models.build_model("revnet18", width=4)
+  tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
+  pipe = pipeline.Pipeline(stages, tx, jax.devices()[:2])
+  return pipe, pipe.init(0, random_batch()[0])
+
+
+def _run(pipe, state, seeds):
+  losses = []
+  for s in seeds:
+    state, out = pipe.tick(state, *random_batch(seed=s))
+    if out is not None:
+      losses.append(out.loss)
+  return state, np.asarray(jax.device_get(losses))
+
+
+def test_restore_mid_flight_continues_bit_exactly(tmp_path):
+  pipe, state = _tiny_pipeline()
+  state, _ = _run(pipe, state, range(13))  # pipeline full, accumulators half full
+  assert state.in_flight() > 0 and any(len(b) for b in state.buffers)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2, fingerprint=FP)
+  ckpt.save(13, state, extra={"hello": 1}, extra_arrays={5: jax.numpy.float32(2.5)})
+  ckpt.wait()
+  _, expected = _run(pipe, state, range(13, 30))
+
+  pipe2, template = _tiny_pipeline()
+  step, restored, extra, extra_arrays = checkpoint.Checkpointer(
+      str(tmp_path), keep=2, fingerprint=FP).restore(template, pipe2.devices)
+  assert step == 13 and extra == {"hello": 1} and float(extra_arrays[5]) == 2.5
+  assert restored.tick == 13 and restored.in_flight() > 0
+  _, got = _run(pipe2, restored, range(13, 30))
+  assert len(got) == 17
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_corrupt_latest_falls_back_then_errors(tmp_path, caplog):
+  pipe, state = _tiny_pipeline()
+  state, _ = _run(pipe, state, range(4))
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP)
+  ckpt.save(1, state, extra={})
+  ckpt.wait()
+  state, _ = _run(pipe, state, range(4, 8))
+  ckpt.save(2, state, extra={})
+  ckpt.wait()
+
+  def corrupt(step):
+    for f in pathlib.Path(tmp_path, str(step), "arrays").rglob("*"):
+      if f.is_file() and f.stat().st_size > 0:
+        f.write_bytes(b"garbage")
+
+  corrupt(2)
+  _, template = _tiny_pipeline()
+  step, *_ = checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP).restore(
+      template, pipe.devices)
+  assert step == 1
+  assert "checkpoint" in caplog.text and "/2" in caplog.text
+  corrupt(1)
+  with pytest.raises(checkpoint.CheckpointError, match="no valid checkpoint"):
+    checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP).restore(
+        template, pipe.devices)
+
+
+def test_checkpoint_of_another_run_is_refused(tmp_path):
+  pipe, state = _tiny_pipeline()
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP)
+  ckpt.save(1, state, extra={})
+  ckpt.wait()
+  other = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint={"model": "revnet34",
+                                                                      "width": 4})
+  with pytest.raises(checkpoint.CheckpointError, match="model: checkpoint 'revnet18' vs "
+                     "config 'revnet34'"):
+    other.restore(state, pipe.devices)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
+  args = ["--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",
+          "--config.steps_per_epoch=12", "--config.num_epochs=2", "--config.log_every=1",
+          "--config.checkpoint_every=5", "--config.num_devices=1",
+          "--config.eval_batch_size=1000", f"--config.data_dir={cifar10_dir}"]
+  # An uninterrupted run, and one killed once its second checkpoint exists.
+  cli = [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py", *args]
+  full = tmp_path / "full"
+  subprocess.run(cli + [f"--workdir={full}"], cwd=REPO, check=True, timeout=600,
+                 capture_output=True)
+  resumed = tmp_path / "resumed"
+  proc = subprocess.Popen(cli + [f"--workdir={resumed}"], cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while time.time() < deadline and not (resumed / "checkpoints" / "10").exists():
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert (resumed / "checkpoints" / "10").exists(), "no checkpoint appeared"
+  subprocess.run(cli + [f"--workdir={resumed}"], cwd=REPO, check=True, timeout=600,
+                 capture_output=True)
+  a, b = metrics.read_metrics(str(full)), metrics.read_metrics(str(resumed))
+  losses = lambda rs: [(r["step"], r["train_loss"]) for r in rs if "train_loss" in r]
+  assert len(losses(a)) == 24
+  assert losses(b) == losses(a)
+  assert [r for r in b if "test_accuracy" in r][-1]["test_accuracy"] == \
+      [r for r in a if "test_accuracy" in r][-1]["test_accuracy"]
