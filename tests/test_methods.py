@@ -27,15 +27,26 @@ def test_zero_delay_equals_jax_grad(method):
     assert rel_err(step[j], ref[j]) < 1e-4, (method, j)
 
 
-@pytest.mark.parametrize("method", pipeline.PIPELINE_METHODS)
-def test_stored_bytes_match_each_methods_claim(method):
+@pytest.fixture(scope="module")
+def steady_runs():
+  """Each method run for 2J ticks (past the fill): ``{method: (stages, pipe, state)}``."""
   stages = models.build_model("revnet18", width=4)
-  pipe = pipeline.Pipeline(stages, optax.sgd(0.01), jax.devices()[:1], method=method)
-  x, y = random_batch()
-  state = pipe.init(0, x)
+  runs = {}
+  for method in pipeline.PIPELINE_METHODS:
+    pipe = pipeline.Pipeline(stages, optax.sgd(0.1, momentum=0.9), jax.devices()[:1],
+                             method=method)
+    state = pipe.init(0, random_batch()[0])
+    for i in range(2 * len(stages)):  # past the fill: every FIFO at its steady depth
+      state, _ = pipe.tick(state, *random_batch(seed=i))
+    runs[method] = (stages, pipe, state)
+  return runs
+
+
+@pytest.mark.parametrize("method", pipeline.PIPELINE_METHODS)
+def test_stored_bytes_match_each_methods_claim(method, steady_runs):
+  stages, _, state = steady_runs[method]
+  x, _ = random_batch()
   J = len(stages)
-  for i in range(2 * J):  # past the fill: every FIFO at its steady depth
-    state, _ = pipe.tick(state, *random_batch(seed=i))
   # Independent accounting from shapes: input of stage j and its parameters.
   inputs, h = [], x
   for s, st in zip(stages, state.stages):
@@ -57,17 +68,10 @@ def test_stored_bytes_match_each_methods_claim(method):
     assert all(b == 0 for b, s in zip(state.stored_bytes(), stages) if s.reversible)
 
 
-def test_methods_differ_once_delays_are_real():
+def test_methods_differ_once_delays_are_real(steady_runs):
   """Guard against a method silently running another's code path."""
-  stages = models.build_model("revnet18", width=4)
-  final = {}
-  for method in pipeline.PIPELINE_METHODS:
-    pipe = pipeline.Pipeline(stages, optax.sgd(0.2, momentum=0.9), jax.devices()[:1],
-                             method=method)
-    state = pipe.init(0, random_batch()[0])
-    for i in range(25):
-      state, _ = pipe.tick(state, *random_batch(seed=i))
-    final[method] = np.concatenate([np.ravel(a) for a in jax.tree.leaves(state.stages[1].params)])
+  final = {m: np.concatenate([np.ravel(a) for a in jax.tree.leaves(run[2].stages[1].params)])
+           for m, run in steady_runs.items()}
   names = list(final)
   for a in range(len(names)):
     for b in range(a + 1, len(names)):
