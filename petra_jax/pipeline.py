@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
+from petra_jax import diagnostics
 from petra_jax import schedule
 from petra_jax import transport
 from petra_jax.stage import (Stage, cross_entropy, forward, loss_vjp, recompute_vjp,
@@ -93,6 +94,13 @@ class PipelineState:
       a diagnostic, not saved in checkpoints.
     reconstruction_errors: ``(micro_batch, stage, error)`` measured since the
       caller last emptied the list; ``error`` is a float32 device scalar.
+    grad_probes: ``{micro_batch: diagnostics.GradProbe}`` of the micro-batches
+      whose gradient quality is measured (``Pipeline(grad_probe_every=...)``),
+      kept until their backward reaches stage 0; a diagnostic, not saved in
+      checkpoints.
+    grad_quality: ``(micro_batch, {name: float32[J]})`` per finished probe
+      since the caller last emptied the list: the per-stage cosine
+      similarities and norm ratios of ``diagnostics.METRICS`` (device arrays).
   """
   stages: list
   tick: int = 0
@@ -104,6 +112,8 @@ class PipelineState:
   labels: collections.deque = dataclasses.field(default_factory=collections.deque)
   probes: dict = dataclasses.field(default_factory=dict)
   reconstruction_errors: list = dataclasses.field(default_factory=list)
+  grad_probes: dict = dataclasses.field(default_factory=dict)
+  grad_quality: list = dataclasses.field(default_factory=list)
 
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""
@@ -142,38 +152,46 @@ def forward_step(stage: Stage, state: StageState, x):
 
 
 def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
-                          vjp_params=None):
+                          vjp_params=None, *, return_grads: bool = False):
   """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
 
   With ``vjp_params`` (stashed forward weights), the vjp is taken with them
-  (Table 4's "approximate input"). Returns ``(new_state, x_tilde, dx)``.
+  (Table 4's "approximate input"). Returns ``(new_state, x_tilde, dx)``, and
+  the applied gradient as a fourth element with ``return_grads`` (a separate
+  jit, used for the micro-batches ``grad_probe_every`` picks).
   """
   if vjp_params is None:
     x, dx, grads, stats = reverse_vjp(stage, state.params, state.batch_stats, y, dy)
   else:
     x, dx, grads, stats = reverse_vjp_stashed(stage, state.params, vjp_params,
                                               state.batch_stats, y, dy)
-  return _update(state, grads, stats, take_stats), x, dx
+  out = (_update(state, grads, stats, take_stats), x, dx)
+  return out + (grads,) if return_grads else out
 
 
 def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
-                            state: StageState, x, dy, vjp_params=None):
+                            state: StageState, x, dy, vjp_params=None, *,
+                            return_grads: bool = False):
   """Recompute from the buffered input, vjp and update.
 
   The vjp uses ``vjp_params`` (stashed forward weights: ``delayed``) when
   given, else the current weights. Returns ``(new_state, dx)`` (``dx`` is
-  None without ``input_grad``).
+  None without ``input_grad``), plus the applied gradient with
+  ``return_grads``.
   """
   params = state.params if vjp_params is None else vjp_params
   dx, grads, stats = recompute_vjp(stage, params, state.batch_stats, x, dy,
                                    input_grad=input_grad)
-  return _update(state, grads, stats, take_stats), dx
+  out = (_update(state, grads, stats, take_stats), dx)
+  return out + (grads,) if return_grads else out
 
 
-def loss_step(stage: Stage, state: StageState, x, labels):
-  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
+def loss_step(stage: Stage, state: StageState, x, labels, *, return_grads: bool = False):
+  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``,
+  plus the applied gradient with ``return_grads``."""
   loss, dx, grads, stats = loss_vjp(stage, state.params, state.batch_stats, x, labels)
-  return _update(state, grads, stats, True), dx, loss
+  out = (_update(state, grads, stats, True), dx, loss)
+  return out + (grads,) if return_grads else out
 
 
 def relative_error(x_tilde, x) -> jax.Array:
@@ -236,6 +254,22 @@ class Pipeline:
       stage measured (its true input is copied at the forward) and appended to
       ``state.reconstruction_errors``. Costs one copy of the input and one
       small reduction per probed micro-batch and stage; nothing when 0.
+    grad_probe_every: if > 0, every micro-batch whose index is a multiple of
+      it has its gradient quality measured (paper App. B, Figs. 5 and 6; see
+      :mod:`petra_jax.diagnostics`): each stage copies the weights its
+      forward used and those it holds at its backward, and its backward runs
+      a second jitted variant that also returns the applied gradient; when the
+      backward reaches stage 0, the delayed and end-to-end gradients (two
+      ``jax.grad`` of the composed model on stage 0's device) are compared
+      with it and ``(micro_batch, {name: float32[J]})`` is appended to
+      ``state.grad_quality``. Cost per probed micro-batch: two forward and
+      backward passes of the whole model (about twice a revprop step: the
+      forward and backward passes of the micro-batch, once more each), one
+      more compilation per stage and one of the comparison at the first
+      probe, and, while the micro-batch is in flight, three copies of the
+      parameters (forward weights, backward weights, gradients), plus the
+      micro-batch. When 0, nothing is compiled, copied or run. Needs every
+      stage's device in this process.
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
@@ -246,7 +280,7 @@ class Pipeline:
   def __init__(self, stages: Sequence[Stage], tx: optax.GradientTransformation,
                devices: Optional[Sequence[jax.Device]] = None, *,
                method: str = "petra", bn_stats: str = "backward", record_timeline: bool = False,
-               probe_every: int = 0):
+               probe_every: int = 0, grad_probe_every: int = 0):
     if len(stages) < 2:
       raise ValueError(f"PETRA needs at least 2 stages, got {len(stages)}.")
     if stages[0].reversible or stages[-1].reversible:
@@ -277,16 +311,25 @@ class Pipeline:
     take = not self.stats_in_forward
     self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
     self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
-    self._backward = []
+    self._backward, self._backward_probed = [], []
     for j, s in enumerate(stages):
       if j == self.num_stages - 1:
-        fn = jax.jit(functools.partial(loss_step, s), donate_argnums=0)
+        step, donate = functools.partial(loss_step, s), 0
       elif self.reconstructs[j]:
-        fn = jax.jit(functools.partial(reverse_backward_step, s, take), donate_argnums=(0, 1, 2))
+        step, donate = functools.partial(reverse_backward_step, s, take), (0, 1, 2)
       else:
-        fn = jax.jit(functools.partial(recompute_backward_step, s, take, j > 0), donate_argnums=0)
-      self._backward.append(fn)
+        step, donate = functools.partial(recompute_backward_step, s, take, j > 0), 0
+      self._backward.append(jax.jit(step, donate_argnums=donate))
+      if grad_probe_every:  # the same step, also returning the applied gradient
+        self._backward_probed.append(
+            jax.jit(functools.partial(step, return_grads=True), donate_argnums=donate))
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
+    self.grad_probe_every = grad_probe_every
+    if grad_probe_every:
+      if any(d.process_index != jax.process_index() for d in self.devices):
+        raise ValueError("grad_probe_every needs every stage's device in this process "
+                         "(it composes all stages on one device).")
+      self._grad_quality = jax.jit(functools.partial(diagnostics.grad_quality, self.stages))
 
   # -- set-up ----------------------------------------------------------------
 
@@ -344,6 +387,10 @@ class Pipeline:
       state.fwd_inbox[0] = Message(m, transport.send(images, self.devices[0]))
       state.labels.append(Message(m, transport.send(labels, self.devices[-1])))
       state.next_micro_batch += 1
+      if self.grad_probe_every and m % self.grad_probe_every == 0:
+        state.grad_probes[m] = diagnostics.GradProbe(
+            state.fwd_inbox[0].payload, state.labels[-1].payload, [None] * J, [None] * J,
+            [None] * J)
     fwd_next, bwd_next = [None] * J, [None] * J
     output = None
     for j, stage in enumerate(self.stages):
@@ -353,7 +400,8 @@ class Pipeline:
         if fin is not None:
           lab = state.labels.popleft()
           assert lab.micro_batch == fin.micro_batch, (lab.micro_batch, fin.micro_batch)
-          st, dx, loss = self._backward[j](st, fin.payload, lab.payload)
+          st, dx, loss = self._run_backward(state, j, fin.micro_batch, st, fin.payload,
+                                            lab.payload)
           bwd_next[j - 1] = self._send_back(j, fin.micro_batch, fin.payload, dx)
           output = TickOutput(fin.micro_batch, loss)
           self._record(state.tick, j, "F", fin.micro_batch)
@@ -370,6 +418,8 @@ class Pipeline:
           state.buffers[j].append(fin)
         elif self.probe_every and fin.micro_batch % self.probe_every == 0:
           state.probes[(j, fin.micro_batch)] = self._copy(fin.payload)  # later donated
+        if fin.micro_batch in state.grad_probes:  # the weights this forward used
+          state.grad_probes[fin.micro_batch].forward_params[j] = self._copy(st.params)
         fwd_next[j + 1] = Message(fin.micro_batch, transport.send(y, self.devices[j + 1]))
         self._record(state.tick, j, "F", fin.micro_batch)
       if bin_ is not None:  # reverse-backward with theta^t, then the update
@@ -380,7 +430,7 @@ class Pipeline:
           assert msg.micro_batch == bin_.micro_batch, (msg.micro_batch, bin_.micro_batch)
           stashed = msg.payload
         if self.reconstructs[j]:
-          st, x, dx = self._backward[j](st, y, dy, stashed)
+          st, x, dx = self._run_backward(state, j, bin_.micro_batch, st, y, dy, stashed)
           probe = state.probes.pop((j, bin_.micro_batch), None)
           if probe is not None:
             state.reconstruction_errors.append(
@@ -389,7 +439,7 @@ class Pipeline:
           buffered = state.buffers[j].popleft()
           assert buffered.micro_batch == bin_.micro_batch, (buffered.micro_batch, bin_.micro_batch)
           x = buffered.payload
-          st, dx = self._backward[j](st, x, dy, stashed)
+          st, dx = self._run_backward(state, j, bin_.micro_batch, st, x, dy, stashed)
         if j > 0:
           bwd_next[j - 1] = self._send_back(j, bin_.micro_batch, x, dx)
         self._record(state.tick, j, "B", bin_.micro_batch)
@@ -457,6 +507,25 @@ class Pipeline:
     dst = self.devices[j - 1]
     x = transport.send(x, dst) if self.reconstructs[j - 1] else None
     return Message(micro_batch, (x, transport.send(dx, dst)))
+
+  def _run_backward(self, state: PipelineState, j: int, micro_batch: int, st, *args):
+    """``self._backward[j](st, *args)``; for a micro-batch under a gradient
+    probe, the variant that also returns the applied gradient, kept with a
+    copy of the weights it was taken with (the live ones are donated)."""
+    probe = state.grad_probes.get(micro_batch)
+    if probe is None:
+      return self._backward[j](st, *args)
+    probe.backward_params[j] = self._copy(st.params)
+    if j == self.num_stages - 1:  # its forward is this same step
+      probe.forward_params[j] = probe.backward_params[j]
+    *out, probe.grads[j] = self._backward_probed[j](st, *args)
+    if j == 0:  # every stage is done: compare (paper App. B)
+      del state.grad_probes[micro_batch]
+      stats = [out[0].batch_stats] + [s.batch_stats for s in state.stages[1:]]
+      args = transport.send((probe.grads, probe.forward_params, probe.backward_params, stats,
+                             probe.images, probe.labels), self.devices[0])
+      state.grad_quality.append((micro_batch, self._grad_quality(*args)))
+    return tuple(out)
 
   def _record(self, tick: int, j: int, kind: str, micro_batch: int):
     if self.record_timeline:

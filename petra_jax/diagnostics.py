@@ -1,0 +1,161 @@
+"""Gradient quality: how far PETRA's gradients are from exact ones (paper App. B).
+
+PETRA's gradient of stage ``j`` for micro-batch ``m`` is approximate twice
+over: it is *delayed* (``tau_j = 2(J-1-j)`` ticks after the forward), and it is
+taken at an input reconstructed with the *current* weights, with the current
+weights. Appendix B compares, stage by stage, three gradients of the same
+micro-batch's loss with respect to the stage's parameters:
+
+* ``petra``: the gradient the engine applied (whatever the method: petra,
+  approximate_input, dsp or delayed);
+* ``delayed``: the standard delayed gradient of PipeDream / Zhuang et al.
+  (2020): ``jax.grad`` of the composed model at the weights each stage's
+  *forward* used (``theta_j^{t-tau_j}``), which reproduces the forward
+  activations exactly (weight stashing);
+* ``e2e``: the end-to-end gradient: ``jax.grad`` of the composed model at the
+  *current* weights, those each stage holds when it runs the micro-batch's
+  backward (``theta_j^t``, the weights PETRA's vjp used). With every delay 0
+  (``Pipeline.revprop_step``) forward and backward weights coincide and the
+  three gradients are equal.
+
+and reports the cosine similarity and norm ratio of each pair (Fig. 5: over
+training; Fig. 6: against the stage index). The engine gathers the inputs
+(``Pipeline(grad_probe_every=...)``); this module holds the math.
+
+BatchNorm normalises with the batch's statistics in training, so the running
+statistics passed here only give the variables their structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.stage import Stage, cross_entropy, forward
+
+PyTree = Any
+
+# (name, numerator/first gradient, second gradient) of each compared pair.
+PAIRS = (("petra_delayed", "petra", "delayed"),
+         ("petra_e2e", "petra", "e2e"),
+         ("delayed_e2e", "delayed", "e2e"))
+# Keys of grad_quality's result, e.g. "cos_petra_e2e", "norm_ratio_petra_delayed".
+METRICS = tuple(f"{kind}_{pair}" for kind in ("cos", "norm_ratio") for pair, _, _ in PAIRS)
+PREFIX = "grad_quality"
+
+
+def _flat(tree: PyTree) -> jax.Array:
+  """All leaves of ``tree`` as one float32 vector ``[P]``."""
+  leaves = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
+  return jnp.concatenate(leaves) if leaves else jnp.zeros((0,), jnp.float32)
+
+
+def cosine_similarity(a: PyTree, b: PyTree) -> jax.Array:
+  """``<a, b> / (||a|| ||b||)`` over the flattened leaves (App. B, Cos-Sim).
+
+  Args:
+    a, b: pytrees of the same structure (e.g. two gradients of one stage's
+      parameters), any float dtype; computed in float32.
+
+  Returns:
+    A float32 scalar in ``[-1, 1]`` (up to round-off); NaN if either is zero.
+  """
+  x, y = _flat(a), _flat(b)
+  return jnp.vdot(x, y) / (jnp.linalg.norm(x) * jnp.linalg.norm(y))
+
+
+def norm_ratio(a: PyTree, b: PyTree) -> jax.Array:
+  """``||a|| / ||b||`` over the flattened leaves (App. B, Norm-Ratio).
+
+  Returns:
+    A float32 scalar ``>= 0``; Inf (or NaN) if ``b`` is zero.
+  """
+  return jnp.linalg.norm(_flat(a)) / jnp.linalg.norm(_flat(b))
+
+
+def composed_grads(stages: Sequence[Stage], params: Sequence[PyTree],
+                   batch_stats: Sequence[PyTree], images: jax.Array,
+                   labels: jax.Array) -> list:
+  """``jax.grad`` of the composed model's mean cross-entropy.
+
+  Args:
+    stages: the model's stages.
+    params: one parameter pytree per stage (may come from different ticks).
+    batch_stats: one BatchNorm-statistics pytree per stage (training mode:
+      only their structure matters).
+    images: ``float32[B, H, W, C]``.
+    labels: ``int32[B]``.
+
+  Returns:
+    One gradient pytree per stage, like ``params``.
+  """
+  def loss_fn(ps):
+    x = images
+    for stage, p, bs in zip(stages, ps, batch_stats):
+      x, _ = forward(stage, p, bs, x)
+    return cross_entropy(x, labels)
+
+  return jax.grad(loss_fn)(list(params))
+
+
+def grad_quality(stages: Sequence[Stage], petra_grads: Sequence[PyTree],
+                 forward_params: Sequence[PyTree], backward_params: Sequence[PyTree],
+                 batch_stats: Sequence[PyTree], images: jax.Array,
+                 labels: jax.Array) -> dict[str, jax.Array]:
+  """Per-stage cosine similarities and norm ratios of paper Figs. 5 and 6.
+
+  Computes the delayed gradient (at ``forward_params``) and the end-to-end
+  gradient (at ``backward_params``) of one micro-batch, two forward+backward
+  passes of the whole model, and compares them with ``petra_grads``.
+
+  Args:
+    stages: the model's ``J`` stages.
+    petra_grads: the gradient each stage applied for this micro-batch.
+    forward_params: the parameters each stage's forward used.
+    backward_params: the parameters each stage held at its backward.
+    batch_stats: per stage, for the structure of the variables.
+    images: the micro-batch, ``float32[B, H, W, C]``.
+    labels: its labels, ``int32[B]``.
+
+  Returns:
+    ``{name: float32[J]}`` for every name in :data:`METRICS`
+    (``cos_<a>_<b>``, ``norm_ratio_<a>_<b>`` with ``a`` the numerator).
+  """
+  grads = {"petra": list(petra_grads),
+           "delayed": composed_grads(stages, forward_params, batch_stats, images, labels),
+           "e2e": composed_grads(stages, backward_params, batch_stats, images, labels)}
+  out = {}
+  for pair, a, b in PAIRS:
+    out[f"cos_{pair}"] = jnp.stack(
+        [cosine_similarity(x, y) for x, y in zip(grads[a], grads[b])])
+    out[f"norm_ratio_{pair}"] = jnp.stack(
+        [norm_ratio(x, y) for x, y in zip(grads[a], grads[b])])
+  return out
+
+
+def metric_key(name: str, stage: int) -> str:
+  """The metrics.jsonl / TensorBoard key, e.g. ``grad_quality/cos_petra_e2e/stage_3``."""
+  return f"{PREFIX}/{name}/stage_{stage}"
+
+
+@dataclasses.dataclass
+class GradProbe:
+  """What the engine keeps of one probed micro-batch until its backward ends.
+
+  Attributes:
+    images: ``float32[B, H, W, C]`` on stage 0's device.
+    labels: ``int32[B]`` on the last stage's device.
+    forward_params: per stage, a copy of the parameters its forward used
+      (None until that forward ran).
+    backward_params: per stage, a copy of the parameters it held at its
+      backward (before the update).
+    grads: per stage, the gradient its backward applied.
+  """
+  images: jax.Array
+  labels: jax.Array
+  forward_params: list
+  backward_params: list
+  grads: list
