@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices
   c.seed = 0
   c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
+  c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.diagnostics); 0 = off
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
 

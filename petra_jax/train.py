@@ -25,6 +25,7 @@ from tqdm import tqdm
 from petra_jax import checkpoint as checkpoint_lib
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
+from petra_jax import diagnostics
 from petra_jax import metrics as metrics_lib
 from petra_jax import models, optim
 from petra_jax.pipeline import Pipeline
@@ -61,6 +62,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError(
         f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
         f"micro-batches; use a batch_size that is a multiple of {k}.")
+  if config.grad_quality_every and config.method == "backprop":
+    raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
+                      "method 'backprop' computes only exact ones: use another method or "
+                      "--config.grad_quality_every=0.")
   if config.num_devices > num_local_devices:
     raise ConfigError(
         f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
@@ -170,12 +175,37 @@ class _LossLog:
     self.losses = {m: v for m, v in arrays.items() if m >= 0}
 
 
+def _write_grad_quality(writer, state, k: int, steps_per_epoch: int, wait: bool = False):
+  """Writes the gradient-quality results (paper App. B) that are computed.
+
+  One line per probed micro-batch ``m`` at step ``m // k + 1``, keys
+  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>`` (see
+  :mod:`petra_jax.diagnostics`). Results still being computed stay in
+  ``state.grad_quality`` for the next call (no wait on the hot path), unless
+  ``wait``.
+  """
+  pending = []
+  for m, quality in state.grad_quality:
+    if not wait and not all(v.is_ready() for v in quality.values()):
+      pending.append((m, quality))
+      continue
+    values = jax.device_get(quality)
+    step = m // k + 1
+    writer.write(step, epoch=step / steps_per_epoch, **{
+        diagnostics.metric_key(name, j): float(v[j])
+        for name, v in values.items() for j in range(len(v))})
+  state.grad_quality[:] = pending
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
   Writes ``WORKDIR/metrics.jsonl`` (``step``, ``epoch``, ``train_loss``,
   ``learning_rate`` every ``log_every`` updates; ``test_loss``,
-  ``test_accuracy`` at each evaluation) and TensorBoard events.
+  ``test_accuracy`` at each evaluation) and TensorBoard events; with
+  ``grad_quality_every``, per-stage gradient cosines and norm ratios
+  (``grad_quality/cos_petra_e2e/stage_3``, ...; :mod:`petra_jax.diagnostics`)
+  at the step of each probed micro-batch.
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
@@ -211,7 +241,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     devices = devices[:1]
   pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats,
                   method=_pipeline_method(config.method, stages),
-                  probe_every=config.reconstruction_error_every * k)
+                  probe_every=config.reconstruction_error_every * k,
+                  grad_probe_every=config.grad_quality_every * k)
   state = pipe.init(config.seed, jnp.zeros((micro,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
                [d.id for d in pipe.devices])
@@ -240,6 +271,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   def save_checkpoint():
     loss_log.check_finite(k)  # never save a diverged state over a good one
+    _write_grad_quality(writer, state, k, steps_per_epoch, wait=True)  # (not checkpointed)
     log_meta, log_arrays = loss_log.state()
     ckpt.save(step, state, extra={"micro_batch": micro_batch, "loss_log": log_meta,
                                   "metrics_offset": writer.offset()},
@@ -270,6 +302,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         for m, j, err in state.reconstruction_errors:  # computed ticks ago: no wait
           writer.write(m // k + 1, **{f"reconstruction_error/stage_{j}": float(err)})
         state.reconstruction_errors.clear()
+      if state.grad_quality and step % config.log_every == 0:
+        _write_grad_quality(writer, state, k, steps_per_epoch)
       if (config.checkpoint_every and step % config.checkpoint_every == 0
           and step % steps_per_epoch and step < total_steps):
         save_checkpoint()  # (at an epoch's end, after its evaluation below)
@@ -279,6 +313,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       for out in outs:
         loss_log.add(out.micro_batch, out.loss)
       loss_log.finish(total_steps)
+      _write_grad_quality(writer, state, k, steps_per_epoch, wait=True)
     if last_epoch or (config.eval_every and (epoch + 1) % config.eval_every == 0):
       result = evaluate(pipe, state, test, info, config.eval_batch_size)
       result["wall_time"] = time.time() - start
