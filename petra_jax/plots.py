@@ -145,10 +145,10 @@ def plot_grad_quality_over_training(quality: dict, kind: str, path: str,
   colors = _stage_colors(max(stages) + 1)
   what = "cosine similarity" if kind == "cos" else "norm ratio"
   unit = "cosine (1 = aligned)" if kind == "cos" else "||numerator|| / ||denominator||"
-  fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-  panels = [(axes[0], [("petra_delayed", "-")], f"{what}: PETRA vs delayed gradient"),
+  fig, axes = plt.subplots(1, 2, figsize=(16, 5))
+  panels = [(axes[0], [("petra_delayed", "-")], f"{what}: PETRA vs delayed"),
             (axes[1], [("petra_e2e", "-"), ("delayed_e2e", "--")],
-             f"{what}: PETRA (full) and delayed (dashed) vs end-to-end")]
+             f"{what} vs end-to-end: PETRA (full), delayed (dashed)")]
   for ax, pairs, title in panels:
     for pair, style in pairs:
       for j in stages:
@@ -160,7 +160,7 @@ def plot_grad_quality_over_training(quality: dict, kind: str, path: str,
     ax.set(title=title + (f" (rolling mean of {window})" if window > 1 else ""),
            xlabel=_STEP_LABEL, ylabel=unit)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, title="stage")
+    ax.legend(fontsize=7, title="stage", loc="upper left", bbox_to_anchor=(1.0, 1.0))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
