@@ -374,8 +374,75 @@ def _resnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
 
 
 def supports_reversible(stages: Sequence[Stage]) -> bool:
-  """Whether any stage is reversible (PETRA's input reconstruction applies)."""
-  return any(s.reversible for s in stages)
+  """Whether any block is reversible (PETRA's input reconstruction applies)."""
+  return any(b.reversible for s in stages for b in (s.blocks or (s,)))
+
+
+# --- Stage balancing -------------------------------------------------------------
+
+
+def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
+  """Groups consecutive blocks into stages: stage ``g`` runs ``sizes[g]`` blocks.
+
+  Args:
+    blocks: a model from :func:`build_model` (one block per stage).
+    sizes: blocks per stage, each >= 1, summing to ``len(blocks)``.
+
+  Returns:
+    ``len(sizes)`` stages (:func:`petra_jax.stage.group`).
+
+  Raises:
+    ValueError: sizes that do not cover the blocks exactly, fewer than 2
+      stages, or more stages than blocks.
+  """
+  sizes = [int(n) for n in sizes]
+  if len(sizes) > len(blocks):
+    raise ValueError(f"{len(sizes)} stages but the model has only {len(blocks)} blocks; "
+                     f"use --config.model.num_stages <= {len(blocks)}.")
+  if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != len(blocks):
+    raise ValueError(f"model.stage_sizes={tuple(sizes)} must be >= 2 positive counts summing "
+                     f"to the model's {len(blocks)} blocks.")
+  out, i = [], 0
+  for n in sizes:
+    out.append(stage_lib.group(blocks[i:i + n]))
+    i += n
+  return out
+
+
+def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[float]:
+  """Forward FLOPs of each block on a ``float32[input_shape]`` batch.
+
+  From XLA's cost analysis of the lowered forward (nothing is compiled or
+  run). A block's backward (recompute or reconstruct, then vjp) costs about
+  three forwards whatever its kind, so forward FLOPs rank the blocks' tick
+  costs.
+  """
+  key = jax.random.key(0)
+  x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
+  flops = []
+  for s in blocks:
+    variables = jax.eval_shape(functools.partial(s.init, key), x)
+    fwd = lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x)[0]
+    cost = jax.jit(fwd).lower(variables, x).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops.append(float((cost or {}).get("flops", 0.0)))
+    x = jax.eval_shape(fwd, variables, x)
+  return flops
+
+
+def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
+                         input_shape: Sequence[int]) -> list[int]:
+  """Blocks per stage that minimise the slowest stage's FLOPs.
+
+  Raises:
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``.
+  """
+  from petra_jax import partition  # pylint: disable=g-import-not-at-top
+  if not 2 <= num_stages <= len(blocks):
+    raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "
+                     f"{len(blocks)} blocks); use --config.model.num_stages <= {len(blocks)}.")
+  groups, _ = partition.balanced_partition(block_flops(blocks, input_shape), num_stages)
+  return partition.group_sizes(groups)
 
 
 # --- Summaries and CLI ---------------------------------------------------------

@@ -25,7 +25,7 @@ evaluation updates them (the paper's policy: the backward recomputation).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -36,26 +36,63 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Stage:
-  """One pipeline stage.
+  """One pipeline stage: one residual block, or a group of consecutive ones.
 
   Attributes:
     name: a readable label, e.g. ``"group1_rev1"``.
-    module: the Flax module. For a reversible stage, the residual function
-      ``F`` on one stream (``[B, H, W, C] -> [B, H, W, C]``); otherwise the
-      whole block on the stage's input activation. Modules take ``train``.
-    reversible: whether the stage is the coupling of ``module`` (Fig. 2) and
-      can rebuild its input from its output.
+    module: the Flax module of a single-block stage. For a reversible stage,
+      the residual function ``F`` on one stream (``[B, H, W, C] -> [B, H, W,
+      C]``); otherwise the whole block on the stage's input activation.
+      Modules take ``train``. None for a group.
+    reversible: whether the stage can rebuild its input from its output: the
+      coupling of ``module`` (Fig. 2), or a group of reversible blocks only.
+    blocks: for a group (:func:`group`), its single-block stages in order;
+      their variables live under ``"block_0"``, ``"block_1"``, ...
   """
   name: str
-  module: nn.Module
+  module: nn.Module | None
   reversible: bool
+  blocks: tuple["Stage", ...] = ()
 
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
+    if self.blocks:
+      params, stats = {}, {}
+      for i, block in enumerate(self.blocks):
+        v = block.init(jax.random.fold_in(key, i), x)
+        params[f"block_{i}"], stats[f"block_{i}"] = v["params"], v["batch_stats"]
+        x = jax.eval_shape(lambda p, b, x: forward(block, p, b, x), v["params"],
+                           v["batch_stats"], x)[0]
+        x = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
+      return {"params": params, "batch_stats": stats}
     x_in = x[0] if self.reversible else x
     variables = dict(self.module.init(key, x_in, train=True))
     variables.setdefault("batch_stats", {})
     return variables
+
+
+def group(blocks: Sequence[Stage], name: str | None = None) -> Stage:
+  """One stage running ``blocks`` in sequence (stage balancing).
+
+  A group of reversible blocks only is reversible: its reconstruction runs
+  the blocks' inverses in reverse order, each block's ``F`` evaluated once
+  (:func:`reverse_vjp`). A group with any non-reversible block buffers its
+  input and recomputes, as a single non-reversible stage does.
+
+  Raises:
+    ValueError: ``blocks`` is empty.
+  """
+  blocks = tuple(b for s in blocks for b in (s.blocks or (s,)))
+  if not blocks:
+    raise ValueError("a stage group needs at least one block.")
+  if len(blocks) == 1:
+    return blocks[0]
+  name = name or "+".join(b.name for b in blocks)
+  return Stage(name, None, all(b.reversible for b in blocks), blocks)
+
+
+def _block_vars(params, batch_stats, i):
+  return params[f"block_{i}"], batch_stats[f"block_{i}"]
 
 
 def _apply(module, params, batch_stats, x, train):
@@ -82,6 +119,12 @@ def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
     ``(y, new_batch_stats)``: the output activation and the running statistics
     updated by this evaluation (unchanged when ``train`` is False).
   """
+  if stage.blocks:
+    new_stats = {}
+    for i, block in enumerate(stage.blocks):
+      x, new_stats[f"block_{i}"] = forward(block, *_block_vars(params, batch_stats, i), x,
+                                           train=train)
+    return x, new_stats
   if not stage.reversible:
     return _apply(stage.module, params, batch_stats, x, train)
   x1, x2 = x
@@ -99,6 +142,10 @@ def inverse(stage: Stage, params, batch_stats, y):
   """
   if not stage.reversible:
     raise ValueError(f"stage {stage.name!r} is not reversible")
+  if stage.blocks:
+    for i in reversed(range(len(stage.blocks))):
+      y = inverse(stage.blocks[i], *_block_vars(params, batch_stats, i), y)
+    return y
   y1, y2 = y
   f, _ = _apply(stage.module, params, batch_stats, y2, True)
   return y2, y1 - f
@@ -127,6 +174,13 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
     streams, their cotangent, the parameter gradient (a pytree like
     ``params``) and the running statistics of the reconstruction.
   """
+  if stage.blocks:  # block by block, last first: x~ of one is y of the previous
+    grads, stats = {}, {}
+    for i in reversed(range(len(stage.blocks))):
+      key = f"block_{i}"
+      y, dy, grads[key], stats[key] = reverse_vjp(
+          stage.blocks[i], params[key], batch_stats[key], y, dy)
+    return y, dy, grads, stats
   y1, y2 = y
   dy1, dy2 = dy
 
@@ -148,6 +202,13 @@ def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
   Returns:
     ``(x_tilde, dx, dparams, new_batch_stats)`` as :func:`reverse_vjp`.
   """
+  if stage.blocks:
+    grads, stats = {}, {}
+    for i in reversed(range(len(stage.blocks))):
+      key = f"block_{i}"
+      y, dy, grads[key], stats[key] = reverse_vjp_stashed(
+          stage.blocks[i], params[key], vjp_params[key], batch_stats[key], y, dy)
+    return y, dy, grads, stats
   y1, y2 = y
   dy1, dy2 = dy
   f_now, _ = _apply(stage.module, params, batch_stats, y2, True)

@@ -105,6 +105,11 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"accumulation_steps": 0}, "accumulation_steps must be >= 1"),
     ({"batch_size": 30, "accumulation_steps": 4}, "multiple of 4"),
     ({"num_devices": 99}, "num_devices=99"),
+    ({"dataset": "mnist"}, "Unknown dataset 'mnist'"),
+    ({"optim.name": "rmsprop"}, "Unknown optimizer 'rmsprop'"),
+    ({"optim.schedule": "cyclic"}, "Unknown schedule 'cyclic'"),
+    ({"model.num_stages": 12}, "only 10 blocks"),
+    ({"model.stage_sizes": (4, 4)}, "summing to revnet18's 10 blocks"),
 ])
 def test_bad_config_gives_one_clear_error(overrides, message):
   c = tiny_config("unused", **overrides)
@@ -130,3 +135,33 @@ def test_cli_missing_data_names_both_fixes(tmp_path):
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "--config.data_dir" in r.stderr and "TFDS_DATA_DIR" in r.stderr
+
+
+def test_cli_unknown_config_field_is_one_line(tmp_path):
+  r = _cli("--config.modle.width=8", f"--workdir={tmp_path}")
+  assert r.returncode != 0
+  assert "Traceback" not in r.stderr
+  assert "modle" in r.stderr
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tmp_path):
+  # Rate 1e4 without warm-up: the loss is finite on step 1 (computed before
+  # any update) and NaN/Inf a few steps later.
+  r = _cli("--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=1",
+           "--config.steps_per_epoch=30", "--config.num_epochs=1", "--config.log_every=1",
+           "--config.checkpoint_every=1", "--config.num_devices=1",
+           "--config.optim.learning_rate=1e4", "--config.optim.warmup_epochs=0",
+           "--config.optim.schedule=constant", f"--config.data_dir={cifar10_dir}",
+           f"--workdir={tmp_path}")
+  assert r.returncode != 0
+  assert "Traceback" not in r.stderr
+  assert "error: train_loss is" in r.stderr and "at step" in r.stderr, r.stderr[-2000:]
+  saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+  assert saved, "no checkpoint kept"
+  losses = {r_["step"]: r_["train_loss"] for r_ in metrics.read_metrics(str(tmp_path))
+            if "train_loss" in r_}
+  # Every kept checkpoint precedes the first non-finite loss.
+  bad = min(s for s, v in losses.items() if not np.isfinite(v)) if any(
+      not np.isfinite(v) for v in losses.values()) else None
+  assert bad is None or max(saved) < bad

@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import models, schedule  # noqa: E402
+from petra_jax.partition import balanced_partition, group_cost  # noqa: E402,F401
 from petra_jax.pipeline import Pipeline  # noqa: E402
 from petra_jax.stage import Stage  # noqa: E402
 
@@ -234,23 +235,6 @@ def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> lis
   return costs
 
 
-def group_cost(costs: Sequence[float], a: int, b: int,
-               send_forward: Optional[Sequence[float]] = None,
-               send_backward: Optional[Sequence[float]] = None) -> float:
-  """Tick time (ms) of one device running stages ``a..b`` (inclusive).
-
-  Its compute plus the sends that leave the group: the forward output of
-  stage ``b`` (unless last) and the backward message of stage ``a`` (unless
-  first). Sends within the group are free (same device).
-  """
-  total = float(sum(costs[a:b + 1]))
-  if send_forward is not None and b < len(costs) - 1:
-    total += send_forward[b]
-  if send_backward is not None and a > 0:
-    total += send_backward[a]
-  return total
-
-
 def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[float]] = None,
                       send_backward: Optional[Sequence[float]] = None) -> float:
   """PETRA on one device per stage against sequential revprop.
@@ -261,48 +245,6 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
   """
   tick = max(group_cost(costs, j, j, send_forward, send_backward) for j in range(len(costs)))
   return float(sum(costs)) / tick
-
-
-def balanced_partition(costs: Sequence[float], num_groups: int,
-                       send_forward: Optional[Sequence[float]] = None,
-                       send_backward: Optional[Sequence[float]] = None):
-  """Contiguous split of stages into groups minimising the slowest group.
-
-  Dynamic programming over ``best[g][i]``: the smallest max group cost of the
-  first ``i`` stages in ``g`` groups (:func:`group_cost`, sends included when
-  given).
-
-  Args:
-    costs: per-stage (per-block) compute, ms.
-    num_groups: ``J'``, between 1 and ``len(costs)``.
-
-  Returns:
-    ``(groups, max_cost)``: ``groups`` a list of ``(first, last)`` stage
-    indices (inclusive), ``max_cost`` the slowest group's cost (ms).
-
-  Raises:
-    ValueError: ``num_groups`` outside ``[1, len(costs)]``.
-  """
-  n = len(costs)
-  if not 1 <= num_groups <= n:
-    raise ValueError(f"num_groups must be in [1, {n}], got {num_groups}")
-  inf = float("inf")
-  cost = lambda a, b: group_cost(costs, a, b, send_forward, send_backward)
-  best = [[inf] * (n + 1) for _ in range(num_groups + 1)]
-  cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
-  best[0][0] = 0.0
-  for g in range(1, num_groups + 1):
-    for i in range(g, n + 1):
-      for k in range(g - 1, i):  # last group is stages k..i-1
-        value = max(best[g - 1][k], cost(k, i - 1))
-        if value < best[g][i]:
-          best[g][i], cut[g][i] = value, k
-  groups, i = [], n
-  for g in range(num_groups, 0, -1):
-    k = cut[g][i]
-    groups.append((k, i - 1))
-    i = k
-  return groups[::-1], best[num_groups][n]
 
 
 def balancing_table(costs, send_forward=None, send_backward=None,

@@ -1,0 +1,77 @@
+"""Contiguous grouping of blocks into pipeline stages (stage balancing).
+
+The paper keeps one residual block per stage, which leaves its stages
+unbalanced (the stem and the downsampling blocks cost more). Grouping
+consecutive blocks into ``J' <= J`` stages so that the slowest stage is as fast
+as possible shortens the tick; :func:`balanced_partition` finds the optimal
+contiguous grouping by dynamic programming over per-block costs (measured
+milliseconds, or FLOPs from XLA's cost analysis).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def group_cost(costs: Sequence[float], a: int, b: int,
+               send_forward: Optional[Sequence[float]] = None,
+               send_backward: Optional[Sequence[float]] = None) -> float:
+  """Tick time (ms) of one device running stages ``a..b`` (inclusive).
+
+  Its compute plus the sends that leave the group: the forward output of
+  stage ``b`` (unless last) and the backward message of stage ``a`` (unless
+  first). Sends within the group are free (same device).
+  """
+  total = float(sum(costs[a:b + 1]))
+  if send_forward is not None and b < len(costs) - 1:
+    total += send_forward[b]
+  if send_backward is not None and a > 0:
+    total += send_backward[a]
+  return total
+
+
+def balanced_partition(costs: Sequence[float], num_groups: int,
+                       send_forward: Optional[Sequence[float]] = None,
+                       send_backward: Optional[Sequence[float]] = None):
+  """Contiguous split of stages into groups minimising the slowest group.
+
+  Dynamic programming over ``best[g][i]``: the smallest max group cost of the
+  first ``i`` stages in ``g`` groups (:func:`group_cost`, sends included when
+  given).
+
+  Args:
+    costs: per-stage (per-block) compute, ms.
+    num_groups: ``J'``, between 1 and ``len(costs)``.
+
+  Returns:
+    ``(groups, max_cost)``: ``groups`` a list of ``(first, last)`` stage
+    indices (inclusive), ``max_cost`` the slowest group's cost (ms).
+
+  Raises:
+    ValueError: ``num_groups`` outside ``[1, len(costs)]``.
+  """
+  n = len(costs)
+  if not 1 <= num_groups <= n:
+    raise ValueError(f"num_groups must be in [1, {n}], got {num_groups}")
+  inf = float("inf")
+  cost = lambda a, b: group_cost(costs, a, b, send_forward, send_backward)
+  best = [[inf] * (n + 1) for _ in range(num_groups + 1)]
+  cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
+  best[0][0] = 0.0
+  for g in range(1, num_groups + 1):
+    for i in range(g, n + 1):
+      for k in range(g - 1, i):  # last group is stages k..i-1
+        value = max(best[g - 1][k], cost(k, i - 1))
+        if value < best[g][i]:
+          best[g][i], cut[g][i] = value, k
+  groups, i = [], n
+  for g in range(num_groups, 0, -1):
+    k = cut[g][i]
+    groups.append((k, i - 1))
+    i = k
+  return groups[::-1], best[num_groups][n]
+
+
+def group_sizes(groups: Sequence[tuple[int, int]]) -> list[int]:
+  """``[(first, last), ...]`` (inclusive) -> the number of blocks per group."""
+  return [b - a + 1 for a, b in groups]

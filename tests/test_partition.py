@@ -1,0 +1,74 @@
+"""Stage balancing: groups of consecutive blocks as one stage."""
+
+import itertools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from petra_jax import models, partition, pipeline, stage as stage_lib
+from helpers import composed_loss, random_batch, rel_err
+
+
+def test_group_of_reversible_blocks_is_reversible_and_round_trips():
+  blocks = models.build_model("revnet18", width=4)
+  g = stage_lib.group(blocks[1:3])
+  assert g.reversible and len(g.blocks) == 2
+  assert not stage_lib.group(blocks[2:4]).reversible  # rev + downsampling
+  x = random_batch()[0]
+  h = blocks[0].init(jax.random.key(0), x)
+  h = stage_lib.forward(blocks[0], h["params"], h["batch_stats"], x)[0]
+  v = g.init(jax.random.key(1), h)
+  y, _ = stage_lib.forward(g, v["params"], v["batch_stats"], h)
+  back = stage_lib.inverse(g, v["params"], v["batch_stats"], y)
+  # float32 round-off of two subtractions y1 - F(y2): ~1e-7 relative.
+  assert rel_err(back, h) < 1e-5
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 1, 1, 1, 1, 1, 2)])  # a reversible and a mixed group
+def test_grouped_revprop_update_equals_jax_grad_of_ungrouped_model(sizes):
+  """Grouping changes where stages are cut, not the gradient."""
+  blocks = models.build_model("revnet18", width=4)
+  stages = models.group_stages(blocks, sizes)
+  assert len(stages) == len(sizes)
+  pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1])
+  x, y = random_batch()
+  state = pipe.init(0, x)
+  # The same variables, block by block, for the independent composed loss.
+  flat = lambda tree_per_stage: [
+      t[f"block_{i}"] if s.blocks else t
+      for s, t in zip(stages, tree_per_stage) for i in range(max(1, len(s.blocks)))]
+  params = flat([jax.tree.map(lambda a: a.copy(), s.params) for s in state.stages])
+  stats = flat([s.batch_stats for s in state.stages])
+  ref = jax.grad(lambda p: composed_loss(blocks, p, stats, x, y))(params)
+  state, _ = pipe.revprop_step(state, x, y)
+  step = [jax.tree.map(lambda b, a: b - a, p, q)
+          for p, q in zip(params, flat([s.params for s in state.stages]))]
+  for j in range(len(blocks)):
+    # float32 round-off of the reconstruction: ~1e-6 measured (see test_stage).
+    assert rel_err(step[j], ref[j]) < 1e-4, j
+
+
+def test_bad_groupings_raise():
+  blocks = models.build_model("revnet18", width=4)
+  with pytest.raises(ValueError, match="only 10 blocks"):
+    models.group_stages(blocks, [1] * 11)
+  with pytest.raises(ValueError, match="summing"):
+    models.group_stages(blocks, (3, 3, 3))
+  with pytest.raises(ValueError, match=r"num_stages <= 10"):
+    models.balanced_stage_sizes(blocks, 12, (2, 16, 16, 3))
+
+
+def test_balanced_sizes_minimise_the_largest_group_flops():
+  blocks = models.build_model("revnet18", width=4)
+  flops = models.block_flops(blocks, (2, 16, 16, 3))
+  assert all(f > 0 for f in flops[:-1])
+  for num_stages in (2, 3, 4):
+    sizes = models.balanced_stage_sizes(blocks, num_stages, (2, 16, 16, 3))
+    assert sum(sizes) == len(blocks) and len(sizes) == num_stages
+    worst = lambda sz: max(sum(flops[a:a + n]) for a, n in zip(np.cumsum((0,) + tuple(sz)), sz))
+    best = min(worst(np.diff((0,) + cuts + (len(blocks),)))
+               for cuts in itertools.combinations(range(1, len(blocks)), num_stages - 1))
+    assert worst(sizes) == pytest.approx(best)
+    assert partition.group_sizes([(0, 2), (3, 3)]) == [3, 1]
