@@ -263,11 +263,13 @@ class Pipeline:
       ``jax.grad`` of the composed model on stage 0's device) are compared
       with it and ``(micro_batch, {name: float32[J]})`` is appended to
       ``state.grad_quality``. Cost per probed micro-batch: two forward and
-      backward passes of the whole model (about twice a revprop step: the
-      forward and backward passes of the micro-batch, once more each), one
-      more compilation per stage and one of the comparison at the first
-      probe, and, while the micro-batch is in flight, three copies of the
-      parameters (forward weights, backward weights, gradients), plus the
+      backward passes of the whole model, about two ticks of a full pipeline
+      (measured: 1.8 s, 2.2 ticks of 0.83 s, RevNet18 width 8, micro-batch
+      128 of 32x32, all stages on one 2-core CPU); one more compilation per
+      stage and one of the comparison at the first probe; and, while the
+      micro-batch is in flight (``2(J-1)`` ticks), three copies of the
+      parameters (forward weights, backward weights, gradients: 3 x 0.7 MB
+      for that model, 3 x 4 bytes per parameter in general) plus the
       micro-batch. When 0, nothing is compiled, copied or run. Needs every
       stage's device in this process.
 
