@@ -35,12 +35,26 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_every = 1            # epochs between test evaluations; 0 = at the end only
   c.eval_batch_size = 500
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl
-  c.num_devices = 0           # devices to spread the stages over; 0 = all local devices
+  c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
   c.seed = 0
   c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
   c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.diagnostics); 0 = off
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
+
+  # Multi-process runs (jax.distributed; launch/local.sh, launch/slurm.sh,
+  # launch/tpu_pod.sh): stages spread over every process's devices. Unset
+  # fields fall back to $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and
+  # $JAX_PROCESS_ID; with no coordinator and auto_detect False the run is
+  # single-process.
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""  # "host:port" of process 0
+  c.distributed.num_processes = 0         # 0 = $JAX_NUM_PROCESSES
+  c.distributed.process_id = -1           # -1 = $JAX_PROCESS_ID
+  c.distributed.auto_detect = False       # let jax detect SLURM / TPU pod / MPI settings
+  c.distributed.initialization_timeout_s = 120  # wait this long for every process to join
+  c.distributed.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
+  c.distributed.shutdown_timeout_s = 30   # wait this long for the others at exit
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)

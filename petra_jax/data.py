@@ -133,11 +133,12 @@ class Split:
   """A whole dataset split in host memory (arrays are read-only).
 
   Attributes:
-    images: uint8 ``[N, H, W, C]``, pixel values 0..255.
+    images: uint8 ``[N, H, W, C]``, pixel values 0..255; None in a
+      labels-only split (``open_labels``).
     labels: int32 ``[N]``, values in ``[0, num_classes)``.
   """
 
-  images: np.ndarray
+  images: np.ndarray | None
   labels: np.ndarray
 
   def __len__(self) -> int:
@@ -276,6 +277,59 @@ def open_split(
     return load_split(name, split, data_dir, limit)
   _check_limit(limit)
   return _open_lazy_cached(name, split, resolve_data_dir(data_dir), limit)
+
+
+def open_labels(
+    name: str,
+    split: str,
+    data_dir: str | None = None,
+    limit: int | None = None,
+) -> Split | LazySplit:
+  """Opens a split for a process that needs only its labels.
+
+  In a multi-process run, the process owning the pipeline's last stage needs
+  the labels and not the images (stage 0's process reads those). The records
+  are read but no image is decoded.
+
+  Args:
+    name, split, data_dir, limit: as ``open_split``.
+
+  Returns:
+    For in-memory datasets, a ``Split`` whose ``images`` is None and whose
+    ``labels`` are int32 ``[N]``; for lazy ones, ``open_split``'s
+    ``LazySplit`` (read per batch anyway). Read with :func:`read_labels`.
+
+  Raises:
+    DataError: as ``load_split``.
+  """
+  if get_dataset_info(name).lazy:
+    return open_split(name, split, data_dir, limit)
+  _check_limit(limit)
+  return _load_labels_cached(name, split, resolve_data_dir(data_dir), limit)
+
+
+def read_labels(split: Split | LazySplit, indices: np.ndarray) -> np.ndarray:
+  """int32 labels ``[len(indices)]`` of a split from ``open_split`` or
+  ``open_labels``, without decoding images."""
+  if isinstance(split, LazySplit):
+    records = split.source.__getitems__([int(i) for i in indices])
+    return np.array([r["label"] for r in records], np.int32)
+  return split.labels[indices]
+
+
+@functools.lru_cache(maxsize=8)
+def _load_labels_cached(
+    name: str, split: str, data_dir: str, limit: int | None
+) -> Split:
+  source = _open_source(name, split, data_dir)
+  n = len(source) if limit is None else min(limit, len(source))
+  labels = np.empty((n,), np.int32)
+  for start in range(0, n, _READ_CHUNK):
+    stop = min(start + _READ_CHUNK, n)
+    for i, ex in enumerate(source.__getitems__(list(range(start, stop))), start):
+      labels[i] = ex["label"]
+  labels.flags.writeable = False
+  return Split(images=None, labels=labels)
 
 
 def _check_limit(limit: int | None) -> None:

@@ -45,6 +45,7 @@ from petra_jax.stage import (Stage, cross_entropy, forward, loss_vjp, recompute_
 
 PyTree = Any
 BN_POLICIES = ("backward", "forward")
+_LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
 
 # Asynchronous methods of paper Table 4: what each stage keeps between a
 # micro-batch's forward and its backward (the last stage keeps nothing).
@@ -301,6 +302,12 @@ class Pipeline:
     self.num_stages = len(stages)
     self.tx = tx
     self.devices = assign_devices(self.num_stages, devices or jax.local_devices())
+    # Multi-process (jax.distributed): this process runs only the stages on
+    # its own devices; messages to or from the others go through transport.
+    self.local = [transport.is_local(d) for d in self.devices]
+    self.multiprocess = not all(self.local)
+    self._spec_cache: dict = {}
+    self._specs = [None] * (self.num_stages + 1)  # message shapes; set by init()
     self.stats_in_forward = bn_stats == "forward"
     # Stage j rebuilds its input from its output (otherwise it pops a buffer).
     self.reconstructs = [s.reversible and not self.stash_inputs for s in stages]
@@ -340,7 +347,9 @@ class Pipeline:
 
     All stages are initialised by one jitted function, with the ``"rbg"``
     PRNG: on CPU its compilation takes about 4 s for RevNet18 against 12 s
-    with threefry (and 20 s for one jit per stage).
+    with threefry (and 20 s for one jit per stage). In a multi-process run
+    only this process's stages are initialised (the same values as in one
+    process); the others' entries of ``PipelineState.stages`` are None.
 
     Args:
       seed: integer seed; stage ``j`` draws from ``fold_in(key(seed), j)``.
@@ -353,15 +362,22 @@ class Pipeline:
       x = jax.ShapeDtypeStruct((1,) + sample_input.shape[1:], sample_input.dtype)
       for j, stage in enumerate(self.stages):
         zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
-        variables = stage.init(jax.random.fold_in(key, j), zeros)
-        states.append(StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
-                                        batch_stats=variables["batch_stats"]))
+        if not self.local[j]:  # another process's stage: its shapes only
+          variables = jax.eval_shape(stage.init, jax.random.fold_in(key, j), zeros)
+          states.append(None)
+        else:
+          variables = stage.init(jax.random.fold_in(key, j), zeros)
+          states.append(StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
+                                          batch_stats=variables["batch_stats"]))
         x = jax.eval_shape(functools.partial(forward, stage), variables["params"],
                            variables["batch_stats"], x)[0]
       return states
 
     states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
-    states = [transport.send(s, d) for s, d in zip(states, self.devices)]
+    states = [transport.send(s, d) if s is not None else None
+              for s, d in zip(states, self.devices)]
+    if self.multiprocess:
+      self._specs = self._specs_for(sample_input)
     J = self.num_stages
     return PipelineState(stages=states, fwd_inbox=[None] * J, bwd_inbox=[None] * J,
                          buffers=[collections.deque() for _ in range(J)],
@@ -376,18 +392,26 @@ class Pipeline:
     Args:
       state: the pipeline state; updated in place and returned.
       images: a new micro-batch ``float32[B, H, W, C]`` for stage 0, or None
-        to feed nothing (pipeline drain).
-      labels: its labels ``int32[B]`` (sent straight to the last stage).
+        to feed nothing (pipeline drain). Multi-process: None on processes
+        that do not own stage 0 (they pass ``labels`` to feed).
+      labels: its labels ``int32[B]`` (sent straight to the last stage);
+        only read by the process owning the last stage.
 
     Returns:
       ``(state, output)``: ``output`` is the loss of the micro-batch that
       reached the last stage on this tick, or None during the fill.
+      Multi-process: the loss is on stage 0's device, on process 0 only;
+      ``output.loss`` is None on the other processes.
     """
     J = self.num_stages
-    if images is not None:
+    if images is not None or (self.multiprocess and labels is not None):
       m = state.next_micro_batch
-      state.fwd_inbox[0] = Message(m, transport.send(images, self.devices[0]))
-      state.labels.append(Message(m, transport.send(labels, self.devices[-1])))
+      # Every process keeps every message (the schedule); only the stage's
+      # owner holds its payload.
+      state.fwd_inbox[0] = Message(
+          m, transport.send(images, self.devices[0]) if self.local[0] else None)
+      if self.local[-1]:
+        state.labels.append(Message(m, transport.send(labels, self.devices[-1])))
       state.next_micro_batch += 1
       if self.grad_probe_every and m % self.grad_probe_every == 0:
         state.grad_probes[m] = diagnostics.GradProbe(
@@ -398,6 +422,10 @@ class Pipeline:
     for j, stage in enumerate(self.stages):
       st = state.stages[j]
       fin, bin_ = state.fwd_inbox[j], state.bwd_inbox[j]
+      if not self.local[j]:  # another process runs it: only relay its messages
+        out = self._remote_stage(j, fin, bin_, fwd_next, bwd_next)
+        output = out or output
+        continue
       if j == J - 1:
         if fin is not None:
           lab = state.labels.popleft()
@@ -405,6 +433,8 @@ class Pipeline:
           st, dx, loss = self._run_backward(state, j, fin.micro_batch, st, fin.payload,
                                             lab.payload)
           bwd_next[j - 1] = self._send_back(j, fin.micro_batch, fin.payload, dx)
+          if self.multiprocess:  # metrics are written by process 0
+            loss = self._move(loss, J - 1, 0, _LOSS_SPEC)
           output = TickOutput(fin.micro_batch, loss)
           self._record(state.tick, j, "F", fin.micro_batch)
           self._record(state.tick, j, "B", fin.micro_batch)
@@ -422,7 +452,7 @@ class Pipeline:
           state.probes[(j, fin.micro_batch)] = self._copy(fin.payload)  # later donated
         if fin.micro_batch in state.grad_probes:  # the weights this forward used
           state.grad_probes[fin.micro_batch].forward_params[j] = self._copy(st.params)
-        fwd_next[j + 1] = Message(fin.micro_batch, transport.send(y, self.devices[j + 1]))
+        fwd_next[j + 1] = Message(fin.micro_batch, self._move(y, j, j + 1, self._specs[j + 1]))
         self._record(state.tick, j, "F", fin.micro_batch)
       if bin_ is not None:  # reverse-backward with theta^t, then the update
         y, dy = bin_.payload
@@ -495,20 +525,84 @@ class Pipeline:
 
   # -- evaluation ------------------------------------------------------------
 
-  def predict(self, state: PipelineState, images: jax.Array) -> jax.Array:
-    """Logits ``float32[B, K]`` with the current weights and running statistics."""
-    x = transport.send(images, self.devices[0])
-    for j in range(self.num_stages):
-      x = self._eval[j](state.stages[j], transport.send(x, self.devices[j]))
-    return x
+  def predict(self, state: PipelineState, images) -> Optional[jax.Array]:
+    """Logits ``float32[B, K]`` with the current weights and running statistics.
+
+    Args:
+      images: ``float32[B, H, W, C]``. Multi-process: on processes that do
+        not own stage 0, anything with its shape and dtype (e.g. a
+        ``jax.ShapeDtypeStruct``); every process must call ``predict``.
+
+    Returns:
+      The logits on the last stage's device; None on processes that do not
+      own the last stage.
+    """
+    J = self.num_stages
+    specs = self._specs_for(images) if self.multiprocess else [None] * (J + 1)
+    x = transport.send(images, self.devices[0]) if self.local[0] else None
+    for j in range(J):
+      if j > 0:
+        x = self._move(x, j - 1, j, specs[j])
+      if self.local[j]:
+        x = self._eval[j](state.stages[j], x)
+    return x if self.local[-1] else None
 
   # -- helpers ---------------------------------------------------------------
 
   def _send_back(self, j: int, micro_batch: int, x, dx) -> Message:
     """``(x~_{j-1}, delta_j)`` to stage ``j-1``; ``x~`` only if it is reversible."""
-    dst = self.devices[j - 1]
-    x = transport.send(x, dst) if self.reconstructs[j - 1] else None
-    return Message(micro_batch, (x, transport.send(dx, dst)))
+    x = x if self.reconstructs[j - 1] else None
+    spec = (self._specs[j] if self.reconstructs[j - 1] else None, self._specs[j])
+    return Message(micro_batch, self._move((x, dx), j, j - 1, spec))
+
+  def _move(self, x, src: int, dst: int, spec):
+    """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.
+
+    Within this process ``transport.send``; across processes
+    ``transport.transfer`` (``spec``: ``x``'s shapes, for the receiver).
+    Returns the payload on ``dst``'s device, or None if ``dst`` is another
+    process's (or neither stage is this process's: nothing is run).
+    """
+    if self.local[src] and self.local[dst]:
+      return transport.send(x, self.devices[dst])
+    if not (self.local[src] or self.local[dst]):
+      return None
+    x = transport.transfer(x, self.devices[src], self.devices[dst], spec)
+    return x if self.local[dst] else None
+
+  def _remote_stage(self, j: int, fin, bin_, fwd_next: list, bwd_next: list):
+    """Stage ``j`` of another process on this tick: receives what it sends
+    to this process's stages; placeholders (payload None) for the rest, so
+    that every process follows the same schedule. Returns the last stage's
+    ``TickOutput`` (its loss received on process 0, else None) or None."""
+    J = self.num_stages
+    if fin is not None and j < J - 1:
+      fwd_next[j + 1] = Message(fin.micro_batch,
+                                self._move(None, j, j + 1, self._specs[j + 1]))
+    back = fin if j == J - 1 else bin_
+    if back is not None and j > 0:
+      bwd_next[j - 1] = self._send_back(j, back.micro_batch, None, None)
+    if j == J - 1 and fin is not None:
+      return TickOutput(fin.micro_batch, self._move(None, J - 1, 0, _LOSS_SPEC))
+    return None
+
+  def _specs_for(self, x) -> list:
+    """Shapes of the messages for a stage-0 input shaped like ``x``.
+
+    Returns ``J + 1`` pytrees of ``jax.ShapeDtypeStruct``: the input of each
+    stage (also the shape of its input cotangent), then the logits.
+    """
+    key = (tuple(x.shape), jnp.dtype(x.dtype))
+    if key not in self._spec_cache:
+      spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      specs, rng = [spec], jax.random.key(0, impl="rbg")
+      for stage in self.stages:
+        variables = jax.eval_shape(stage.init, rng, spec)
+        spec = jax.eval_shape(functools.partial(forward, stage), variables["params"],
+                              variables["batch_stats"], spec)[0]
+        specs.append(spec)
+      self._spec_cache[key] = specs
+    return self._spec_cache[key]
 
   def _run_backward(self, state: PipelineState, j: int, micro_batch: int, st, *args):
     """``self._backward[j](st, *args)``; for a micro-batch under a gradient

@@ -28,6 +28,7 @@ from petra_jax import data as data_lib
 from petra_jax import diagnostics
 from petra_jax import metrics as metrics_lib
 from petra_jax import models, optim
+from petra_jax import transport
 from petra_jax.pipeline import Pipeline
 
 
@@ -81,8 +82,70 @@ def _pipeline_method(method: str, stages) -> str:
 
 
 def _devices(config) -> list:
-  devices = jax.local_devices()
-  return devices[:config.num_devices] if config.num_devices else devices
+  """The stages' devices: the first ``num_devices`` (0: all) of each
+  process, in process order (stage 0 on process 0)."""
+  n = config.num_devices
+  if jax.process_count() == 1:
+    devices = jax.local_devices()
+    return devices[:n] if n else devices
+  by_process = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  return [d for p in sorted(by_process) for d in (by_process[p][:n] if n else by_process[p])]
+
+
+def _validate_multiprocess(config) -> None:
+  """Raises ConfigError for what a multi-process run does not support."""
+  if jax.process_count() == 1:
+    return
+  if config.method == "backprop":
+    raise ConfigError("method 'backprop' runs on one device; run it in a single process "
+                      "(without launch/*.sh or jax.distributed).")
+  if config.checkpoint_every:
+    raise ConfigError("checkpointing is single-process for now: use "
+                      "--config.checkpoint_every=0 in multi-process runs.")
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
+  """Starts ``jax.distributed`` when ``config.distributed`` or the
+  environment asks for it; call before any JAX computation.
+
+  ``coordinator_address``, ``num_processes`` and ``process_id`` fall back to
+  ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID``;
+  with ``auto_detect`` jax fills what is unset from SLURM, a TPU pod or MPI.
+  CPU collectives use gloo. A peer that stops sending heartbeats for
+  ``heartbeat_timeout_s`` makes the others terminate.
+
+  Returns:
+    True if ``jax.distributed`` was initialised, False for a single process.
+
+  Raises:
+    ConfigError: the processes did not all join within
+      ``initialization_timeout_s`` (or the coordinator is unreachable).
+  """
+  d = config.distributed
+  address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  if not address and not d.auto_detect:
+    return False
+  num = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
+  pid = d.process_id if d.process_id >= 0 else os.environ.get("JAX_PROCESS_ID")
+  pid = int(pid) if pid is not None else None
+  transport.enable_cpu_collectives()
+  try:
+    jax.distributed.initialize(
+        coordinator_address=address or None, num_processes=num, process_id=pid,
+        initialization_timeout=d.initialization_timeout_s,
+        heartbeat_timeout_seconds=d.heartbeat_timeout_s,
+        shutdown_timeout_seconds=d.shutdown_timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  (jaxlib's runtime errors)
+    raise ConfigError(
+        f"process {pid} could not join the {num}-process run at {address!r} within "
+        f"{d.initialization_timeout_s} s: {str(e).splitlines()[0]}. Start every process "
+        "with the same coordinator address (process 0's host:port) and num_processes.") from None
+  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
 
 
 def evaluate(pipe: Pipeline, state, split, info, batch_size: int):
@@ -91,19 +154,53 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int):
   Args:
     split: from ``data.open_split`` (in memory, or lazy for ImageNet).
 
+  Multi-process: every process calls it; stage 0's process reads the images,
+  the last stage's process the labels and sums the loss and the hits, which
+  it sends to process 0 (as float64 bits: the same numbers as one process).
+
   Returns:
-    ``{"test_loss": float, "test_accuracy": float}`` (accuracy in [0, 1]).
+    ``{"test_loss": float, "test_accuracy": float}`` (accuracy in [0, 1]);
+    ``{}`` on processes other than 0 in a multi-process run.
   """
   n = len(split)
   loss_sum, correct = 0.0, 0
-  for images, labels, valid in data_lib.eval_batches(split, info, batch_size,
-                                                     pipe.devices[0]):
-    logits = np.asarray(pipe.predict(state, images))[:valid]
+  if pipe.local[0]:
+    batches = data_lib.eval_batches(split, info, batch_size, pipe.devices[0])
+  else:  # another process feeds stage 0: predict only needs the shape
+    like = jax.ShapeDtypeStruct((batch_size,) + info.image_shape, jnp.float32)
+    batches = ((like, data_lib.read_labels(split, np.arange(s, min(s + batch_size, n))),
+                min(batch_size, n - s)) for s in range(0, n, batch_size))
+  for images, labels, valid in batches:
+    logits = pipe.predict(state, images)
+    if logits is None:  # the last stage is another process's
+      continue
+    logits = np.asarray(logits)[:valid]
     logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
         - logits.max(1, keepdims=True)
     loss_sum += float(-logp[np.arange(valid), labels].sum())
     correct += int((logits.argmax(1) == labels).sum())
+  if pipe.multiprocess:
+    sums = _to_process_0(pipe, np.array([loss_sum, correct], np.float64))
+    if sums is None:
+      return {}
+    loss_sum, correct = sums
   return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+
+
+def _to_process_0(pipe: Pipeline, values: np.ndarray):
+  """float64 ``values`` computed by the last stage's process, on process 0
+  (sent as their uint32 bits, exactly); None on other processes."""
+  first, last = pipe.devices[0], pipe.devices[-1]
+  bits = values.view(np.uint32)
+  if pipe.local[0] and pipe.local[-1]:
+    return values
+  if pipe.local[-1]:
+    transport.transfer(jax.device_put(bits, last), last, first,
+                       jax.ShapeDtypeStruct(bits.shape, bits.dtype))
+  elif pipe.local[0]:
+    received = transport.transfer(None, last, first, jax.ShapeDtypeStruct(bits.shape, bits.dtype))
+    return np.asarray(received).view(np.float64)
+  return None
 
 
 class _LossLog:
@@ -217,10 +314,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   start = time.time()
   devices = _devices(config)
   validate_config(config, len(jax.local_devices()))
+  _validate_multiprocess(config)
   info = data_lib.get_dataset_info(config.dataset)
   data_dir = config.data_dir or None
-  train = data_lib.open_split(config.dataset, info.train_split, data_dir)
-  test = data_lib.open_split(config.dataset, info.test_split, data_dir)
+  # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
+  open_fn = data_lib.open_split if transport.is_local(devices[0]) else data_lib.open_labels
+  train = open_fn(config.dataset, info.train_split, data_dir)
+  test = open_fn(config.dataset, info.test_split, data_dir)
   logging.info("data: %d train / %d test images, %.1f s", len(train),
                len(test), time.time() - start)
 
@@ -253,18 +353,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
   data_key = jax.random.key(config.seed + 1)
   micro_batch = step = 0
-  ckpt = checkpoint_lib.Checkpointer(
-      os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
-          model=config.model.name, width=config.model.width, method=config.method,
-          dataset=config.dataset, num_stages=len(stages), batch_size=config.batch_size,
-          accumulation_steps=k, seed=config.seed))
-  restored = ckpt.restore(state, pipe.devices)
+  ckpt = restored = None
+  if not pipe.multiprocess:  # (checkpointing is single-process for now)
+    ckpt = checkpoint_lib.Checkpointer(
+        os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
+            model=config.model.name, width=config.model.width, method=config.method,
+            dataset=config.dataset, num_stages=len(stages), batch_size=config.batch_size,
+            accumulation_steps=k, seed=config.seed))
+    restored = ckpt.restore(state, pipe.devices)
   metrics_offset = None
   if restored is not None:
     step, state, extra, extra_arrays = restored
     micro_batch, metrics_offset = extra["micro_batch"], extra["metrics_offset"]
     logging.info("resumed from %s/%d", ckpt.directory, step)
-  writer = metrics_lib.MetricWriter(workdir, truncate_to=metrics_offset)
+  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                    truncate_to=metrics_offset)
   loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
   if restored is not None:
     loss_log.restore(extra["loss_log"], extra_arrays)
@@ -279,22 +382,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   result = {}
   bar = tqdm(total=total_steps * config.batch_size, initial=step * config.batch_size,
-             unit="img", unit_scale=True, desc=config.method, disable=None, mininterval=2.0)
+             unit="img", unit_scale=True, desc=config.method,
+             disable=None if jax.process_index() == 0 else True, mininterval=2.0)
   for epoch in range(step // steps_per_epoch, num_epochs):
     offset = step - epoch * steps_per_epoch
     for idx in data_lib.batch_indices(len(train), config.batch_size, config.seed,
                                       epoch, steps_per_epoch)[offset:total_steps - step + offset]:
       for i in range(k):
         sl = idx[i * micro:(i + 1) * micro]
-        images, labels = batch_fn(train, sl, jax.random.fold_in(data_key, micro_batch))
+        if pipe.local[0]:
+          images, labels = batch_fn(train, sl, jax.random.fold_in(data_key, micro_batch))
+        else:  # another process feeds stage 0 (multi-process)
+          images, labels = None, data_lib.read_labels(train, sl)
         if config.method not in ("revprop", "backprop"):  # the asynchronous methods
           state, out = pipe.tick(state, images, labels)
-          if out is not None:
+          if out is not None and out.loss is not None:  # (None off process 0)
             loss_log.add(out.micro_batch, out.loss)
         else:
           step_fn = pipe.revprop_step if config.method == "revprop" else pipe.backprop_step
           state, loss = step_fn(state, images, labels)
-          loss_log.add(micro_batch, loss)
+          if loss is not None:
+            loss_log.add(micro_batch, loss)
         micro_batch += 1
       step += 1
       bar.update(config.batch_size)
@@ -311,22 +419,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if last_epoch:  # finish the in-flight micro-batches (their updates count)
       state, outs = pipe.drain(state)
       for out in outs:
-        loss_log.add(out.micro_batch, out.loss)
+        if out.loss is not None:
+          loss_log.add(out.micro_batch, out.loss)
       loss_log.finish(total_steps)
       _write_grad_quality(writer, state, k, steps_per_epoch, wait=True)
     if last_epoch or (config.eval_every and (epoch + 1) % config.eval_every == 0):
       result = evaluate(pipe, state, test, info, config.eval_batch_size)
       result["wall_time"] = time.time() - start
       writer.write(step, epoch=step / steps_per_epoch, **result)
-      bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
-                f"test_loss {result['test_loss']:.4f} test_accuracy "
-                f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
+      if "test_loss" in result:  # (process 0 only in multi-process runs)
+        bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
+                  f"test_loss {result['test_loss']:.4f} test_accuracy "
+                  f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
     if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total_steps:
       save_checkpoint()
   if config.checkpoint_every and (restored is None or restored[0] < total_steps):
     save_checkpoint()
-  ckpt.wait()
-  ckpt.close()
+  if ckpt is not None:
+    ckpt.wait()
+    ckpt.close()
   bar.close()
   writer.close()
   return result
@@ -341,10 +452,33 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
+    distributed = initialize_distributed(_CONFIG.value)
+  except ConfigError as e:
+    _exit_now(f"error: {e}")
+  try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except transport.PeerError as e:
+    _exit_now(f"error: process {jax.process_index()}: {e}")
   except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FloatingPointError,
           ValueError) as e:
+    if distributed:
+      _exit_now(f"error: process {jax.process_index()}: {e}")
     sys.exit(f"error: {e}")
+  except Exception as e:  # pylint: disable=broad-except
+    if not distributed:
+      raise
+    # e.g. a runtime error surfacing after a peer died: name this process and
+    # exit now rather than wait at jax.distributed's shutdown barrier.
+    logging.exception("process %d failed", jax.process_index())
+    _exit_now(f"error: process {jax.process_index()}: {type(e).__name__}: {e}")
+
+
+def _exit_now(message: str):
+  """Prints ``message`` and exits with status 1 at once, skipping
+  ``jax.distributed``'s shutdown barrier (whose peers may be dead)."""
+  print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(1)
 
 
 if __name__ == "__main__":

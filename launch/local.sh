@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Runs PETRA as N jax.distributed processes on this machine (CPU, gloo).
+#
+# Usage:
+#   launch/local.sh N [train args...]
+# e.g.
+#   launch/local.sh 2 --config=configs/cifar10_cpu.py --config.steps_per_epoch=20 \
+#     --config.num_epochs=1 --workdir=runs/mp2
+#
+# Starts N processes of `python -m petra_jax.train [train args...]` with a
+# loopback coordinator on a free port; the pipeline's stages are spread over
+# the N processes in contiguous blocks (stage 0 on process 0), and process 0
+# writes the metrics. Each process's output is prefixed with "[process i]".
+# Waits for all of them and exits with status 0 only if every process
+# succeeded; otherwise it names the first process to fail (and whether it was
+# killed by a signal) and each process that failed. If a process dies, the
+# others exit on their own (a failed transfer, or the jax.distributed
+# heartbeat); any still running LOCAL_GRACE_S seconds after the first failure
+# are killed. Needs bash >= 5.1.
+#
+# Environment:
+#   PYTHON            interpreter (default: .venv/bin/python if present, else python)
+#   LOCAL_DEVICES     CPU devices per process (default 1)
+#   LOCAL_GRACE_S     seconds to wait for the others after a failure (default 90)
+#   COORDINATOR_PORT  coordinator port (default: a free one)
+#   PETRA_MODULE      the module to run (default petra_jax.train; the tests run
+#                     tests.multiprocess_worker)
+set -u -o pipefail
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501)); then
+  echo "launch/local.sh needs bash >= 5.1 (wait -n -p)" >&2
+  exit 2
+fi
+
+if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+fi
+N=$1
+shift
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python)}
+PORT=${COORDINATOR_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+GRACE=${LOCAL_GRACE_S:-90}
+
+pids=()
+for ((i = 0; i < N; i++)); do
+  (
+    JAX_PLATFORMS=cpu \
+    JAX_COORDINATOR_ADDRESS="127.0.0.1:${PORT}" \
+    JAX_NUM_PROCESSES="$N" \
+    JAX_PROCESS_ID="$i" \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${LOCAL_DEVICES:-1}" \
+    PYTHONUNBUFFERED=1 \
+      "$PYTHON" -m "${PETRA_MODULE:-petra_jax.train}" "$@" 2>&1 | sed -u "s/^/[process $i] /"
+  ) &
+  pids+=($!)
+done
+
+declare -A index status
+for ((i = 0; i < N; i++)); do index[${pids[$i]}]=$i; done
+running=("${pids[@]}")
+timer=""
+while ((${#running[@]} > 0)); do
+  done_pid=""
+  wait -n -p done_pid "${running[@]}"
+  rc=$?
+  [[ -z "$done_pid" ]] && continue
+  i=${index[$done_pid]}
+  status[$i]=$rc
+  running=("${running[@]/$done_pid/}")
+  running=(${running[@]})
+  if ((rc != 0)) && [[ -z "$timer" ]]; then
+    if ((rc > 128)); then how="was killed by signal $((rc - 128))"; else how="exited with an error"; fi
+    echo "launch/local.sh: process $i $how (status $rc), first to fail" >&2
+    # The others should stop on their own (failed transfer or heartbeat); kill
+    # whatever still runs after the grace period.
+    (
+      sleep "$GRACE"
+      for pid in "${pids[@]}"; do
+        if kill -0 "$pid" 2>/dev/null; then
+          echo "launch/local.sh: process ${index[$pid]} still running ${GRACE} s after the failure; killing it" >&2
+          pkill -KILL -P "$pid" 2>/dev/null
+        fi
+      done
+    ) &
+    timer=$!
+  fi
+done
+if [[ -n "$timer" ]]; then  # the timer and its sleep
+  pkill -P "$timer" 2>/dev/null
+  kill "$timer" 2>/dev/null
+fi
+
+failed=0
+for ((i = 0; i < N; i++)); do
+  if [[ ${status[$i]} -ne 0 ]]; then
+    echo "launch/local.sh: process $i of $N failed (status ${status[$i]})" >&2
+    failed=1
+  fi
+done
+exit $failed

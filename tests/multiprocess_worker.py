@@ -1,0 +1,92 @@
+"""One process of a small multi-process PETRA run, for tests/test_multiprocess.py.
+
+Usage (one process; several with ``launch/local.sh`` and
+``PETRA_MODULE=tests.multiprocess_worker``)::
+
+  python -m tests.multiprocess_worker --data_dir=DIR [--die_after=T]
+
+A 5-stage RevNet of width 4 (stem, two reversible blocks, a downsampling
+block, head) trains with PETRA on 8 micro-batches of 8 real CIFAR-10 images,
+then is evaluated on 40 test images with ``train.evaluate``. Process 0 prints
+``RESULT {"losses": [...], "test": {...}}`` (losses as ``float.hex``, exact).
+``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import petra_jax  # noqa: F401  (XLA-CPU work-around before JAX starts)
+import jax
+import jax.numpy as jnp
+import optax
+
+from petra_jax import config as config_lib
+from petra_jax import data as data_lib
+from petra_jax import models, train, transport
+from petra_jax.pipeline import Pipeline
+from petra_jax.stage import Stage
+
+WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
+
+
+def tiny_revnet(width: int = WIDTH) -> list:
+  """stem -> reversible -> reversible -> downsample -> head (5 stages)."""
+  return [Stage("stem", models.Stem(width, imagenet=False, two_streams=True), False),
+          Stage("rev1", models.BasicResidual(width), True),
+          Stage("rev2", models.BasicResidual(width), True),
+          Stage("down", models.BasicDownsample(2 * width, 2), False),
+          Stage("head", models.Head(10), False)]
+
+
+def run(data_dir: str, die_after: int) -> dict:
+  config = config_lib.get_config()
+  train.initialize_distributed(config)  # from $JAX_* when launched by local.sh
+  devices = jax.devices()
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices)
+  info = data_lib.get_dataset_info("cifar10")
+  open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
+  n_train = MICRO_BATCH * NUM_MICRO_BATCHES
+  train_split = open_fn("cifar10", "train", data_dir, limit=n_train)
+  test_split = open_fn("cifar10", "test", data_dir, limit=NUM_TEST)
+  state = pipe.init(0, jnp.zeros((MICRO_BATCH,) + info.image_shape))
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
+  key = jax.random.key(1)
+  losses = {}
+  for m in range(NUM_MICRO_BATCHES):
+    if die_after and m == die_after and jax.process_index() == jax.process_count() - 1:
+      print(f"DYING at {time.time()}", flush=True)
+      os.kill(os.getpid(), signal.SIGKILL)
+    idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
+    if pipe.local[0]:
+      images, labels = batch_fn(train_split, idx, jax.random.fold_in(key, m))
+    else:
+      images, labels = None, data_lib.read_labels(train_split, idx)
+    state, out = pipe.tick(state, images, labels)
+    if out is not None and out.loss is not None:
+      losses[out.micro_batch] = out.loss
+  state, outs = pipe.drain(state)
+  losses.update({o.micro_batch: o.loss for o in outs if o.loss is not None})
+  test = train.evaluate(pipe, state, test_split, info, batch_size=16)
+  return {"losses": [float(losses[m]).hex() for m in sorted(losses)], "test": test,
+          "num_processes": jax.process_count()}
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--data_dir", required=True)
+  parser.add_argument("--die_after", type=int, default=0)
+  args = parser.parse_args()
+  try:
+    result = run(args.data_dir, args.die_after)
+  except transport.PeerError as e:
+    train._exit_now(f"error: process {jax.process_index()}: {e}")  # pylint: disable=protected-access
+  if jax.process_index() == 0:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
