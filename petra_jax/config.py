@@ -25,6 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
   c.model.width = 64          # channels per stream after the stem (paper: 64)
+  c.model.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
+  c.model.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced by FLOPs
   c.model.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
 
   c.batch_size = 128          # images per optimizer update (k micro-batches)

@@ -292,7 +292,8 @@ class Pipeline:
       raise ValueError(f"Unknown bn_stats policy {bn_stats!r}; choose one of {BN_POLICIES}.")
     if method not in PIPELINE_METHODS:
       raise ValueError(f"Unknown pipeline method {method!r}; choose one of {PIPELINE_METHODS}.")
-    if method in ("petra", "approximate_input") and not any(s.reversible for s in stages):
+    if method in ("petra", "approximate_input") and not any(
+        b.reversible for s in stages for b in (s.blocks or (s,))):
       raise ValueError(f"method {method!r} reconstructs inputs and needs reversible stages; "
                        "this model has none: use 'dsp' or 'delayed'.")
     self.method = method

@@ -40,7 +40,8 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   """Checks the config before anything is built.
 
   Raises:
-    ConfigError: unknown method/model, ``accumulation_steps < 1``, a batch
+    ConfigError: unknown method, model, dataset, optimizer or schedule; a
+      method the model does not support; ``accumulation_steps < 1``; a batch
       that does not split into k micro-batches, more devices than exist.
   """
   if config.method not in config_lib.METHODS:
@@ -56,6 +57,15 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
+  if config.dataset not in data_lib.DATASETS:
+    raise ConfigError(f"Unknown dataset {config.dataset!r}; choose one of "
+                      f"{sorted(data_lib.DATASETS)} (--config.dataset=...).")
+  if config.optim.name not in optim.OPTIMIZERS:
+    raise ConfigError(f"Unknown optimizer {config.optim.name!r}; choose one of "
+                      f"{optim.OPTIMIZERS} (--config.optim.name=...).")
+  if config.optim.schedule not in optim.SCHEDULES:
+    raise ConfigError(f"Unknown schedule {config.optim.schedule!r}; choose one of "
+                      f"{optim.SCHEDULES} (--config.optim.schedule=...).")
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
@@ -67,6 +77,21 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       "method 'backprop' computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
+  num_blocks = len(models.build_model(config.model.name, width=1))
+  num_stages = len(config.model.stage_sizes) or config.model.num_stages
+  if num_stages > num_blocks:
+    raise ConfigError(
+        f"model.num_stages={num_stages} but {config.model.name} has only {num_blocks} blocks "
+        f"(one per stage at most); use --config.model.num_stages <= {num_blocks}.")
+  if config.model.stage_sizes and (sum(config.model.stage_sizes) != num_blocks
+                                   or min(config.model.stage_sizes) < 1
+                                   or len(config.model.stage_sizes) < 2):
+    raise ConfigError(
+        f"model.stage_sizes={tuple(config.model.stage_sizes)} must be at least 2 positive "
+        f"block counts summing to {config.model.name}'s {num_blocks} blocks.")
+  if num_stages == 1:
+    raise ConfigError("model.num_stages=1: a pipeline needs at least 2 stages; use 0 for one "
+                      "block per stage.")
   if config.num_devices > num_local_devices:
     raise ConfigError(
         f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
@@ -337,6 +362,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   stages = models.build_model(config.model.name, width=config.model.width,
                               num_classes=info.num_classes,
                               imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
+  if config.model.stage_sizes or config.model.num_stages:
+    sizes = config.model.stage_sizes or models.balanced_stage_sizes(
+        stages, config.model.num_stages, (micro,) + info.image_shape)
+    stages = models.group_stages(stages, sizes)
+    logging.info("stages of %s blocks each", list(sizes))
   if config.method == "backprop":
     devices = devices[:1]
   pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats,
@@ -481,6 +511,20 @@ def _exit_now(message: str):
   os._exit(1)
 
 
+def _parse_flags(argv):
+  """absl's flag parsing, with a bad ``--config.*`` override as one line."""
+  try:
+    return flags.FLAGS(argv)
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    # ml_collections raises these (not flags.Error) for an unknown field or a
+    # value of the wrong type; its message has a "did you mean" hint.
+    message = str(e.args[0] if e.args else e).replace("\n", " ")
+    sys.exit(f"error: bad config override: {message}. See petra_jax/config.py for the "
+             "fields and their types.")
+  except flags.Error as e:
+    sys.exit(f"error: {e}\nPass --helpfull to list the flags.")
+
+
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
