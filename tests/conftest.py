@@ -7,6 +7,15 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 ).strip()
 
+# One persistent XLA compilation cache for the whole test session, inherited by
+# the CLI subprocesses: the tests build the same tiny stages many times, and
+# compiling them dominates the suite's time on CPU.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile  # noqa: E402
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="petra_jax_test_cache_")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
 import pytest  # noqa: E402
 
