@@ -179,11 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
-  p.add_argument("--workdir", default="runs/studies")
+  p.add_argument("--workdir", default="", help="default: runs/<study>")
   p.add_argument("--out", default="docs")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = p.parse_args(argv)
   args.argv = argv
+  args.workdir = args.workdir or os.path.join("runs", args.study)
   try:
     {"table4": table4, "ksweep": ksweep}[args.study](args)
   except (train.ConfigError, data_lib.DataError, ValueError) as e:

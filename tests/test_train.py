@@ -149,8 +149,8 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tm
   # Rate 1e4 without warm-up: the loss is finite on step 1 (computed before
   # any update) and NaN/Inf a few steps later.
   r = _cli("--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=1",
-           "--config.steps_per_epoch=30", "--config.num_epochs=1", "--config.log_every=1",
-           "--config.checkpoint_every=1", "--config.num_devices=1",
+           "--config.steps_per_epoch=12", "--config.num_epochs=1", "--config.log_every=1",
+           "--config.checkpoint_every=1", "--config.num_devices=1", "--config.eval_every=0",
            "--config.optim.learning_rate=1e4", "--config.optim.warmup_epochs=0",
            "--config.optim.schedule=constant", f"--config.data_dir={cifar10_dir}",
            f"--workdir={tmp_path}")
