@@ -9,9 +9,13 @@ Command::
 
   python -m petra_jax.train --config=configs/cifar10.py --workdir=runs/cifar10
 
-On the 2-core CPU of our dev machines one epoch at width 64 takes about
-3000 s (about 17 images/s), i.e. months for 300 epochs: run it on
-accelerators, or use configs/cifar10_cpu.py.
+Time per epoch on the 2-core CPU of our dev machines: plain backprop of this
+RevNet18 at width 64 was measured at about 20 images/s (about 2500 s per
+epoch); PETRA adds the reconstruction (Table 1: 4/3 of backprop's compute on
+one device), so expect roughly 3300 s per epoch on one CPU, i.e. months for
+300 epochs. PETRA itself at width 64 was not timed in this session (see
+docs/benchmarks.md for the throughput command). Run it on accelerators, or use
+configs/cifar10_cpu.py.
 """
 
 from petra_jax import config as default
