@@ -41,15 +41,19 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
 
   Raises:
     ConfigError: unknown method, model, dataset, optimizer or schedule; a
-      method the model does not support; ``accumulation_steps < 1``; a batch
+      method the model does not support; more stages than blocks;
+      ``accumulation_steps < 1``; a batch
       that does not split into k micro-batches, more devices than exist.
   """
-  if config.method not in config_lib.METHODS:
-    raise ConfigError(f"Unknown method {config.method!r}; choose one of "
-                      f"{config_lib.METHODS} (--config.method=...).")
-  if config.model.name not in models.MODEL_SPECS:
-    raise ConfigError(f"Unknown model {config.model.name!r}; choose one of "
-                      f"{sorted(models.MODEL_SPECS)} (--config.model.name=...).")
+  for what, value, choices, flag in (
+      ("method", config.method, config_lib.METHODS, "method"),
+      ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
+      ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
+      ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
+      ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule")):
+    if value not in choices:
+      raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
+                        f"(--config.{flag}=...).")
   if (config.method in config_lib.RECONSTRUCTING_METHODS
       and models.MODEL_FAMILY[config.model.name] != "revnet"):
     supported = [m for m in config_lib.METHODS if m not in config_lib.RECONSTRUCTING_METHODS]
@@ -57,15 +61,6 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
-  if config.dataset not in data_lib.DATASETS:
-    raise ConfigError(f"Unknown dataset {config.dataset!r}; choose one of "
-                      f"{sorted(data_lib.DATASETS)} (--config.dataset=...).")
-  if config.optim.name not in optim.OPTIMIZERS:
-    raise ConfigError(f"Unknown optimizer {config.optim.name!r}; choose one of "
-                      f"{optim.OPTIMIZERS} (--config.optim.name=...).")
-  if config.optim.schedule not in optim.SCHEDULES:
-    raise ConfigError(f"Unknown schedule {config.optim.schedule!r}; choose one of "
-                      f"{optim.SCHEDULES} (--config.optim.schedule=...).")
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
