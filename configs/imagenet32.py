@@ -20,17 +20,5 @@ from petra_jax import config as default
 
 
 def get_config():
-  c = default.get_config()
-  c.method = "petra"
-  c.dataset = "imagenet32"
-  c.model.name = "revnet18"
-  c.model.width = 64
-  c.batch_size = 256         # = 4 micro-batches of 64
-  c.accumulation_steps = 4
-  c.num_epochs = 90
-  c.optim.name = "sgd"
-  c.optim.schedule = "step"
-  c.optim.warmup_epochs = 5
-  c.optim.decay_epochs = (30, 60, 80)
-  c.optim.weight_decay = 1e-4
+  c = default.imagenet_recipe("imagenet32")
   return c

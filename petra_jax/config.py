@@ -76,3 +76,23 @@ def get_config() -> ml_collections.ConfigDict:
   c.optim.adam_b2 = 0.999
   c.optim.adam_eps = 1e-8
   return c
+
+
+def imagenet_recipe(dataset: str) -> ml_collections.ConfigDict:
+  """The paper's ImageNet recipe (Sec. 4) on ``dataset``: RevNet18 width 64,
+  batch 256 = k 4 micro-batches of 64, 90 epochs, SGD-Nesterov, 5 warm-up
+  epochs, lr x0.1 at epochs 30, 60 and 80, weight decay 1e-4."""
+  c = get_config()
+  c.method = "petra"
+  c.dataset = dataset
+  c.model.name = "revnet18"
+  c.model.width = 64
+  c.batch_size = 256
+  c.accumulation_steps = 4
+  c.num_epochs = 90
+  c.optim.name = "sgd"
+  c.optim.schedule = "step"
+  c.optim.warmup_epochs = 5
+  c.optim.decay_epochs = (30, 60, 80)
+  c.optim.weight_decay = 1e-4
+  return c
