@@ -100,6 +100,28 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
   return arrays, entries
 
 
+def saved_fingerprint(directory: str) -> Optional[dict]:
+  """The fingerprint of the newest readable checkpoint in ``directory``.
+
+  Returns None when the directory holds no checkpoint (or does not exist).
+  Lets a resumed run rebuild what it decided at its start, e.g. the stage
+  grouping chosen from measured times (``model.balance_by="time"``).
+  """
+  if not os.path.isdir(directory):
+    return None
+  manager = ocp.CheckpointManager(os.path.abspath(directory), item_names=("arrays", "meta"))
+  try:
+    for step in sorted(manager.all_steps(), reverse=True):
+      try:
+        return manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore()))["meta"]["fingerprint"]
+      except Exception:  # pylint: disable=broad-except  (unreadable: try an older one)
+        continue
+    return None
+  finally:
+    manager.close()
+
+
 class Checkpointer:
   """Saves and restores :class:`PipelineState` plus caller metadata.
 
@@ -175,8 +197,9 @@ class Checkpointer:
         "directory to start afresh, or use another --workdir.")
 
   def _check_fingerprint(self, saved: dict, step: int):
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs config {v!r}"
-             for k, v in self.fingerprint.items() if saved.get(k) != v]
+    # A field the checkpoint lacks (written by an older version) is not checked.
+    diffs = [f"{k}: checkpoint {saved[k]!r} vs config {v!r}"
+             for k, v in self.fingerprint.items() if k in saved and saved[k] != v]
     if diffs:
       raise CheckpointError(
           f"checkpoint {self.directory}/{step} comes from a different run ("

@@ -13,6 +13,7 @@ import ml_collections
 # asynchronous methods of paper Table 4 (see petra_jax.pipeline).
 METHODS = ("backprop", "revprop", "petra", "delayed", "dsp", "approximate_input")
 RECONSTRUCTING_METHODS = ("revprop", "petra", "approximate_input")
+BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -26,7 +27,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
   c.model.width = 64          # channels per stream after the stem (paper: 64)
   c.model.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
-  c.model.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced by FLOPs
+  c.model.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
+  c.model.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
+                                # analysis) or "time" (forward + backward measured on the device at start)
   c.model.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
 
   c.batch_size = 128          # images per optimizer update (k micro-batches)

@@ -45,7 +45,7 @@ import json
 import math
 import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -431,17 +431,31 @@ def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[flo
 
 
 def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
-                         input_shape: Sequence[int]) -> list[int]:
-  """Blocks per stage that minimise the slowest stage's FLOPs.
+                         input_shape: Sequence[int],
+                         costs: Optional[Sequence[float]] = None) -> list[int]:
+  """Blocks per stage that minimise the slowest stage's cost.
+
+  Args:
+    blocks: a model from :func:`build_model` (one block per stage).
+    num_stages: ``J'``, the stages to group the blocks into.
+    input_shape: a micro-batch's shape ``[B, H, W, C]`` (for the FLOPs).
+    costs: per-block cost, e.g. measured ms per tick
+      (:func:`petra_jax.timing.measure_stage_costs`); default: forward FLOPs
+      (:func:`block_flops`).
 
   Raises:
-    ValueError: ``num_stages`` outside ``[2, len(blocks)]``.
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
+      the wrong length.
   """
   from petra_jax import partition  # pylint: disable=g-import-not-at-top
   if not 2 <= num_stages <= len(blocks):
     raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "
                      f"{len(blocks)} blocks); use --config.model.num_stages <= {len(blocks)}.")
-  groups, _ = partition.balanced_partition(block_flops(blocks, input_shape), num_stages)
+  if costs is None:
+    costs = block_flops(blocks, input_shape)
+  if len(costs) != len(blocks):
+    raise ValueError(f"{len(costs)} costs for {len(blocks)} blocks.")
+  groups, _ = partition.balanced_partition(costs, num_stages)
   return partition.group_sizes(groups)
 
 

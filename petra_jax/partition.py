@@ -72,6 +72,34 @@ def balanced_partition(costs: Sequence[float], num_groups: int,
   return groups[::-1], best[num_groups][n]
 
 
+def equal_partition(num_blocks: int, num_groups: int) -> list[tuple[int, int]]:
+  """Consecutive groups of (nearly) equal block counts: the unbalanced baseline.
+
+  The first ``num_blocks % num_groups`` groups get one block more, e.g. 10
+  blocks in 4 groups -> sizes ``[3, 3, 2, 2]``.
+
+  Args:
+    num_blocks: blocks to split (``J``).
+    num_groups: groups (``J'``), between 1 and ``num_blocks``.
+
+  Returns:
+    ``[(first, last), ...]`` block indices (inclusive), as
+    :func:`balanced_partition`.
+
+  Raises:
+    ValueError: ``num_groups`` outside ``[1, num_blocks]``.
+  """
+  if not 1 <= num_groups <= num_blocks:
+    raise ValueError(f"num_groups must be in [1, {num_blocks}], got {num_groups}")
+  base, extra = divmod(num_blocks, num_groups)
+  groups, first = [], 0
+  for g in range(num_groups):
+    size = base + (g < extra)
+    groups.append((first, first + size - 1))
+    first += size
+  return groups
+
+
 def group_sizes(groups: Sequence[tuple[int, int]]) -> list[int]:
   """``[(first, last), ...]`` (inclusive) -> the number of blocks per group."""
   return [b - a + 1 for a, b in groups]

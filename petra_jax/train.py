@@ -28,6 +28,7 @@ from petra_jax import data as data_lib
 from petra_jax import diagnostics
 from petra_jax import metrics as metrics_lib
 from petra_jax import models, optim
+from petra_jax import timing
 from petra_jax import transport
 from petra_jax.pipeline import Pipeline
 
@@ -50,7 +51,9 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
       ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
       ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
       ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
-      ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule")):
+      ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule"),
+      ("stage-balancing cost", config.model.balance_by, config_lib.BALANCE_BY,
+       "model.balance_by")):
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
@@ -91,6 +94,36 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError(
         f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
         "use --config.num_devices=0 for all of them.")
+
+
+def _stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_classes: int,
+                 checkpoint_dir: str):
+  """Blocks per stage from ``config.model``, or None for one block per stage.
+
+  ``stage_sizes`` if set; else, with ``num_stages``, the grouping that
+  minimises the slowest stage's cost (:func:`models.balanced_stage_sizes`):
+  forward FLOPs, or with ``balance_by="time"`` each block's forward and
+  backward timed on this process's first device. Timings vary from run to
+  run, so a resumed run reuses the grouping saved in its checkpoint, and in a
+  multi-process run every process takes process 0's timings.
+  """
+  m = config.model
+  if m.stage_sizes:
+    return [int(n) for n in m.stage_sizes]
+  if not m.num_stages:
+    return None
+  costs = None
+  if m.balance_by == "time":
+    saved = None if jax.process_count() > 1 else checkpoint_lib.saved_fingerprint(checkpoint_dir)
+    if saved and saved.get("stage_sizes") and len(saved["stage_sizes"]) == m.num_stages:
+      logging.info("stage grouping from the checkpoint: %s", saved["stage_sizes"])
+      return list(saved["stage_sizes"])
+    costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0])
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      costs = multihost_utils.broadcast_one_to_all(np.asarray(costs, np.float32)).tolist()
+    logging.info("measured ms per tick of each block: %s", [round(c, 2) for c in costs])
+  return models.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
 
 
 def _pipeline_method(method: str, stages) -> str:
@@ -357,11 +390,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   stages = models.build_model(config.model.name, width=config.model.width,
                               num_classes=info.num_classes,
                               imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
-  if config.model.stage_sizes or config.model.num_stages:
-    sizes = config.model.stage_sizes or models.balanced_stage_sizes(
-        stages, config.model.num_stages, (micro,) + info.image_shape)
+  sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
+                       os.path.join(workdir, "checkpoints"))
+  if sizes:
     stages = models.group_stages(stages, sizes)
-    logging.info("stages of %s blocks each", list(sizes))
+    logging.info("stages of %s blocks each", sizes)
   if config.method == "backprop":
     devices = devices[:1]
   pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats,
@@ -383,7 +416,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt = checkpoint_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
             model=config.model.name, width=config.model.width, method=config.method,
-            dataset=config.dataset, num_stages=len(stages), batch_size=config.batch_size,
+            dataset=config.dataset, num_stages=len(stages), stage_sizes=sizes,
+            batch_size=config.batch_size,
             accumulation_steps=k, seed=config.seed))
     restored = ckpt.restore(state, pipe.devices)
   metrics_offset = None

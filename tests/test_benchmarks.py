@@ -42,6 +42,9 @@ def test_throughput_report_schema():
   assert r["simulated_speedup"] > 0
   assert r["simulated_speedup"] <= r["simulated_speedup_compute_only"] + 1e-9
   assert r["balancing"][-1]["devices"] == 5
+  for b in r["balancing"]:  # the optimum is never worse than the equal-count baseline
+    assert b["tick_ms"] <= b["equal_tick_ms"] + 1e-9
+  assert r["balancing"][-1]["groups"] == r["balancing"][-1]["equal_groups"]
 
 
 def test_stage_cost_last_stage_is_backward_only():
@@ -89,6 +92,17 @@ def test_balanced_partition_matches_brute_force(seed):
 def test_balanced_partition_rejects_bad_group_count():
   with pytest.raises(ValueError):
     throughput.balanced_partition([1.0, 2.0], 3)
+
+
+@pytest.mark.parametrize("n,k,sizes", [(10, 4, [3, 3, 2, 2]), (10, 10, [1] * 10),
+                                       (7, 1, [7]), (18, 5, [4, 4, 4, 3, 3])])
+def test_equal_partition_sizes(n, k, sizes):
+  groups = throughput.equal_partition(n, k)
+  assert [b - a + 1 for a, b in groups] == sizes
+  assert groups[0][0] == 0 and groups[-1][1] == n - 1
+  assert all(b + 1 == c for (_, b), (c, _) in zip(groups, groups[1:]))
+  with pytest.raises(ValueError):
+    throughput.equal_partition(n, n + 1)
 
 
 # --- memory --------------------------------------------------------------------

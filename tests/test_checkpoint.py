@@ -92,6 +92,17 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
     other.restore(state, pipe.devices)
 
 
+def test_fingerprint_fields_missing_from_an_older_checkpoint_are_not_checked(tmp_path):
+  pipe, state = _tiny_pipeline()
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP)
+  ckpt.save(1, state, extra={})
+  ckpt.wait()
+  assert checkpoint.saved_fingerprint(str(tmp_path)) == FP
+  newer = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=dict(FP, stage_sizes=None))
+  assert newer.restore(state, pipe.devices)[0] == 1
+  assert checkpoint.saved_fingerprint(str(tmp_path / "none")) is None
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
   args = ["--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, partition, pipeline, stage as stage_lib
+from petra_jax import models, partition, pipeline, stage as stage_lib, timing
 from helpers import composed_loss, random_batch, rel_err
 
 
@@ -58,6 +58,22 @@ def test_bad_groupings_raise():
     models.group_stages(blocks, (3, 3, 3))
   with pytest.raises(ValueError, match=r"num_stages <= 10"):
     models.balanced_stage_sizes(blocks, 12, (2, 16, 16, 3))
+
+
+def test_balanced_sizes_follow_given_costs():
+  blocks = models.build_model("revnet18", width=4)
+  costs = [1.0] * 8 + [2.0, 9.0]  # the head made the most expensive block; unique optima
+  assert models.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs) == [9, 1]
+  assert models.balanced_stage_sizes(blocks, 3, (2, 16, 16, 3), costs=costs) == [5, 4, 1]
+  with pytest.raises(ValueError, match="9 costs for 10 blocks"):
+    models.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs[:9])
+
+
+def test_measured_stage_costs_are_per_block_milliseconds():
+  blocks = models.build_model("revnet18", width=4)[:3] + [models.build_model(
+      "revnet18", width=4)[-1]]  # stem, rev, rev, head: a valid tiny model
+  costs = timing.measure_stage_costs(blocks, (2, 16, 16, 3), 10, iters=1)
+  assert len(costs) == 4 and all(np.isfinite(c) and c > 0 for c in costs)
 
 
 def test_balanced_sizes_minimise_the_largest_group_flops():

@@ -9,8 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+import optax
+
+from petra_jax import checkpoint
 from petra_jax import config as config_lib
-from petra_jax import metrics, train
+from petra_jax import metrics, models, train
+from petra_jax.pipeline import Pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,6 +114,7 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"optim.schedule": "cyclic"}, "Unknown schedule 'cyclic'"),
     ({"model.num_stages": 12}, "only 10 blocks"),
     ({"model.stage_sizes": (4, 4)}, "summing to revnet18's 10 blocks"),
+    ({"model.num_stages": 3, "model.balance_by": "ms"}, "Unknown stage-balancing cost 'ms'"),
 ])
 def test_bad_config_gives_one_clear_error(overrides, message):
   c = tiny_config("unused", **overrides)
@@ -165,3 +170,56 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tm
   bad = min(s for s, v in losses.items() if not np.isfinite(v)) if any(
       not np.isfinite(v) for v in losses.values()) else None
   assert bad is None or max(saved) < bad
+
+
+# --- stage grouping from the config (model.stage_sizes / num_stages / balance_by)
+
+
+def _blocks():
+  return models.build_model("revnet18", width=4)
+
+
+def test_stage_sizes_balanced_on_measured_costs(monkeypatch, tmp_path):
+  # Fake timings: the stem costs as much as all other blocks together, so
+  # the best 2-stage split puts it alone (independent of the FLOPs, which
+  # rank the stem among the cheapest blocks).
+  costs = [9.0] + [1.0] * 9
+  monkeypatch.setattr(train.timing, "measure_stage_costs", lambda *a, **k: costs)
+  c = tiny_config("unused", **{"model.num_stages": 2, "model.balance_by": "time"})
+  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [1, 9]
+  c.model.balance_by = "flops"
+  flops_sizes = train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path))
+  assert flops_sizes == models.balanced_stage_sizes(_blocks(), 2, (2, 16, 16, 3))
+  assert flops_sizes != [1, 9]
+  c.model.stage_sizes = (3, 7)  # explicit sizes win
+  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [3, 7]
+  c.model.stage_sizes, c.model.num_stages = (), 0  # the paper: one block per stage
+  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) is None
+
+
+def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path):
+  # A resumed run must not re-measure (timings vary): it reads the grouping
+  # from its checkpoint's fingerprint.
+  blocks = _blocks()
+  stages = models.group_stages(blocks, [4, 6])
+  pipe = Pipeline(stages, optax.sgd(0.1), jax.devices()[:1])
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint={"stage_sizes": [4, 6]})
+  ckpt.save(1, pipe.init(0, np.zeros((2, 16, 16, 3), np.float32)), extra={})
+  ckpt.wait()
+  ckpt.close()
+
+  def no_timing(*a, **k):
+    raise AssertionError("re-measured on resume")
+  monkeypatch.setattr(train.timing, "measure_stage_costs", no_timing)
+  c = tiny_config("unused", **{"model.num_stages": 2, "model.balance_by": "time"})
+  assert train._stage_sizes(c, blocks, (2, 16, 16, 3), 10, str(tmp_path)) == [4, 6]
+
+
+@pytest.mark.slow
+def test_time_balanced_training_run(cifar10_dir, tmp_path):
+  c = tiny_config(cifar10_dir, max_steps=3, eval_every=0,
+                  **{"model.num_stages": 3, "model.balance_by": "time"})
+  result = train.train_and_evaluate(c, str(tmp_path))
+  losses = [r["train_loss"] for r in metrics.read_metrics(str(tmp_path)) if "train_loss" in r]
+  assert len(losses) == 3 and np.all(np.isfinite(losses))
+  assert 0.0 <= result["test_accuracy"] <= 1.0

@@ -46,17 +46,16 @@ if __name__ == "__main__":  # before JAX starts: one device to run, one to send 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
-from typing import Callable, Optional, Sequence  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
 
 import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import models, schedule  # noqa: E402
-from petra_jax.partition import balanced_partition, group_cost  # noqa: E402,F401
+from petra_jax.partition import balanced_partition, equal_partition, group_cost  # noqa: E402,F401
+from petra_jax.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
 from petra_jax.pipeline import Pipeline  # noqa: E402
 from petra_jax.stage import Stage  # noqa: E402
 
@@ -66,32 +65,6 @@ PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 # ----------------------------------------------------------------------------
 # Timing helpers.
 # ----------------------------------------------------------------------------
-
-def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
-              setup: Optional[Callable[[], None]] = None) -> float:
-  """Median wall time (ms) of ``step()``, each call waited for.
-
-  Args:
-    step: runs one measured call and returns what to wait for.
-    iters: measured calls.
-    warmup: unmeasured calls first (compilation, caches).
-    setup: run (and waited for) before every call, outside the timer.
-  """
-  times = []
-  for i in range(warmup + iters):
-    if setup is not None:
-      jax.block_until_ready(setup())
-    start = time.perf_counter()
-    jax.block_until_ready(step())
-    if i >= warmup:
-      times.append(1e3 * (time.perf_counter() - start))
-  return statistics.median(times)
-
-
-def _copy(tree):
-  """A fresh copy of a pytree of arrays (inputs of donating steps)."""
-  return jax.tree.map(jnp.copy, tree)
-
 
 def _pipeline_arrays(state):
   """Every array the next tick depends on (to wait for a whole tick)."""
@@ -103,83 +76,52 @@ def _pipeline_arrays(state):
 # Measurements.
 # ----------------------------------------------------------------------------
 
-def step_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
+def step_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1,
+               seed: int = 0):
   """Median ms of one ``backprop``, ``revprop`` and steady-state ``petra`` step.
+
+  The three methods are timed in interleaved rounds (one call of each per
+  round) so that a slow drift of the machine's speed -- frequent on shared
+  or throttled CPUs -- affects them alike.
 
   Args:
     pipe: a pipeline whose stages all live on one device.
-    state: its freshly initialised (empty) state; consumed.
+    state: its freshly initialised (empty) state; consumed. ``backprop`` and
+      ``revprop`` run on it; ``petra`` on a second state (``pipe.init(seed)``)
+      filled with ``2(J-1)`` ticks first, so every stage runs one forward
+      and one backward per tick.
     images, labels: one micro-batch, reused by every step.
-    iters, warmup: measured and unmeasured steps per method.
+    iters, warmup: measured and unmeasured rounds.
+    seed: initialisation seed of the second state.
 
   Returns:
-    ``({"backprop": ms, "revprop": ms, "petra": ms}, state)`` with the
-    pipeline left full.
+    ``({"backprop": ms, "revprop": ms, "petra": ms}, state)`` with ``state``
+    the full pipeline.
   """
-  box = {"state": state}
+  box = {"backprop": state, "revprop": None, "petra": pipe.init(seed, images)}
 
-  def run(method):
-    def step():
-      if method == "petra":
-        box["state"], out = pipe.tick(box["state"], images, labels)
-        return _pipeline_arrays(box["state"]), out.loss
-      fn = pipe.backprop_step if method == "backprop" else pipe.revprop_step
-      box["state"], loss = fn(box["state"], images, labels)
-      return box["state"].stages, loss
-    return step
+  def backprop():
+    box["backprop"], loss = pipe.backprop_step(box["backprop"], images, labels)
+    return box["backprop"].stages, loss
 
-  ms = {"backprop": median_ms(run("backprop"), iters, warmup),
-        "revprop": median_ms(run("revprop"), iters, warmup)}
+  def revprop():  # shares the (empty) state of backprop
+    box["backprop"], loss = pipe.revprop_step(box["backprop"], images, labels)
+    return box["backprop"].stages, loss
+
+  def petra():
+    box["petra"], out = pipe.tick(box["petra"], images, labels)
+    return _pipeline_arrays(box["petra"]), out.loss
+
   for _ in range(schedule.drain_ticks(pipe.num_stages)):  # fill: every stage busy
-    box["state"], _ = pipe.tick(box["state"], images, labels)
-  ms["petra"] = median_ms(run("petra"), iters, warmup)
-  return ms, box["state"]
-
-
-def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
-  """Median ms of each stage's jitted forward and backward, called directly.
-
-  Inputs are the activations of a forward through the model; cotangents are
-  ones. The last stage's ``backward`` is its whole tick (forward, loss and
-  backward at once), so its cost per tick is ``backward`` alone.
-
-  Args:
-    pipe, state: a pipeline on one device and its state (stage states are
-      advanced by the backward steps, which donate them).
-    images, labels: one micro-batch.
-
-  Returns:
-    ``(rows, activations)``: one dict per stage with ``forward`` and
-    ``backward`` (ms), and the stage inputs ``[images, x_1, ..., x_{J-1}]``.
-  """
-  J = pipe.num_stages
-  acts = [images]
-  for j in range(J - 1):
-    acts.append(pipe._forward[j](state.stages[j], acts[j])[0])
-  rows = []
-  for j, stage in enumerate(pipe.stages):
-    box = {"args": None}
-    fwd = median_ms(lambda: pipe._forward[j](state.stages[j], acts[j]), iters, warmup)
-    if j == J - 1:
-      def setup():
-        box["args"] = (acts[j], labels)
-        return box["args"]
-    elif stage.reversible:  # (y, dy), both donated
-      def setup():
-        box["args"] = _copy((acts[j + 1], jax.tree.map(jnp.ones_like, acts[j + 1])))
-        return box["args"]
-    else:  # (buffered input, dy)
-      def setup():
-        box["args"] = (acts[j], jax.tree.map(jnp.ones_like, acts[j + 1]))
-        return box["args"]
-
-    def bwd():
-      out = pipe._backward[j](state.stages[j], *box["args"])
-      state.stages[j] = out[0]
-      return out
-    rows.append({"name": stage.name, "reversible": stage.reversible, "forward": fwd,
-                 "backward": median_ms(bwd, iters, warmup, setup=setup)})
-  return rows, acts
+    box["petra"], _ = pipe.tick(box["petra"], images, labels)
+  steps = {"backprop": backprop, "revprop": revprop, "petra": petra}
+  times = {k: [] for k in steps}
+  for i in range(warmup + iters):
+    for name, step in steps.items():
+      t = median_ms(step, iters=1, warmup=0)
+      if i >= warmup:
+        times[name].append(t)
+  return {k: statistics.median(v) for k, v in times.items()}, box["petra"]
 
 
 def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Device,
@@ -225,16 +167,6 @@ def _nbytes(tree) -> int:
 # The J-device simulation and stage balancing.
 # ----------------------------------------------------------------------------
 
-def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:
-  """Compute (ms) of each stage per tick: ``F_j + B_j``, the last stage ``B_j``.
-
-  The last stage's backward step already contains its forward.
-  """
-  costs = [f + b for f, b in zip(forward_ms, backward_ms)]
-  costs[-1] = backward_ms[-1]
-  return costs
-
-
 def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[float]] = None,
                       send_backward: Optional[Sequence[float]] = None) -> float:
   """PETRA on one device per stage against sequential revprop.
@@ -248,13 +180,24 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
 
 
 def balancing_table(costs, send_forward=None, send_backward=None,
-                    group_counts: Sequence[int] = (2, 3, 4, 6, 8)) -> list[dict]:
-  """Simulated speed-up of the best grouping for a few device counts ``J'``."""
+                    group_counts: Sequence[int] = (2, 3, 4, 5, 6, 8)) -> list[dict]:
+  """Simulated speed-up on ``J'`` devices, balanced and equal-count grouping.
+
+  For each ``J'`` (and ``J'`` = the number of blocks): the grouping of
+  :func:`balanced_partition` (``groups``, ``tick_ms``, ``simulated_speedup``)
+  and, as the unbalanced baseline, :func:`equal_partition` (``equal_groups``,
+  ``equal_tick_ms``, ``equal_speedup``). Speed-ups are against the sequential
+  step ``sum(costs)``; at ``J'`` = J both are one block per device.
+  """
   rows = []
   for g in sorted({k for k in group_counts if 1 <= k <= len(costs)} | {len(costs)}):
     groups, tick = balanced_partition(costs, g, send_forward, send_backward)
+    equal = equal_partition(len(costs), g)
+    equal_tick = max(group_cost(costs, a, b, send_forward, send_backward) for a, b in equal)
     rows.append({"devices": g, "groups": [list(x) for x in groups], "tick_ms": tick,
-                 "simulated_speedup": float(sum(costs)) / tick})
+                 "simulated_speedup": float(sum(costs)) / tick,
+                 "equal_groups": [list(x) for x in equal], "equal_tick_ms": equal_tick,
+                 "equal_speedup": float(sum(costs)) / equal_tick})
   return rows
 
 
@@ -289,7 +232,7 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
   labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32),
                           devices[0])
   state = pipe.init(seed, images)
-  ms, state = step_times(pipe, state, images, labels, iters, warmup)
+  ms, state = step_times(pipe, state, images, labels, iters, warmup, seed)
   rows, acts = stage_times(pipe, state, images, labels, iters, warmup)
   if len(devices) > 1:
     sends = transfer_times(pipe, acts, devices[0], devices[1], iters, warmup)
@@ -329,10 +272,11 @@ def _print_report(r: dict, name: str) -> None:
         f"{r['num_stages']} devices: {r['simulated_speedup']:.2f}x "
         f"({r['simulated_speedup_compute_only']:.2f}x without sends; paper Table 5: "
         f"{PAPER_SPEEDUP.get(name, float('nan'))}x)")
-  print("stage balancing (contiguous groups on J' devices):")
+  print("stage balancing (contiguous groups on J' devices; speed-up vs the sequential step):")
+  print(f"  {'J':>3} {'equal-count':>12} {'balanced':>9}  balanced groups (first, last block)")
   for b in r["balancing"]:
-    print(f"  J'={b['devices']:<3} tick {b['tick_ms']:8.1f} ms  speed-up "
-          f"{b['simulated_speedup']:.2f}x  groups {b['groups']}")
+    print(f"  {b['devices']:>3} {b['equal_speedup']:11.2f}x {b['simulated_speedup']:8.2f}x  "
+          f"{b['groups']}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
