@@ -45,6 +45,7 @@ def test_throughput_report_schema():
   for b in r["balancing"]:  # the optimum is never worse than the equal-count baseline
     assert b["tick_ms"] <= b["equal_tick_ms"] + 1e-9
   assert r["balancing"][-1]["groups"] == r["balancing"][-1]["equal_groups"]
+  assert len(r["block_gflops"]) == 5 and all(b["flops_speedup"] > 0 for b in r["balancing"])
 
 
 def test_stage_cost_last_stage_is_backward_only():

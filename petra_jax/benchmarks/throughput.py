@@ -180,24 +180,39 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
 
 
 def balancing_table(costs, send_forward=None, send_backward=None,
-                    group_counts: Sequence[int] = (2, 3, 4, 5, 6, 8)) -> list[dict]:
-  """Simulated speed-up on ``J'`` devices, balanced and equal-count grouping.
+                    group_counts: Sequence[int] = (2, 3, 4, 5, 6, 8),
+                    flops: Optional[Sequence[float]] = None) -> list[dict]:
+  """Simulated speed-up on ``J'`` devices of three contiguous groupings.
 
-  For each ``J'`` (and ``J'`` = the number of blocks): the grouping of
-  :func:`balanced_partition` (``groups``, ``tick_ms``, ``simulated_speedup``)
-  and, as the unbalanced baseline, :func:`equal_partition` (``equal_groups``,
-  ``equal_tick_ms``, ``equal_speedup``). Speed-ups are against the sequential
-  step ``sum(costs)``; at ``J'`` = J both are one block per device.
+  For each ``J'`` (and ``J'`` = the number of blocks), every grouping judged
+  by the measured ``costs`` (and sends), against the sequential step
+  ``sum(costs)``:
+
+  * ``groups``, ``tick_ms``, ``simulated_speedup``: balanced on the measured
+    costs (:func:`balanced_partition`; config ``model.balance_by="time"``);
+  * ``equal_groups``, ``equal_tick_ms``, ``equal_speedup``: equal block
+    counts (:func:`equal_partition`), the unbalanced baseline;
+  * with ``flops`` (per block): ``flops_groups``, ``flops_speedup``, balanced
+    on FLOPs (config ``model.balance_by="flops"``).
+
+  At ``J'`` = J all are one block per device.
   """
+  total = float(sum(costs))
+  tick_of = lambda groups: max(group_cost(costs, a, b, send_forward, send_backward)
+                               for a, b in groups)
   rows = []
   for g in sorted({k for k in group_counts if 1 <= k <= len(costs)} | {len(costs)}):
     groups, tick = balanced_partition(costs, g, send_forward, send_backward)
     equal = equal_partition(len(costs), g)
-    equal_tick = max(group_cost(costs, a, b, send_forward, send_backward) for a, b in equal)
-    rows.append({"devices": g, "groups": [list(x) for x in groups], "tick_ms": tick,
-                 "simulated_speedup": float(sum(costs)) / tick,
-                 "equal_groups": [list(x) for x in equal], "equal_tick_ms": equal_tick,
-                 "equal_speedup": float(sum(costs)) / equal_tick})
+    row = {"devices": g, "groups": [list(x) for x in groups], "tick_ms": tick,
+           "simulated_speedup": total / tick,
+           "equal_groups": [list(x) for x in equal], "equal_tick_ms": tick_of(equal),
+           "equal_speedup": total / tick_of(equal)}
+    if flops is not None:
+      by_flops, _ = balanced_partition(flops, g)
+      row.update(flops_groups=[list(x) for x in by_flops],
+                 flops_speedup=total / tick_of(by_flops))
+    rows.append(row)
   return rows
 
 
@@ -241,6 +256,7 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
   for row, send in zip(rows, sends):
     row.update(send)
   costs = stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])
+  flops = models.block_flops(stages, (batch_size, *input_shape))
   fwd_send = [r["send_forward"] for r in rows]
   bwd_send = [r["send_backward"] for r in rows]
   return {
@@ -251,7 +267,8 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
       "sum_stage_ms": float(sum(costs)),
       "simulated_speedup": simulated_speedup(costs, fwd_send, bwd_send),
       "simulated_speedup_compute_only": simulated_speedup(costs),
-      "balancing": balancing_table(costs, fwd_send, bwd_send),
+      "block_gflops": [f / 1e9 for f in flops],
+      "balancing": balancing_table(costs, fwd_send, bwd_send, flops=flops),
       "num_stages": len(stages),
       "batch_size": batch_size,
       "devices": [str(d) for d in devices[:2]],
@@ -264,19 +281,21 @@ def _print_report(r: dict, name: str) -> None:
         f"ms per step (median):")
   for k in ("backprop", "revprop", "petra"):
     print(f"  {k:<9} {ms[k]:10.1f} ms  ({ms[k] / ms['backprop']:.2f}x backprop)")
-  print(f"{'stage':<13}{'F ms':>9}{'B ms':>9}{'send F':>9}{'send B':>9}")
-  for r_ in r["stage_ms"]:
+  print(f"{'stage':<13}{'F ms':>9}{'B ms':>9}{'send F':>9}{'send B':>9}{'F GFLOP':>9}")
+  for r_, gf in zip(r["stage_ms"], r["block_gflops"]):
     print(f"{r_['name']:<13}{r_['forward']:9.1f}{r_['backward']:9.1f}"
-          f"{r_['send_forward']:9.2f}{r_['send_backward']:9.2f}")
+          f"{r_['send_forward']:9.2f}{r_['send_backward']:9.2f}{gf:9.2f}")
   print(f"sum of stage costs {r['sum_stage_ms']:.1f} ms; simulated speed-up on "
         f"{r['num_stages']} devices: {r['simulated_speedup']:.2f}x "
         f"({r['simulated_speedup_compute_only']:.2f}x without sends; paper Table 5: "
         f"{PAPER_SPEEDUP.get(name, float('nan'))}x)")
-  print("stage balancing (contiguous groups on J' devices; speed-up vs the sequential step):")
-  print(f"  {'J':>3} {'equal-count':>12} {'balanced':>9}  balanced groups (first, last block)")
+  print("stage balancing: simulated speed-up on J' devices (vs the sequential step) of contiguous")
+  print("groups with equal block counts, balanced on FLOPs, balanced on the measured times:")
+  print(f"  {'J':>3} {'equal':>7} {'flops':>7} {'time':>7}  blocks per stage (time)")
   for b in r["balancing"]:
-    print(f"  {b['devices']:>3} {b['equal_speedup']:11.2f}x {b['simulated_speedup']:8.2f}x  "
-          f"{b['groups']}")
+    sizes = [last - first + 1 for first, last in b["groups"]]
+    print(f"  {b['devices']:>3} {b['equal_speedup']:6.2f}x {b['flops_speedup']:6.2f}x "
+          f"{b['simulated_speedup']:6.2f}x  {sizes}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
