@@ -9,12 +9,12 @@ Command::
 
   python -m petra_jax.train --config=configs/cifar10.py --workdir=runs/cifar10
 
-Time per epoch on the 2-core CPU of our dev machines: plain backprop of this
-RevNet18 at width 64 was measured at about 20 images/s (about 2500 s per
-epoch); PETRA adds the reconstruction (Table 1: 4/3 of backprop's compute on
-one device), so expect roughly 3300 s per epoch on one CPU, i.e. months for
-300 epochs. PETRA itself at width 64 was not timed in this session (see
-docs/benchmarks.md for the throughput command). Run it on accelerators, or use
+Time per epoch on the 2-core CPU of our dev machines, measured with
+``python -m petra_jax.benchmarks.throughput --width=64`` (docs/benchmarks.md):
+one PETRA tick (a micro-batch of 64 through all 10 stages, forward and
+backward, on one device) takes 3.4-4.0 s, i.e. 16-19 images/s and about
+2700-3200 s per epoch, 9-11 days for 300 epochs (plain backprop: 2.3-3.0 s per
+micro-batch). Run it on accelerators, one stage per device, or use
 configs/cifar10_cpu.py.
 """
 

@@ -127,6 +127,24 @@ def test_measured_stored_bytes_match_formula():
   assert table3_petra[0] == 0 and table3_petra[1:] == analytic[1:]
 
 
+def test_device_memory_per_stage():
+  stages = _tiny_revnet()
+  batch = 4
+  rows = memory.device_memory(stages, IMAGE, batch)
+  sizes = memory.stage_sizes(stages, IMAGE, batch)
+  assert [r["name"] for r in rows] == [s.name for s in stages]
+  for j, (r, s) in enumerate(zip(rows, stages)):
+    # Independent lower bounds: the parameters plus one momentum slot each,
+    # the PETRA buffers from shapes, and the forward's own output activation.
+    assert r["state_bytes"] >= 2 * sizes[j]["param_bytes"]
+    assert r["buffer_bytes"] == memory.stored_bytes(sizes, "petra")[j]
+    if j + 1 < len(stages):
+      assert r["forward_bytes"] >= sizes[j + 1]["input_bytes"]
+    assert r["total_bytes"] == (r["state_bytes"] + r["buffer_bytes"]
+                                + max(r["forward_bytes"], r["backward_bytes"]))
+  assert rows[1]["buffer_bytes"] == 0 and rows[2]["buffer_bytes"] > 0  # rev vs down
+
+
 def test_revnet18_matches_reference_numbers():
   stages = models.build_model("revnet18", width=64, num_classes=10)
   sizes = memory.stage_sizes(stages, (32, 32, 3), 64)
