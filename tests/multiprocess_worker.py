@@ -10,6 +10,11 @@ block, head) trains with PETRA on 8 micro-batches of 8 real CIFAR-10 images,
 then is evaluated on 40 test images with ``train.evaluate``. Process 0 prints
 ``RESULT {"losses": [...], "test": {...}}`` (losses as ``float.hex``, exact).
 ``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
+
+Every process also prints ``BALANCE [sizes]``: the 2-stage grouping that
+``train._stage_sizes`` picks with ``model.balance_by="time"`` when each
+process "measures" different block costs (process 0 a slow stem, the others
+a slow head): all must print process 0's choice, ``[1, 4]``.
 """
 
 import argparse
@@ -42,9 +47,19 @@ def tiny_revnet(width: int = WIDTH) -> list:
           Stage("head", models.Head(10), False)]
 
 
+def check_balance() -> list:
+  """The time-balanced grouping, from per-process fake timings (see above)."""
+  costs = [9.0, 1.0, 1.0, 1.0, 1.0] if jax.process_index() == 0 else [1.0, 1.0, 1.0, 1.0, 9.0]
+  train.timing.measure_stage_costs = lambda *a, **k: list(costs)
+  c = config_lib.get_config()
+  c.model.num_stages, c.model.balance_by = 2, "time"
+  return train._stage_sizes(c, tiny_revnet(), (MICRO_BATCH, 32, 32, 3), 10, "")  # pylint: disable=protected-access
+
+
 def run(data_dir: str, die_after: int) -> dict:
   config = config_lib.get_config()
   train.initialize_distributed(config)  # from $JAX_* when launched by local.sh
+  print(f"BALANCE {check_balance()}", flush=True)
   devices = jax.devices()
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices)
   info = data_lib.get_dataset_info("cifar10")

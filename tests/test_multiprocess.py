@@ -80,6 +80,9 @@ def test_multiprocess_losses_equal_single_process(num_processes, single_process,
   # route of the messages differs.
   assert result["losses"] == single_process["losses"]
   assert result["test"] == single_process["test"]
+  # Time-balanced stage grouping: every process takes process 0's timings.
+  balance = re.findall(r"BALANCE (\[.*\])", out)
+  assert balance == ["[1, 4]"] * num_processes, out[-3000:]
 
 
 def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir):
