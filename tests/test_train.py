@@ -213,13 +213,3 @@ def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path
   monkeypatch.setattr(train.timing, "measure_stage_costs", no_timing)
   c = tiny_config("unused", **{"model.num_stages": 2, "model.balance_by": "time"})
   assert train._stage_sizes(c, blocks, (2, 16, 16, 3), 10, str(tmp_path)) == [4, 6]
-
-
-@pytest.mark.slow
-def test_time_balanced_training_run(cifar10_dir, tmp_path):
-  c = tiny_config(cifar10_dir, max_steps=3, eval_every=0,
-                  **{"model.num_stages": 3, "model.balance_by": "time"})
-  result = train.train_and_evaluate(c, str(tmp_path))
-  losses = [r["train_loss"] for r in metrics.read_metrics(str(tmp_path)) if "train_loss" in r]
-  assert len(losses) == 3 and np.all(np.isfinite(losses))
-  assert 0.0 <= result["test_accuracy"] <= 1.0
