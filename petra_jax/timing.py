@@ -75,7 +75,7 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
       def setup():
         box["args"] = (acts[j], labels)
         return box["args"]
-    elif stage.reversible:  # (y, dy), both donated
+    elif pipe.reconstructs[j]:  # (y, dy), both donated
       def setup():
         box["args"] = _copy((acts[j + 1], jax.tree.map(jnp.ones_like, acts[j + 1])))
         return box["args"]
