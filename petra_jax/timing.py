@@ -105,7 +105,8 @@ def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> lis
 
 def measure_stage_costs(stages: Sequence[Stage], input_shape: Sequence[int],
                         num_classes: int, device: Optional[jax.Device] = None,
-                        iters: int = 3, warmup: int = 1, seed: int = 0) -> list[float]:
+                        iters: int = 3, warmup: int = 1, seed: int = 0,
+                        method: str = "petra") -> list[float]:
   """Measured compute per tick (ms) of each stage on one device.
 
   Builds a throw-away pipeline of ``stages`` on ``device``, times each
@@ -121,13 +122,16 @@ def measure_stage_costs(stages: Sequence[Stage], input_shape: Sequence[int],
     device: where to time (default ``jax.local_devices()[0]``).
     iters, warmup: measured and unmeasured calls per step.
     seed: initialisation and data seed.
+    method: the pipeline method whose steps are timed (``"petra"``
+      reconstructs in reversible stages; ``"dsp"``/``"delayed"`` recompute
+      from buffered inputs, the only choice for a ResNet).
 
   Returns:
     ``len(stages)`` floats, ms per tick (forward plus backward; the last
     stage's backward alone, which contains its forward).
   """
   device = device or jax.local_devices()[0]
-  pipe = Pipeline(stages, optax.sgd(1e-3), [device])
+  pipe = Pipeline(stages, optax.sgd(1e-3), [device], method=method)
   rng = np.random.default_rng(seed)
   images = jax.device_put(rng.normal(size=tuple(input_shape)).astype(np.float32), device)
   labels = jax.device_put(rng.integers(0, num_classes, input_shape[0]).astype(np.int32), device)

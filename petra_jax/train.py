@@ -118,7 +118,8 @@ def _stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_cla
     if saved and saved.get("stage_sizes") and len(saved["stage_sizes"]) == m.num_stages:
       logging.info("stage grouping from the checkpoint: %s", saved["stage_sizes"])
       return list(saved["stage_sizes"])
-    costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0])
+    costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0],
+                                       method=_pipeline_method(config.method, blocks))
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       costs = multihost_utils.broadcast_one_to_all(np.asarray(costs, np.float32)).tolist()

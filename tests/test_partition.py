@@ -74,6 +74,10 @@ def test_measured_stage_costs_are_per_block_milliseconds():
       "revnet18", width=4)[-1]]  # stem, rev, rev, head: a valid tiny model
   costs = timing.measure_stage_costs(blocks, (2, 16, 16, 3), 10, iters=1)
   assert len(costs) == 4 and all(np.isfinite(c) and c > 0 for c in costs)
+  resnet = models.build_model("resnet18", width=4)
+  resnet = resnet[:2] + resnet[-1:]  # stem, residual block, head
+  costs = timing.measure_stage_costs(resnet, (2, 16, 16, 3), 10, iters=1, method="dsp")
+  assert len(costs) == 3 and all(np.isfinite(c) and c > 0 for c in costs)
 
 
 def test_balanced_sizes_minimise_the_largest_group_flops():
