@@ -118,6 +118,8 @@ def _stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_cla
     if saved and saved.get("stage_sizes") and len(saved["stage_sizes"]) == m.num_stages:
       logging.info("stage grouping from the checkpoint: %s", saved["stage_sizes"])
       return list(saved["stage_sizes"])
+    logging.info("timing the forward and backward of each of %d blocks for model.balance_by="
+                 "'time' (compiles each block once)", len(blocks))
     costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0],
                                        method=_pipeline_method(config.method, blocks))
     if jax.process_count() > 1:
