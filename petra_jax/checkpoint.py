@@ -100,6 +100,11 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
   return arrays, entries
 
 
+def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  """The JSON ``meta`` item of checkpoint ``step`` (raises if unreadable)."""
+  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
 def saved_fingerprint(directory: str) -> Optional[dict]:
   """The fingerprint of the newest readable checkpoint in ``directory``.
 
@@ -113,8 +118,7 @@ def saved_fingerprint(directory: str) -> Optional[dict]:
   try:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
-        return manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]["fingerprint"]
+        return _read_meta(manager, step)["fingerprint"]
       except Exception:  # pylint: disable=broad-except  (unreadable: try an older one)
         continue
     return None
@@ -180,8 +184,7 @@ class Checkpointer:
       return None
     for step in steps:
       try:
-        meta = self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore()))["meta"]
+        meta = _read_meta(self.manager, step)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("checkpoint %s/%d is unreadable (%s); trying an older one.",
                         self.directory, step, type(e).__name__)

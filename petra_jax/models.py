@@ -443,6 +443,10 @@ def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
       (:func:`petra_jax.timing.measure_stage_costs`); default: forward FLOPs
       (:func:`block_flops`).
 
+  Returns:
+    ``num_stages`` block counts (each >= 1, summing to ``len(blocks)``) for
+    :func:`group_stages`.
+
   Raises:
     ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
       the wrong length.

@@ -330,8 +330,7 @@ def _print(r: dict, methods: Sequence[str]) -> None:
     for j, row in enumerate(r["device_memory"]):
       gb = [row[k] / GB for k in ("state_bytes", "buffer_bytes", "forward_bytes",
                                   "backward_bytes", "total_bytes")]
-      print(f"{row['name']:<15}" + "".join(f"{v:8.2f}" for v in gb[:1]) + f"{gb[1]:9.2f}"
-            + "".join(f"{v:8.2f}" for v in gb[2:])
+      print(f"{row['name']:<15}{gb[0]:8.2f}{gb[1]:9.2f}{gb[2]:8.2f}{gb[3]:8.2f}{gb[4]:8.2f}"
             + (f"  {paper[j]:.2f}" if j in paper else ""))
   for key, label in (("table3", f"rev. stash {r['table3_rev_stash']}"),
                      ("table3_both_streams", "rev. stash both streams")):

@@ -63,7 +63,7 @@ PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
 
 # ----------------------------------------------------------------------------
-# Timing helpers.
+# Helpers (the timing primitives live in petra_jax.timing).
 # ----------------------------------------------------------------------------
 
 def _pipeline_arrays(state):
