@@ -22,7 +22,6 @@ a corrupt or partial one is skipped with a warning (:meth:`Checkpointer.restore`
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 from typing import Any, Optional
@@ -31,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from petra_jax.pipeline import Message, PipelineState
+from petra_jax.pipeline import PipelineState, message_fields
 
 
 
@@ -40,11 +39,14 @@ class CheckpointError(RuntimeError):
 
 
 def _encode(payload, leaves: list):
-  """Pytree of arrays / tuples / None -> JSON spec; appends arrays to leaves."""
+  """Pytree of arrays / tuples / dicts / None -> JSON spec; appends the
+  arrays to ``leaves``."""
   if payload is None:
     return None
   if isinstance(payload, (tuple, list)):
     return [_encode(p, leaves) for p in payload]
+  if isinstance(payload, dict):  # e.g. stashed parameters
+    return {"keys": list(payload), "values": [_encode(v, leaves) for v in payload.values()]}
   leaves.append(payload)
   return "array"
 
@@ -54,7 +56,22 @@ def _decode(spec, leaves):
     return None
   if isinstance(spec, list):
     return tuple(_decode(s, leaves) for s in spec)
+  if isinstance(spec, dict):
+    return {k: _decode(v, leaves) for k, v in zip(spec["keys"], spec["values"])}
   return next(leaves)
+
+
+def _boxes(state: PipelineState):
+  """``(field, stage, {micro_batch: payload})`` of every message field, read
+  from :class:`PipelineState`'s field metadata (no hand-written list)."""
+  last = len(state.train_states) - 1
+  for f in message_fields():
+    value = getattr(state, f.name)
+    if f.metadata["messages"] == "per_stage":
+      for j, box in enumerate(value):
+        yield f.name, j, box
+    else:
+      yield f.name, last, value
 
 
 def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
@@ -77,23 +94,11 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
     entries.append({"slot": slot, "stage": stage, "key": key, "spec": spec,
                     "leaves": list(range(start, len(leaves)))})
 
-  last = len(state.stages) - 1
-  for j, msg in enumerate(state.fwd_inbox):
-    if msg is not None:
-      add("fwd_inbox", j, msg.micro_batch, msg.payload)
-  for j, msg in enumerate(state.bwd_inbox):
-    if msg is not None:
-      add("bwd_inbox", j, msg.micro_batch, msg.payload)
-  for j, buf in enumerate(state.buffers):
-    for msg in buf:
-      add("buffers", j, msg.micro_batch, msg.payload)
-  for j, stash in enumerate(state.weight_stash):
-    for msg in stash:
-      add("weight_stash", j, msg.micro_batch, msg.payload)
-  for msg in state.labels:
-    add("labels", last, msg.micro_batch, msg.payload)
+  for name, j, box in _boxes(state):
+    for m, payload in box.items():
+      add(name, j, m, payload)
   for key, value in extra_arrays.items():
-    add("extra", last, int(key), value)
+    add("extra", len(state.train_states) - 1, int(key), value)
   arrays = {f"{i:05d}": leaf for i, leaf in enumerate(leaves)}
   for e in entries:
     e["shapes"] = [[list(leaves[i].shape), str(leaves[i].dtype)] for i in e["leaves"]]
@@ -156,11 +161,10 @@ class Checkpointer:
       extra_arrays: caller arrays keyed by int (see :func:`flatten_in_flight`).
     """
     arrays, entries = flatten_in_flight(state, extra_arrays or {})
-    meta = {"fingerprint": self.fingerprint, "tick": state.tick,
-            "next_micro_batch": state.next_micro_batch, "in_flight": entries,
+    meta = {"fingerprint": self.fingerprint, "tick": state.tick, "in_flight": entries,
             "extra": extra}
     self.manager.save(step, args=ocp.args.Composite(
-        arrays=ocp.args.StandardSave({"stages": state.stages, "in_flight": arrays}),
+        arrays=ocp.args.StandardSave({"stages": state.train_states, "in_flight": arrays}),
         meta=ocp.args.JsonSave(meta)))
 
   def restore(self, template: PipelineState, devices: list) -> Optional[tuple]:
@@ -214,7 +218,7 @@ class Checkpointer:
                                   sharding=jax.sharding.SingleDeviceSharding(device))
 
     stages = [jax.tree.map(lambda x, d=d: abstract(x, d), s)
-              for s, d in zip(template.stages, devices)]
+              for s, d in zip(template.train_states, devices)]
     in_flight = {}
     for e in meta["in_flight"]:
       for i, (shape, dtype) in zip(e["leaves"], e["shapes"]):
@@ -222,24 +226,15 @@ class Checkpointer:
     restored = self.manager.restore(step, args=ocp.args.Composite(
         arrays=ocp.args.StandardRestore({"stages": stages, "in_flight": in_flight})))
     arrays = restored["arrays"]
-    J = len(template.stages)
-    state = PipelineState(stages=list(arrays["stages"]), tick=meta["tick"],
-                          next_micro_batch=meta["next_micro_batch"],
-                          fwd_inbox=[None] * J, bwd_inbox=[None] * J,
-                          buffers=[collections.deque() for _ in range(J)],
-                          weight_stash=[collections.deque() for _ in range(J)])
+    state = PipelineState.empty(list(arrays["stages"]), tick=meta["tick"])
+    boxes = {(name, j): box for name, j, box in _boxes(state)}
     extra_arrays = {}
     for e in meta["in_flight"]:
       payload = _decode(e["spec"], iter(arrays["in_flight"][f"{i:05d}"] for i in e["leaves"]))
-      msg = Message(e["key"], payload)
-      if e["slot"] in ("fwd_inbox", "bwd_inbox"):
-        getattr(state, e["slot"])[e["stage"]] = msg
-      elif e["slot"] in ("buffers", "weight_stash"):
-        getattr(state, e["slot"])[e["stage"]].append(msg)
-      elif e["slot"] == "labels":
-        state.labels.append(msg)
-      else:
+      if e["slot"] == "extra":
         extra_arrays[e["key"]] = payload
+      else:
+        boxes[(e["slot"], e["stage"])][e["key"]] = payload
     return state, meta["extra"], extra_arrays
 
   def wait(self):

@@ -8,18 +8,14 @@ is ``batch_size=128, accumulation_steps=2``.
 
 import ml_collections
 
-# backprop: jax.grad of the composed model; revprop: the pipeline with every
-# delay forced to 0 (synchronous reversible backprop); the others are the
-# asynchronous methods of paper Table 4 (see petra_jax.pipeline).
-METHODS = ("backprop", "revprop", "petra", "delayed", "dsp", "approximate_input")
-RECONSTRUCTING_METHODS = ("revprop", "petra", "approximate_input")
+from petra_jax.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 
 
 def get_config() -> ml_collections.ConfigDict:
   """The default configuration: a small RevNet18 trained with PETRA."""
   c = ml_collections.ConfigDict()
-  c.method = "petra"          # one of METHODS
+  c.method = "petra"          # a name in petra_jax.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
   c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
   c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
 

@@ -6,8 +6,8 @@ taken at an input reconstructed with the *current* weights, with the current
 weights. Appendix B compares, stage by stage, three gradients of the same
 micro-batch's loss with respect to the stage's parameters:
 
-* ``petra``: the gradient the engine applied (whatever the method: petra,
-  approximate_input, dsp or delayed);
+* ``applied``: the gradient the method's backward applied (petra,
+  approximate_input, dsp or delayed: each its own);
 * ``delayed``: the standard delayed gradient of PipeDream / Zhuang et al.
   (2020): ``jax.grad`` of the composed model at the weights each stage's
   *forward* used (``theta_j^{t-tau_j}``), which reproduces the forward
@@ -20,7 +20,7 @@ micro-batch's loss with respect to the stage's parameters:
 
 and reports the cosine similarity and norm ratio of each pair (Fig. 5: over
 training; Fig. 6: against the stage index). The engine gathers the inputs
-(``Pipeline(grad_probe_every=...)``); this module holds the math.
+(:class:`petra_jax.observers.GradientProbe`); this module holds the math.
 
 BatchNorm normalises with the batch's statistics in training, so the running
 statistics passed here only give the variables their structure.
@@ -28,21 +28,20 @@ statistics passed here only give the variables their structure.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from petra_jax.stage import Stage, cross_entropy, forward
+from petra_jax.stage import Stage, composed_loss
 
 PyTree = Any
 
 # (name, numerator/first gradient, second gradient) of each compared pair.
-PAIRS = (("petra_delayed", "petra", "delayed"),
-         ("petra_e2e", "petra", "e2e"),
+PAIRS = (("applied_delayed", "applied", "delayed"),
+         ("applied_e2e", "applied", "e2e"),
          ("delayed_e2e", "delayed", "e2e"))
-# Keys of grad_quality's result, e.g. "cos_petra_e2e", "norm_ratio_petra_delayed".
+# Keys of grad_quality's result, e.g. "cos_applied_e2e", "norm_ratio_applied_delayed".
 METRICS = tuple(f"{kind}_{pair}" for kind in ("cos", "norm_ratio") for pair, _, _ in PAIRS)
 PREFIX = "grad_quality"
 
@@ -92,16 +91,11 @@ def composed_grads(stages: Sequence[Stage], params: Sequence[PyTree],
   Returns:
     One gradient pytree per stage, like ``params``.
   """
-  def loss_fn(ps):
-    x = images
-    for stage, p, bs in zip(stages, ps, batch_stats):
-      x, _ = forward(stage, p, bs, x)
-    return cross_entropy(x, labels)
-
-  return jax.grad(loss_fn)(list(params))
+  return jax.grad(lambda ps: composed_loss(stages, ps, batch_stats, images, labels)[0])(
+      list(params))
 
 
-def grad_quality(stages: Sequence[Stage], petra_grads: Sequence[PyTree],
+def grad_quality(stages: Sequence[Stage], applied_grads: Sequence[PyTree],
                  forward_params: Sequence[PyTree], backward_params: Sequence[PyTree],
                  batch_stats: Sequence[PyTree], images: jax.Array,
                  labels: jax.Array) -> dict[str, jax.Array]:
@@ -109,11 +103,11 @@ def grad_quality(stages: Sequence[Stage], petra_grads: Sequence[PyTree],
 
   Computes the delayed gradient (at ``forward_params``) and the end-to-end
   gradient (at ``backward_params``) of one micro-batch, two forward+backward
-  passes of the whole model, and compares them with ``petra_grads``.
+  passes of the whole model, and compares them with ``applied_grads``.
 
   Args:
     stages: the model's ``J`` stages.
-    petra_grads: the gradient each stage applied for this micro-batch.
+    applied_grads: the gradient each stage applied for this micro-batch.
     forward_params: the parameters each stage's forward used.
     backward_params: the parameters each stage held at its backward.
     batch_stats: per stage, for the structure of the variables.
@@ -124,7 +118,7 @@ def grad_quality(stages: Sequence[Stage], petra_grads: Sequence[PyTree],
     ``{name: float32[J]}`` for every name in :data:`METRICS`
     (``cos_<a>_<b>``, ``norm_ratio_<a>_<b>`` with ``a`` the numerator).
   """
-  grads = {"petra": list(petra_grads),
+  grads = {"applied": list(applied_grads),
            "delayed": composed_grads(stages, forward_params, batch_stats, images, labels),
            "e2e": composed_grads(stages, backward_params, batch_stats, images, labels)}
   out = {}
@@ -137,25 +131,5 @@ def grad_quality(stages: Sequence[Stage], petra_grads: Sequence[PyTree],
 
 
 def metric_key(name: str, stage: int) -> str:
-  """The metrics.jsonl / TensorBoard key, e.g. ``grad_quality/cos_petra_e2e/stage_3``."""
+  """The metrics.jsonl / TensorBoard key, e.g. ``grad_quality/cos_applied_e2e/stage_3``."""
   return f"{PREFIX}/{name}/stage_{stage}"
-
-
-@dataclasses.dataclass
-class GradProbe:
-  """What the engine keeps of one probed micro-batch until its backward ends.
-
-  Attributes:
-    images: ``float32[B, H, W, C]`` on stage 0's device.
-    labels: ``int32[B]`` on the last stage's device.
-    forward_params: per stage, a copy of the parameters its forward used
-      (None until that forward ran).
-    backward_params: per stage, a copy of the parameters it held at its
-      backward (before the update).
-    grads: per stage, the gradient its backward applied.
-  """
-  images: jax.Array
-  labels: jax.Array
-  forward_params: list
-  backward_params: list
-  grads: list

@@ -417,16 +417,14 @@ def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[flo
   three forwards whatever its kind, so forward FLOPs rank the blocks' tick
   costs.
   """
-  key = jax.random.key(0)
   x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
   flops = []
-  for s in blocks:
-    variables = jax.eval_shape(functools.partial(s.init, key), x)
+  for s, (variables, y) in zip(blocks, stage_lib.trace(blocks, x)):
     fwd = lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x)[0]
     cost = jax.jit(fwd).lower(variables, x).cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops.append(float((cost or {}).get("flops", 0.0)))
-    x = jax.eval_shape(fwd, variables, x)
+    x = y
   return flops
 
 
@@ -482,15 +480,10 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
     ``[H, W, C]``, or ``[num_classes]`` for the head) and ``params`` (number of
     trainable parameters; BatchNorm statistics excluded).
   """
-  key = jax.random.key(0)
   x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
   rows = []
-  for i, s in enumerate(stages):
-    variables = jax.eval_shape(functools.partial(s.init, key), x)
-    x = jax.eval_shape(
-        lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x,
-                                            train=False)[0], variables, x)
-    out = x[0] if isinstance(x, tuple) else x
+  for i, (s, (variables, y)) in enumerate(zip(stages, stage_lib.trace(stages, x))):
+    out = y[0] if isinstance(y, tuple) else y
     rows.append({
         "index": i,
         "name": s.name,

@@ -1,205 +1,244 @@
-"""The PETRA engine: a host-side tick loop over stages on their own devices.
+"""The engine: runs a schedule's tasks on stages placed on their own devices.
 
 Each stage ``j`` lives on one device (``jax.device_put``) and owns a carried
-:class:`StageState` (parameters, BatchNorm statistics, optimizer state with the
-gradient accumulator, update counter). On every tick (paper Alg. 1, Eq. 5):
+:class:`StageState` (parameters, BatchNorm statistics, optax state with the
+gradient accumulator). :meth:`Pipeline.run_tick` runs one tick of a
+:class:`petra_jax.schedule.Schedule`, one small function per task kind:
 
-* every stage runs a forward on the micro-batch it received on the previous
-  tick and sends the output to stage ``j+1``;
-* every stage runs a reverse-backward on the ``(x~_j, delta_{j+1})`` it
-  received from stage ``j+1`` on the previous tick -- a reversible stage
-  rebuilds its input from its output with its *current* weights, a
-  non-reversible one pops its input buffer and recomputes -- updates its
-  parameters with optax, and sends ``(x~_{j-1}, delta_j)`` to stage ``j-1``;
-* the last stage runs forward, loss and backward at once.
+* ``forward`` (:meth:`Pipeline._forward_task`): ``x_{j+1} = F_j(x_j,
+  theta_j^t)``, sent to stage ``j+1``; the input is kept if the stage buffers
+  it, the weights if the method stashes them (:mod:`petra_jax.methods`);
+* ``backward`` (:meth:`Pipeline._backward_task`): a reconstructing stage
+  rebuilds its input from its output with its *current* weights and takes
+  the vjp there (paper Eq. 5); any other stage recomputes from its buffered
+  input. Then the optax update; ``(x~_j, delta_j)`` goes to stage ``j-1``;
+* ``loss`` (:meth:`Pipeline._loss_task`): the last stage's forward, loss and
+  backward at once (Alg. 1, l. 27-30);
+* ``backprop`` (:meth:`Pipeline._backprop_task`): ``jax.grad`` of the
+  composed model on one device.
 
-Forward and backward of a tick both use ``theta_j^t``; the update follows them.
-Micro-batch ``m``'s backward at stage ``j`` runs ``tau_j = 2(J-1-j)`` ticks
-after its forward there (:mod:`petra_jax.schedule`). The jitted steps are
-compiled once per stage and donate the carried state; the loop never waits for
-the devices (losses are returned as device arrays).
-
-``revprop`` (synchronous reversible backprop) is this same engine drained after
-every micro-batch: the delays are 0 and the gradients exact up to the
-reconstruction's round-off. ``backprop`` is ``jax.grad`` of the composed model
-(:meth:`Pipeline.backprop_step`).
+A task consumes a message sent on an earlier tick. A tick's forward and
+backward at one stage both use ``theta_j^t`` (the forward comes first in the
+table); the update follows. The jitted steps are compiled once per stage and
+donate the carried state; nothing waits for the devices (losses stay device
+arrays). Diagnostics (reconstruction error, gradient quality, the timeline)
+are :class:`Observer`\\ s called around tasks; without observers the tick
+runs no diagnostic code.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax.training import train_state
 
-from petra_jax import diagnostics
-from petra_jax import schedule
+from petra_jax import methods as methods_lib
+from petra_jax import schedule as schedule_lib
 from petra_jax import transport
-from petra_jax.stage import (Stage, cross_entropy, forward, loss_vjp, recompute_vjp,
-                             reverse_vjp, reverse_vjp_stashed)
+from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
+from petra_jax.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
+                             reverse_vjp, reverse_vjp_stashed, trace)
 
 PyTree = Any
 BN_POLICIES = ("backward", "forward")
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
-
-# Asynchronous methods of paper Table 4: what each stage keeps between a
-# micro-batch's forward and its backward (the last stage keeps nothing).
-#   method              inputs stashed          weights stashed  reversible stages
-#   petra               non-reversible only     no               reconstruct, current weights
-#   approximate_input   non-reversible only     yes              reconstruct (current), vjp (stashed)
-#   dsp                 all stages              no               no reconstruction (Xu et al.)
-#   delayed             all stages              yes              no reconstruction (PipeDream)
-PIPELINE_METHODS = ("petra", "approximate_input", "dsp", "delayed")
+Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labels [B])
 
 
-class StageState(train_state.TrainState):
-  """Carried state of one stage.
+class ScheduleError(RuntimeError):
+  """A task ran before the message it consumes arrived (a broken schedule)."""
 
-  ``params`` and ``opt_state`` as in Flax's ``TrainState`` (the optax state
-  holds momentum and, for ``k > 1``, the ``MultiSteps`` accumulator and
-  counter); ``batch_stats`` the BatchNorm running statistics; ``step`` counts
-  backward passes (micro-batches) at this stage.
+
+class StageState(flax.struct.PyTreeNode):
+  """Carried state of one stage (a Flax ``TrainState`` with BatchNorm statistics).
+
+  Attributes:
+    micro_batches: backward passes run at this stage (int32 scalar); with
+      ``k`` accumulation steps the stage has made ``micro_batches // k``
+      optimizer updates.
+    params: the stage's parameters.
+    batch_stats: BatchNorm running statistics.
+    opt_state: the optax state: momentum and, for ``k > 1``, the
+      ``optax.MultiSteps`` accumulator and counter.
+    tx: the optax transformation (static).
   """
-  batch_stats: PyTree = None
+  micro_batches: jax.Array
+  params: PyTree
+  batch_stats: PyTree
+  opt_state: optax.OptState
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, params, batch_stats, tx: optax.GradientTransformation) -> "StageState":
+    return cls(micro_batches=jnp.zeros((), jnp.int32), params=params,
+               batch_stats=batch_stats, opt_state=tx.init(params), tx=tx)
+
+  def apply_gradients(self, grads, batch_stats) -> "StageState":
+    """One optax step on ``grads``; ``batch_stats`` replaces the statistics."""
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    return self.replace(micro_batches=self.micro_batches + 1,
+                        params=optax.apply_updates(self.params, updates),
+                        opt_state=opt_state, batch_stats=batch_stats)
 
 
-class Message(NamedTuple):
-  """An activation (or ``(x~, delta)`` pair) tagged with its micro-batch."""
-  micro_batch: int
-  payload: PyTree
+def _messages(where: str):
+  return dataclasses.field(default_factory=list if where == "per_stage" else dict,
+                           metadata={"messages": where})
 
 
 @dataclasses.dataclass
 class PipelineState:
-  """Everything the next tick depends on.
+  """Everything the next tick depends on; create it with :meth:`empty`.
+
+  Message fields hold ``{micro_batch: payload}`` and say where they live in
+  their ``messages`` metadata (``per_stage``: a list of such dicts, one per
+  stage, on that stage's device; ``last_stage``: one dict on the last
+  stage's device); checkpoints save them by that metadata. In a
+  multi-process run every process keeps every key, and only the owner of a
+  stage holds its payloads (None elsewhere).
 
   Attributes:
-    stages: per-stage carried state, each on its stage's device.
+    train_states: per stage, its :class:`StageState` on its device (None for
+      another process's stage).
     tick: ticks run so far.
-    next_micro_batch: index the next fed micro-batch gets.
-    fwd_inbox: ``fwd_inbox[j]``: the input stage ``j`` runs forward next tick.
-    bwd_inbox: ``bwd_inbox[j]``: ``(x~_j or None, delta_{j+1})`` stage ``j``
-      runs backward next tick (``x~`` is only sent to reversible stages).
-    buffers: FIFO of the inputs each stage stashed (non-reversible stages,
-      or every stage for ``dsp``/``delayed``).
-    weight_stash: FIFO of the parameters each stage's forward used
-      (``delayed``/``approximate_input`` only).
-    labels: FIFO of labels in flight to the last stage (on its device).
-    probes: copies of the inputs of reversible stages for the micro-batches
-      whose reconstruction error is measured (``Pipeline(probe_every=...)``);
-      a diagnostic, not saved in checkpoints.
-    reconstruction_errors: ``(micro_batch, stage, error)`` measured since the
-      caller last emptied the list; ``error`` is a float32 device scalar.
-    grad_probes: ``{micro_batch: diagnostics.GradProbe}`` of the micro-batches
-      whose gradient quality is measured (``Pipeline(grad_probe_every=...)``),
-      kept until their backward reaches stage 0; a diagnostic, not saved in
-      checkpoints.
-    grad_quality: ``(micro_batch, {name: float32[J]})`` per finished probe
-      since the caller last emptied the list: the per-stage cosine
-      similarities and norm ratios of ``diagnostics.METRICS`` (device arrays).
+    inbox: the input each stage runs forward (or ``loss``) on.
+    grad_inbox: ``(y_j or None, delta_{j+1})`` each stage runs backward on
+      (``y_j``, its output, only for a reconstructing stage).
+    buffers: the inputs each stage kept for its backward.
+    weight_stash: the parameters each stage's forward used (methods that
+      stash weights).
+    labels: labels in flight to the last stage.
   """
-  stages: list
+  train_states: list
   tick: int = 0
-  next_micro_batch: int = 0
-  fwd_inbox: list = dataclasses.field(default_factory=list)
-  bwd_inbox: list = dataclasses.field(default_factory=list)
-  buffers: list = dataclasses.field(default_factory=list)
-  weight_stash: list = dataclasses.field(default_factory=list)
-  labels: collections.deque = dataclasses.field(default_factory=collections.deque)
-  probes: dict = dataclasses.field(default_factory=dict)
-  reconstruction_errors: list = dataclasses.field(default_factory=list)
-  grad_probes: dict = dataclasses.field(default_factory=dict)
-  grad_quality: list = dataclasses.field(default_factory=list)
+  inbox: list = _messages("per_stage")
+  grad_inbox: list = _messages("per_stage")
+  buffers: list = _messages("per_stage")
+  weight_stash: list = _messages("per_stage")
+  labels: dict = _messages("last_stage")
+
+  @classmethod
+  def empty(cls, train_states: list, tick: int = 0) -> "PipelineState":
+    """A state with no micro-batch in flight."""
+    J = len(train_states)
+    per_stage = {f.name: [{} for _ in range(J)] for f in message_fields()
+                 if f.metadata["messages"] == "per_stage"}
+    return cls(train_states=list(train_states), tick=tick, **per_stage)
 
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""
-    waiting = {m.micro_batch for m in self.fwd_inbox + self.bwd_inbox if m is not None}
-    for buf in self.buffers:
-      waiting |= {m.micro_batch for m in buf}
+    waiting = set(self.labels)
+    for f in message_fields():
+      if f.metadata["messages"] == "per_stage":
+        for box in getattr(self, f.name):
+          waiting |= set(box)
     return len(waiting)
 
   def stored_bytes(self) -> list[int]:
     """Bytes each stage holds between forwards and backwards (input buffers
-    and weight stashes; in-flight messages excluded)."""
-    def nbytes(msgs):
-      return sum(x.nbytes for m in msgs for x in jax.tree.leaves(m.payload))
-    stash = self.weight_stash or [()] * len(self.buffers)
-    return [nbytes(b) + nbytes(w) for b, w in zip(self.buffers, stash)]
+    and weight stashes; messages in flight excluded)."""
+    def nbytes(box):
+      return sum(x.nbytes for p in box.values() for x in jax.tree.leaves(p))
+    return [nbytes(b) + nbytes(w) for b, w in zip(self.buffers, self.weight_stash)]
+
+
+def message_fields() -> list[dataclasses.Field]:
+  """The fields of :class:`PipelineState` that hold messages."""
+  return [f for f in dataclasses.fields(PipelineState) if "messages" in f.metadata]
 
 
 class TickOutput(NamedTuple):
-  """What the last stage produced on a tick: the loss of one micro-batch."""
+  """The loss of one micro-batch (float32 scalar, still on its device)."""
   micro_batch: int
-  loss: jax.Array  # float32 scalar, still on the device
+  loss: jax.Array
+
+
+class TaskResult(NamedTuple):
+  """What a task returns to the tick (and to observers).
+
+  ``loss``: a ``loss``/``backprop`` task's float32 scalar; ``x_tilde``: the
+  input a reconstructing ``backward`` rebuilt (paper Eq. 5).
+  """
+  loss: Optional[jax.Array] = None
+  x_tilde: Optional[PyTree] = None
+
+
+class Observer:
+  """Diagnostics called around every task (all no-ops here; subclass).
+
+  ``before_task`` runs before the task consumes its messages, ``after_task``
+  after it sent its outputs; both may read ``state`` but must not change it.
+  """
+
+  def before_task(self, pipe: "Pipeline", state: PipelineState, task: Task) -> None:
+    pass
+
+  def after_task(self, pipe: "Pipeline", state: PipelineState, task: Task,
+                 result: TaskResult) -> None:
+    pass
 
 
 # ----------------------------------------------------------------------------
 # Jitted per-stage steps (module-level pure functions; one jit per stage).
 # ----------------------------------------------------------------------------
 
-def _update(state: StageState, grads, new_stats, take_stats: bool) -> StageState:
-  return state.apply_gradients(
-      grads=grads, batch_stats=new_stats if take_stats else state.batch_stats)
-
-
 def forward_step(stage: Stage, state: StageState, x):
   """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1)."""
   return forward(stage, state.params, state.batch_stats, x)
 
 
-def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
-                          vjp_params=None, *, return_grads: bool = False):
-  """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
+def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
+  """Reconstruction and vjp of a reversible stage (Eq. 5, rows 2-4), no update.
 
-  With ``vjp_params`` (stashed forward weights), the vjp is taken with them
-  (Table 4's "approximate input"). Returns ``(new_state, x_tilde, dx)``, and
-  the applied gradient as a fourth element with ``return_grads`` (a separate
-  jit, used for the micro-batches ``grad_probe_every`` picks).
+  With ``vjp_params`` (stashed forward weights) the vjp is taken with them
+  (Table 4's "approximate input"). Returns ``(x~, dx, grads, batch_stats)``.
   """
   if vjp_params is None:
-    x, dx, grads, stats = reverse_vjp(stage, state.params, state.batch_stats, y, dy)
-  else:
-    x, dx, grads, stats = reverse_vjp_stashed(stage, state.params, vjp_params,
-                                              state.batch_stats, y, dy)
-  out = (_update(state, grads, stats, take_stats), x, dx)
-  return out + (grads,) if return_grads else out
+    return reverse_vjp(stage, state.params, state.batch_stats, y, dy)
+  return reverse_vjp_stashed(stage, state.params, vjp_params, state.batch_stats, y, dy)
+
+
+def recompute_grads(stage: Stage, input_grad: bool, state: StageState, x, dy, vjp_params=None):
+  """Recomputation from the buffered input and vjp, no update; with
+  ``vjp_params`` (``delayed``) at the stashed weights. ``(dx, grads, stats)``."""
+  params = state.params if vjp_params is None else vjp_params
+  return recompute_vjp(stage, params, state.batch_stats, x, dy, input_grad=input_grad)
+
+
+def loss_grads(stage: Stage, state: StageState, x, labels):
+  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``."""
+  return loss_vjp(stage, state.params, state.batch_stats, x, labels)
+
+
+def _update(state: StageState, grads, new_stats, take_stats: bool) -> StageState:
+  return state.apply_gradients(grads, new_stats if take_stats else state.batch_stats)
+
+
+def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
+                          vjp_params=None):
+  """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
+  Returns ``(new_state, x_tilde, dx)``."""
+  x, dx, grads, stats = reverse_grads(stage, state, y, dy, vjp_params)
+  return _update(state, grads, stats, take_stats), x, dx
 
 
 def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
-                            state: StageState, x, dy, vjp_params=None, *,
-                            return_grads: bool = False):
-  """Recompute from the buffered input, vjp and update.
-
-  The vjp uses ``vjp_params`` (stashed forward weights: ``delayed``) when
-  given, else the current weights. Returns ``(new_state, dx)`` (``dx`` is
-  None without ``input_grad``), plus the applied gradient with
-  ``return_grads``.
-  """
-  params = state.params if vjp_params is None else vjp_params
-  dx, grads, stats = recompute_vjp(stage, params, state.batch_stats, x, dy,
-                                   input_grad=input_grad)
-  out = (_update(state, grads, stats, take_stats), dx)
-  return out + (grads,) if return_grads else out
+                            state: StageState, x, dy, vjp_params=None):
+  """Recompute, vjp and update. Returns ``(new_state, dx)`` (``dx`` None
+  without ``input_grad``)."""
+  dx, grads, stats = recompute_grads(stage, input_grad, state, x, dy, vjp_params)
+  return _update(state, grads, stats, take_stats), dx
 
 
-def loss_step(stage: Stage, state: StageState, x, labels, *, return_grads: bool = False):
-  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``,
-  plus the applied gradient with ``return_grads``."""
-  loss, dx, grads, stats = loss_vjp(stage, state.params, state.batch_stats, x, labels)
-  out = (_update(state, grads, stats, True), dx, loss)
-  return out + (grads,) if return_grads else out
-
-
-def relative_error(x_tilde, x) -> jax.Array:
-  """``||x~ - x|| / ||x||`` over all leaves (float32 scalar)."""
-  num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(x_tilde), jax.tree.leaves(x)))
-  den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(x))
-  return jnp.sqrt(num / den)
+def loss_step(stage: Stage, state: StageState, x, labels):
+  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
+  loss, dx, grads, stats = loss_grads(stage, state, x, labels)
+  return _update(state, grads, stats, True), dx, loss
 
 
 def eval_step(stage: Stage, state: StageState, x):
@@ -213,21 +252,18 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
   Running statistics are updated by the (only) forward pass.
   Returns ``(new_states, loss)``.
   """
-  def loss_fn(params):
-    x, new_stats = images, []
-    for stage, state, p in zip(stages, states, params):
-      x, stats = forward(stage, p, state.batch_stats, x)
-      new_stats.append(stats)
-    return cross_entropy(x, labels), new_stats
-
-  (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      [s.params for s in states])
+  (loss, new_stats), grads = jax.value_and_grad(
+      lambda p: composed_loss(stages, p, [s.batch_stats for s in states], images, labels),
+      has_aux=True)([s.params for s in states])
   return [_update(s, g, n, True) for s, g, n in zip(states, grads, new_stats)], loss
 
 
-# ----------------------------------------------------------------------------
-# The engine.
-# ----------------------------------------------------------------------------
+def relative_error(x_tilde, x) -> jax.Array:
+  """``||x~ - x|| / ||x||`` over all leaves (float32 scalar)."""
+  num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(x_tilde), jax.tree.leaves(x)))
+  den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(x))
+  return jnp.sqrt(num / den)
+
 
 def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
   """Contiguous blocks of stages per device: stage ``j`` -> ``devices[j*n//J]``."""
@@ -235,111 +271,144 @@ def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
   return [devices[j * n // num_stages] for j in range(num_stages)]
 
 
+def _take(box: dict, m: int, what: str, j: int):
+  """Pops micro-batch ``m``'s entry of ``box``; ScheduleError if absent."""
+  try:
+    return box.pop(m)
+  except KeyError:
+    raise ScheduleError(f"stage {j} has no {what} for micro-batch {m}: the schedule runs "
+                        "a task before the message it consumes was sent.") from None
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
 class Pipeline:
-  """PETRA over ``J`` stages placed on devices.
+  """A method's stages on their devices, and the tasks of its schedule.
 
   Args:
     stages: the model's stages (at least 2; the last one computes the loss).
-    tx: the optax optimizer of every stage (its state is per stage).
-    method: one of ``PIPELINE_METHODS`` (see the table above); ``"petra"``
-      is paper Eq. 5.
+    tx: the optax optimizer of every stage, or one per stage (e.g. a delay
+      compensation that depends on ``tau_j``); states are per stage.
     devices: devices to spread the stages over in contiguous blocks (default:
-      all local devices). Fewer devices than stages is fine.
+      all local devices). Fewer devices than stages is fine; ``backprop``
+      needs one.
+    method: a name in :data:`petra_jax.methods.METHODS`; ``"petra"`` is
+      paper Eq. 5.
+    accumulation_steps: ``k``, micro-batches per update (the round of the
+      ``gpipe``/``1f1b`` schedules; ``tx`` accumulates them).
     bn_stats: ``"backward"`` (paper, Sec. 4: running statistics updated by the
       backward recomputation/reconstruction, never by the forward) or
       ``"forward"`` (the authors' code: updated by the forward).
-    record_timeline: keep ``(tick, stage, "F"|"B", micro_batch)`` events in
-      ``self.timeline`` (paper Fig. 1).
-    probe_every: if > 0, every micro-batch whose index is a multiple of it
-      has the reconstruction error ``||x~ - x|| / ||x||`` of each reversible
-      stage measured (its true input is copied at the forward) and appended to
-      ``state.reconstruction_errors``. Costs one copy of the input and one
-      small reduction per probed micro-batch and stage; nothing when 0.
-    grad_probe_every: if > 0, every micro-batch whose index is a multiple of
-      it has its gradient quality measured (paper App. B, Figs. 5 and 6; see
-      :mod:`petra_jax.diagnostics`): each stage copies the weights its
-      forward used and those it holds at its backward, and its backward runs
-      a second jitted variant that also returns the applied gradient; when the
-      backward reaches stage 0, the delayed and end-to-end gradients (two
-      ``jax.grad`` of the composed model on stage 0's device) are compared
-      with it and ``(micro_batch, {name: float32[J]})`` is appended to
-      ``state.grad_quality``. Cost per probed micro-batch: two forward and
-      backward passes of the whole model, about two ticks of a full pipeline
-      (measured: 1.8 s, 2.2 ticks of 0.83 s, RevNet18 width 8, micro-batch
-      128 of 32x32, all stages on one 2-core CPU); one more compilation per
-      stage and one of the comparison at the first probe; and, while the
-      micro-batch is in flight (``2(J-1)`` ticks), three copies of the
-      parameters (forward weights, backward weights, gradients: 3 x 0.7 MB
-      for that model, 3 x 4 bytes per parameter in general) plus the
-      micro-batch. When 0, nothing is compiled, copied or run. Needs every
-      stage's device in this process.
+    observers: :class:`Observer`\\ s called around every task (diagnostics).
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
-      unknown ``bn_stats`` policy or method, or a reconstructing method on a
-      model without reversible stages.
+      unknown ``bn_stats`` policy or method, a reconstructing method on a
+      model without reversible stages, or ``backprop`` on several devices.
   """
 
-  def __init__(self, stages: Sequence[Stage], tx: optax.GradientTransformation,
-               devices: Optional[Sequence[jax.Device]] = None, *,
-               method: str = "petra", bn_stats: str = "backward", record_timeline: bool = False,
-               probe_every: int = 0, grad_probe_every: int = 0):
-    if len(stages) < 2:
-      raise ValueError(f"PETRA needs at least 2 stages, got {len(stages)}.")
-    if stages[0].reversible or stages[-1].reversible:
-      raise ValueError("the first stage (input) and the last (loss) cannot be reversible.")
-    if bn_stats not in BN_POLICIES:
-      raise ValueError(f"Unknown bn_stats policy {bn_stats!r}; choose one of {BN_POLICIES}.")
-    if method not in PIPELINE_METHODS:
-      raise ValueError(f"Unknown pipeline method {method!r}; choose one of {PIPELINE_METHODS}.")
-    if method in ("petra", "approximate_input") and not any(
-        b.reversible for s in stages for b in (s.blocks or (s,))):
-      raise ValueError(f"method {method!r} reconstructs inputs and needs reversible stages; "
-                       "this model has none: use 'dsp' or 'delayed'.")
-    self.method = method
-    self.stash_inputs = method in ("dsp", "delayed")
-    self.stash_params = method in ("delayed", "approximate_input")
+  def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
+               *, method: str = "petra", accumulation_steps: int = 1,
+               bn_stats: str = "backward", observers: Sequence[Observer] = ()):
+    self.method = methods_lib.get(method)
+    _check(stages, self.method, bn_stats)
     self.stages = list(stages)
-    self.num_stages = len(stages)
-    self.tx = tx
-    self.devices = assign_devices(self.num_stages, devices or jax.local_devices())
+    self.num_stages = J = len(stages)
+    self.accumulation_steps = accumulation_steps
+    # (an optax GradientTransformation is itself a tuple: test it first)
+    self.txs = [tx] * J if isinstance(tx, optax.GradientTransformation) else list(tx)
+    if len(self.txs) != J:
+      raise ValueError(f"{len(self.txs)} optimizers for {J} stages: give one, or one per stage.")
+    self.devices = assign_devices(J, devices or jax.local_devices())
+    if not self.method.pipelined and len(set(self.devices)) > 1:
+      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
     # Multi-process (jax.distributed): this process runs only the stages on
     # its own devices; messages to or from the others go through transport.
     self.local = [transport.is_local(d) for d in self.devices]
     self.multiprocess = not all(self.local)
-    self._spec_cache: dict = {}
-    self._specs = [None] * (self.num_stages + 1)  # message shapes; set by init()
     self.stats_in_forward = bn_stats == "forward"
-    # Stage j rebuilds its input from its output (otherwise it pops a buffer).
-    self.reconstructs = [s.reversible and not self.stash_inputs for s in stages]
-    self.record_timeline = record_timeline
-    self.probe_every = probe_every
-    self._relative_error = jax.jit(relative_error)
-    self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
-    self.timeline: list[tuple[int, int, str, int]] = []
-
-    take = not self.stats_in_forward
+    # Stage j rebuilds its input from its output (otherwise it buffers it).
+    self.reconstructs = [s.reversible and self.method.reconstructs for s in stages]
+    self.observers = list(observers)
+    self._spec_cache: dict = {}
+    self._specs = [None] * (J + 1)  # message shapes; set by init()
     self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
     self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
-    self._backward, self._backward_probed = [], []
-    for j, s in enumerate(stages):
-      if j == self.num_stages - 1:
-        step, donate = functools.partial(loss_step, s), 0
-      elif self.reconstructs[j]:
-        step, donate = functools.partial(reverse_backward_step, s, take), (0, 1, 2)
-      else:
-        step, donate = functools.partial(recompute_backward_step, s, take, j > 0), 0
-      self._backward.append(jax.jit(step, donate_argnums=donate))
-      if grad_probe_every:  # the same step, also returning the applied gradient
-        self._backward_probed.append(
-            jax.jit(functools.partial(step, return_grads=True), donate_argnums=donate))
+    self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
+                      for j in range(J)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
-    self.grad_probe_every = grad_probe_every
-    if grad_probe_every:
-      if any(d.process_index != jax.process_index() for d in self.devices):
-        raise ValueError("grad_probe_every needs every stage's device in this process "
-                         "(it composes all stages on one device).")
-      self._grad_quality = jax.jit(functools.partial(diagnostics.grad_quality, self.stages))
+    self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
+    self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
+                   LOSS: self._loss_task, BACKPROP: self._backprop_task}
+    self._run_task = self._run_observed if self.observers else self._run_plain
+
+  # -- the backward rule (the one place that says what a backward takes) -----
+
+  def _backward_fn(self, j: int, grads_only: bool = False):
+    """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
+    without the update), on the arguments :meth:`backward_args` gives."""
+    s, take = self.stages[j], not self.stats_in_forward
+    if j == self.num_stages - 1:
+      return functools.partial(loss_grads if grads_only else loss_step, s)
+    if self.reconstructs[j]:
+      return functools.partial(reverse_grads, s) if grads_only else functools.partial(
+          reverse_backward_step, s, take)
+    return functools.partial(recompute_grads, s, j > 0) if grads_only else functools.partial(
+        recompute_backward_step, s, take, j > 0)
+
+  def _donated(self, j: int):
+    """A reconstructing backward donates its state and ``(y, dy)``; the
+    others their state (a buffered input may be a probe's too)."""
+    return (0, 1, 2) if self.reconstructs[j] and j < self.num_stages - 1 else 0
+
+  def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
+                    stashed=None) -> tuple:
+    """The arguments of stage ``j``'s backward after its state.
+
+    Args:
+      j: the stage.
+      x: its input (buffered); y: its output (a reconstructing stage rebuilds
+        ``x`` from it); dy: the output's cotangent; labels: ``int32[B]``
+        (last stage); stashed: the forward's weights (methods that stash).
+
+    Returns:
+      ``(x, labels)`` for the last stage, ``(y, dy)`` for a reconstructing
+      stage, ``(x, dy)`` otherwise; plus ``stashed`` when the method stashes
+      weights.
+    """
+    if j == self.num_stages - 1:
+      return (x, labels)
+    args = (y, dy) if self.reconstructs[j] else (x, dy)
+    return args + (stashed,) if self.method.stashes_weights else args
+
+  def backward(self, j: int, train_state: StageState, *args):
+    """Runs stage ``j``'s jitted backward step (donating ``train_state``).
+
+    Returns ``(new_state, x~, dx)`` for a reconstructing stage, ``(new_state,
+    dx, loss)`` for the last one, ``(new_state, dx)`` otherwise.
+    """
+    return self._backward[j](train_state, *args)
+
+  def gradient(self, j: int, train_state: StageState, *args) -> PyTree:
+    """The gradient stage ``j``'s backward would apply, without applying it
+    or donating anything (a separate jit, compiled on first use)."""
+    if not hasattr(self, "_gradient"):
+      self._gradient = [jax.jit(self._backward_fn(i, grads_only=True))
+                        for i in range(self.num_stages)]
+    out = self._gradient[j](train_state, *args)
+    return out[2] if self.reconstructs[j] or j == self.num_stages - 1 else out[1]
+
+  def forward(self, j: int, train_state: StageState, x):
+    """Stage ``j``'s jitted forward: ``(y, batch_stats)``."""
+    return self._forward[j](train_state, x)
+
+  def jitted_steps(self, j: int) -> tuple:
+    """Stage ``j``'s jitted ``(forward, backward)`` (e.g. to ``.lower()``
+    them for XLA's memory analysis); arguments as :meth:`forward` and
+    :meth:`backward`."""
+    return self._forward[j], self._backward[j]
 
   # -- set-up ----------------------------------------------------------------
 
@@ -347,31 +416,27 @@ class Pipeline:
     """Initialises every stage on its device.
 
     All stages are initialised by one jitted function, with the ``"rbg"``
-    PRNG: on CPU its compilation takes about 4 s for RevNet18 against 12 s
-    with threefry (and 20 s for one jit per stage). In a multi-process run
-    only this process's stages are initialised (the same values as in one
-    process); the others' entries of ``PipelineState.stages`` are None.
+    PRNG (on CPU its compilation is about 3x faster than threefry's). In a
+    multi-process run only this process's stages are initialised (to the
+    same values as in one process); the others' entries are None.
 
     Args:
       seed: integer seed; stage ``j`` draws from ``fold_in(key(seed), j)``.
       sample_input: a model input ``float32[B, H, W, C]`` (only its shape and
         dtype matter).
     """
+    one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
+    inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
+
     def init_all(key):
       states = []
-      # Parameters do not depend on the batch: initialise on one example.
-      x = jax.ShapeDtypeStruct((1,) + sample_input.shape[1:], sample_input.dtype)
-      for j, stage in enumerate(self.stages):
-        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
-        if not self.local[j]:  # another process's stage: its shapes only
-          variables = jax.eval_shape(stage.init, jax.random.fold_in(key, j), zeros)
+      for j, (stage, x) in enumerate(zip(self.stages, inputs)):
+        if not self.local[j]:  # another process's stage
           states.append(None)
-        else:
-          variables = stage.init(jax.random.fold_in(key, j), zeros)
-          states.append(StageState.create(apply_fn=None, params=variables["params"], tx=self.tx,
-                                          batch_stats=variables["batch_stats"]))
-        x = jax.eval_shape(functools.partial(forward, stage), variables["params"],
-                           variables["batch_stats"], x)[0]
+          continue
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x)
+        v = stage.init(jax.random.fold_in(key, j), zeros)
+        states.append(StageState.create(v["params"], v["batch_stats"], self.txs[j]))
       return states
 
     states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
@@ -379,150 +444,142 @@ class Pipeline:
               for s, d in zip(states, self.devices)]
     if self.multiprocess:
       self._specs = self._specs_for(sample_input)
-    J = self.num_stages
-    return PipelineState(stages=states, fwd_inbox=[None] * J, bwd_inbox=[None] * J,
-                         buffers=[collections.deque() for _ in range(J)],
-                         weight_stash=[collections.deque() for _ in range(J)])
+    return PipelineState.empty(states)
 
-  # -- PETRA -----------------------------------------------------------------
+  def schedule(self, num_micro_batches: int) -> Schedule:
+    """This method's tick table over ``num_micro_batches`` micro-batches."""
+    return Schedule(self.method.schedule, self.num_stages, num_micro_batches,
+                    self.accumulation_steps)
 
-  def tick(self, state: PipelineState, images: Optional[jax.Array] = None,
-           labels: Optional[jax.Array] = None) -> tuple[PipelineState, Optional[TickOutput]]:
-    """Runs one tick of every stage (paper Alg. 1, Eq. 5).
+  # -- running a schedule ------------------------------------------------------
+
+  def run_tick(self, state: PipelineState, tick: schedule_lib.Tick,
+               batches: Optional[Batches] = None) -> tuple[PipelineState, list[TickOutput]]:
+    """Runs one tick's tasks in order.
 
     Args:
       state: the pipeline state; updated in place and returned.
-      images: a new micro-batch ``float32[B, H, W, C]`` for stage 0, or None
-        to feed nothing (pipeline drain). Multi-process: None on processes
-        that do not own stage 0 (they pass ``labels`` to feed).
-      labels: its labels ``int32[B]`` (sent straight to the last stage);
-        only read by the process owning the last stage.
+      tick: the tasks (a row of :meth:`schedule`).
+      batches: ``m -> (images float32[B, H, W, C], labels int32[B])``, called
+        for the micro-batch stage 0 takes on this tick. Multi-process: images
+        may be None on processes that do not own stage 0.
 
     Returns:
-      ``(state, output)``: ``output`` is the loss of the micro-batch that
-      reached the last stage on this tick, or None during the fill.
-      Multi-process: the loss is on stage 0's device, on process 0 only;
-      ``output.loss`` is None on the other processes.
-    """
-    J = self.num_stages
-    if images is not None or (self.multiprocess and labels is not None):
-      m = state.next_micro_batch
-      # Every process keeps every message (the schedule); only the stage's
-      # owner holds its payload.
-      state.fwd_inbox[0] = Message(
-          m, transport.send(images, self.devices[0]) if self.local[0] else None)
-      if self.local[-1]:
-        state.labels.append(Message(m, transport.send(labels, self.devices[-1])))
-      state.next_micro_batch += 1
-      if self.grad_probe_every and m % self.grad_probe_every == 0:
-        state.grad_probes[m] = diagnostics.GradProbe(
-            state.fwd_inbox[0].payload, state.labels[-1].payload, [None] * J, [None] * J,
-            [None] * J)
-    fwd_next, bwd_next = [None] * J, [None] * J
-    output = None
-    for j, stage in enumerate(self.stages):
-      st = state.stages[j]
-      fin, bin_ = state.fwd_inbox[j], state.bwd_inbox[j]
-      if not self.local[j]:  # another process runs it: only relay its messages
-        out = self._remote_stage(j, fin, bin_, fwd_next, bwd_next)
-        output = out or output
-        continue
-      if j == J - 1:
-        if fin is not None:
-          lab = state.labels.popleft()
-          assert lab.micro_batch == fin.micro_batch, (lab.micro_batch, fin.micro_batch)
-          st, dx, loss = self._run_backward(state, j, fin.micro_batch, st, fin.payload,
-                                            lab.payload)
-          bwd_next[j - 1] = self._send_back(j, fin.micro_batch, fin.payload, dx)
-          if self.multiprocess:  # metrics are written by process 0
-            loss = self._move(loss, J - 1, 0, _LOSS_SPEC)
-          output = TickOutput(fin.micro_batch, loss)
-          self._record(state.tick, j, "F", fin.micro_batch)
-          self._record(state.tick, j, "B", fin.micro_batch)
-        state.stages[j] = st
-        continue
-      if fin is not None:  # forward with theta^t
-        y, stats = self._forward[j](st, fin.payload)
-        if self.stats_in_forward:
-          st = st.replace(batch_stats=stats)
-        if self.stash_params:  # copied: the backward donates the live ones
-          state.weight_stash[j].append(Message(fin.micro_batch, self._copy(st.params)))
-        if not self.reconstructs[j]:
-          state.buffers[j].append(fin)
-        elif self.probe_every and fin.micro_batch % self.probe_every == 0:
-          state.probes[(j, fin.micro_batch)] = self._copy(fin.payload)  # later donated
-        if fin.micro_batch in state.grad_probes:  # the weights this forward used
-          state.grad_probes[fin.micro_batch].forward_params[j] = self._copy(st.params)
-        fwd_next[j + 1] = Message(fin.micro_batch, self._move(y, j, j + 1, self._specs[j + 1]))
-        self._record(state.tick, j, "F", fin.micro_batch)
-      if bin_ is not None:  # reverse-backward with theta^t, then the update
-        y, dy = bin_.payload
-        stashed = None
-        if self.stash_params:
-          msg = state.weight_stash[j].popleft()
-          assert msg.micro_batch == bin_.micro_batch, (msg.micro_batch, bin_.micro_batch)
-          stashed = msg.payload
-        if self.reconstructs[j]:
-          st, x, dx = self._run_backward(state, j, bin_.micro_batch, st, y, dy, stashed)
-          probe = state.probes.pop((j, bin_.micro_batch), None)
-          if probe is not None:
-            state.reconstruction_errors.append(
-                (bin_.micro_batch, j, self._relative_error(x, probe)))
-        else:
-          buffered = state.buffers[j].popleft()
-          assert buffered.micro_batch == bin_.micro_batch, (buffered.micro_batch, bin_.micro_batch)
-          x = buffered.payload
-          st, dx = self._run_backward(state, j, bin_.micro_batch, st, x, dy, stashed)
-        if j > 0:
-          bwd_next[j - 1] = self._send_back(j, bin_.micro_batch, x, dx)
-        self._record(state.tick, j, "B", bin_.micro_batch)
-      state.stages[j] = st
-    state.fwd_inbox, state.bwd_inbox = fwd_next, bwd_next
-    state.tick += 1
-    return state, output
+      ``(state, outputs)``: the losses of the micro-batches whose ``loss``
+      (or ``backprop``) task ran. Multi-process: the loss is on stage 0's
+      device on process 0, None on the others.
 
-  def drain(self, state: PipelineState) -> tuple[PipelineState, list[TickOutput]]:
-    """Runs ticks without new input until no micro-batch is in flight."""
+    Raises:
+      ScheduleError: a task's input has not arrived.
+    """
     outputs = []
-    for _ in range(schedule.drain_ticks(self.num_stages)):
-      if not state.in_flight():
-        break
-      state, out = self.tick(state)
-      if out is not None:
-        outputs.append(out)
+    for task in tick:
+      result = self._run_task(state, task, batches)
+      if result.loss is not None or (task.kind == LOSS and self.multiprocess):
+        outputs.append(TickOutput(task.micro_batch, result.loss))
+    state.tick += 1
+    return state, outputs
+
+  def run(self, state: PipelineState, ticks, batches: Batches):
+    """Runs every tick of ``ticks``; returns ``(state, outputs)``."""
+    outputs = []
+    for tick in ticks:
+      state, out = self.run_tick(state, tick, batches)
+      outputs += out
     return state, outputs
 
   def revprop_step(self, state: PipelineState, images, labels):
-    """One micro-batch with every delay forced to 0.
-
-    The same stage steps as :meth:`tick`, with the pipeline drained after the
-    micro-batch: for ``method="petra"`` this is synchronous reversible
-    backprop (``revprop``); for every method the gradients are exact.
-    Returns ``(state, loss)``.
+    """One micro-batch with every delay 0: this method's stage steps on the
+    ``drained`` table (for ``petra``: synchronous reversible backprop;
+    exact gradients for every method). Returns ``(state, loss)``.
 
     Raises:
-      RuntimeError: if micro-batches are already in flight.
+      RuntimeError: micro-batches are already in flight.
     """
     if state.in_flight():
-      raise RuntimeError("revprop_step needs an empty pipeline; call drain() first.")
-    state, out = self.tick(state, images, labels)
-    state, outs = self.drain(state)
-    return state, (out or outs[0]).loss
+      raise RuntimeError("revprop_step needs an empty pipeline: finish the schedule first.")
+    state, outs = self.run(state, Schedule("drained", self.num_stages, 1),
+                           lambda m: (images, labels))
+    return state, outs[0].loss
 
-  def backprop_step(self, state: PipelineState, images, labels):
-    """Exact backprop of one micro-batch; needs every stage on one device.
+  def _run_plain(self, state, task, batches) -> TaskResult:
+    return self._tasks[task.kind](state, task, batches)
 
-    Returns ``(state, loss)``.
+  def _run_observed(self, state, task, batches) -> TaskResult:
+    for obs in self.observers:
+      obs.before_task(self, state, task)
+    result = self._tasks[task.kind](state, task, batches)
+    for obs in self.observers:
+      obs.after_task(self, state, task, result)
+    return result
 
-    Raises:
-      ValueError: if the stages are on more than one device.
-    """
-    if len(set(self.devices)) > 1:
-      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
-    images = transport.send(images, self.devices[0])
-    labels = transport.send(labels, self.devices[0])
-    state.stages, loss = self._backprop(state.stages, images, labels)
-    return state, loss
+  # -- one function per task kind ----------------------------------------------
+
+  def _feed(self, state: PipelineState, m: int, batches: Batches):
+    """Micro-batch ``m``'s images to stage 0, its labels to the last stage."""
+    images, labels = batches(m)
+    state.inbox[0][m] = transport.send(images, self.devices[0]) if self.local[0] else None
+    if self.local[-1]:
+      state.labels[m] = transport.send(labels, self.devices[-1])
+
+  def _forward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
+    j, m = task.stage, task.micro_batch
+    if j == 0:
+      self._feed(state, m, batches)
+    x, y = _take(state.inbox[j], m, "input", j), None
+    if self.local[j]:
+      st = state.train_states[j]
+      y, stats = self._forward[j](st, x)
+      if self.stats_in_forward:
+        state.train_states[j] = st.replace(batch_stats=stats)
+      if self.method.stashes_weights:  # copied: the backward donates the live ones
+        state.weight_stash[j][m] = self._copy(st.params)
+      if not self.reconstructs[j]:
+        state.buffers[j][m] = x
+    state.inbox[j + 1][m] = self._move(y, j, j + 1, self._specs[j + 1])
+    return TaskResult()
+
+  def _backward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
+    del batches
+    j, m = task.stage, task.micro_batch
+    y, dy = _take(state.grad_inbox[j], m, "cotangent", j)
+    x_tilde = x = None
+    if self.local[j]:
+      if not self.reconstructs[j]:
+        x = _take(state.buffers[j], m, "buffered input", j)
+      stashed = (_take(state.weight_stash[j], m, "stashed weights", j)
+                 if self.method.stashes_weights else None)
+      args = self.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
+      if self.reconstructs[j]:
+        state.train_states[j], x_tilde, dx = self._backward[j](state.train_states[j], *args)
+        x = x_tilde
+      else:
+        state.train_states[j], dx = self._backward[j](state.train_states[j], *args)
+    else:
+      dx = None
+    if j > 0:
+      state.grad_inbox[j - 1][m] = self._send_back(j, x, dx)
+    return TaskResult(x_tilde=x_tilde)
+
+  def _loss_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
+    del batches
+    j, m = task.stage, task.micro_batch
+    x, loss, dx = _take(state.inbox[j], m, "input", j), None, None
+    if self.local[j]:
+      labels = _take(state.labels, m, "labels", j)
+      state.train_states[j], dx, loss = self._backward[j](state.train_states[j], x, labels)
+    state.grad_inbox[j - 1][m] = self._send_back(j, x, dx)
+    if self.multiprocess:  # metrics are written by process 0
+      loss = self._move(loss, j, 0, _LOSS_SPEC)
+    return TaskResult(loss=loss)
+
+  def _backprop_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
+    m = task.micro_batch
+    self._feed(state, m, batches)
+    images = _take(state.inbox[0], m, "input", 0)
+    labels = _take(state.labels, m, "labels", 0)
+    state.train_states, loss = self._backprop(state.train_states, images, labels)
+    return TaskResult(loss=loss)
 
   # -- evaluation ------------------------------------------------------------
 
@@ -545,22 +602,24 @@ class Pipeline:
       if j > 0:
         x = self._move(x, j - 1, j, specs[j])
       if self.local[j]:
-        x = self._eval[j](state.stages[j], x)
+        x = self._eval[j](state.train_states[j], x)
     return x if self.local[-1] else None
 
-  # -- helpers ---------------------------------------------------------------
+  # -- messages ----------------------------------------------------------------
 
-  def _send_back(self, j: int, micro_batch: int, x, dx) -> Message:
-    """``(x~_{j-1}, delta_j)`` to stage ``j-1``; ``x~`` only if it is reversible."""
+  def _send_back(self, j: int, x, dx):
+    """``(y_{j-1} or None, delta_j)`` to stage ``j-1``: its output (this
+    stage's input ``x``, reconstructed or buffered) only if it reconstructs."""
     x = x if self.reconstructs[j - 1] else None
     spec = (self._specs[j] if self.reconstructs[j - 1] else None, self._specs[j])
-    return Message(micro_batch, self._move((x, dx), j, j - 1, spec))
+    return self._move((x, dx), j, j - 1, spec)
 
   def _move(self, x, src: int, dst: int, spec):
     """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.
 
     Within this process ``transport.send``; across processes
     ``transport.transfer`` (``spec``: ``x``'s shapes, for the receiver).
+    Every process calls it for every message, in the schedule's order.
     Returns the payload on ``dst``'s device, or None if ``dst`` is another
     process's (or neither stage is this process's: nothing is run).
     """
@@ -571,59 +630,29 @@ class Pipeline:
     x = transport.transfer(x, self.devices[src], self.devices[dst], spec)
     return x if self.local[dst] else None
 
-  def _remote_stage(self, j: int, fin, bin_, fwd_next: list, bwd_next: list):
-    """Stage ``j`` of another process on this tick: receives what it sends
-    to this process's stages; placeholders (payload None) for the rest, so
-    that every process follows the same schedule. Returns the last stage's
-    ``TickOutput`` (its loss received on process 0, else None) or None."""
-    J = self.num_stages
-    if fin is not None and j < J - 1:
-      fwd_next[j + 1] = Message(fin.micro_batch,
-                                self._move(None, j, j + 1, self._specs[j + 1]))
-    back = fin if j == J - 1 else bin_
-    if back is not None and j > 0:
-      bwd_next[j - 1] = self._send_back(j, back.micro_batch, None, None)
-    if j == J - 1 and fin is not None:
-      return TickOutput(fin.micro_batch, self._move(None, J - 1, 0, _LOSS_SPEC))
-    return None
-
   def _specs_for(self, x) -> list:
-    """Shapes of the messages for a stage-0 input shaped like ``x``.
-
-    Returns ``J + 1`` pytrees of ``jax.ShapeDtypeStruct``: the input of each
-    stage (also the shape of its input cotangent), then the logits.
-    """
+    """Shapes of the messages for a stage-0 input shaped like ``x``: ``J + 1``
+    pytrees of ``jax.ShapeDtypeStruct`` (each stage's input, then the logits)."""
     key = (tuple(x.shape), jnp.dtype(x.dtype))
     if key not in self._spec_cache:
       spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
-      specs, rng = [spec], jax.random.key(0, impl="rbg")
-      for stage in self.stages:
-        variables = jax.eval_shape(stage.init, rng, spec)
-        spec = jax.eval_shape(functools.partial(forward, stage), variables["params"],
-                              variables["batch_stats"], spec)[0]
-        specs.append(spec)
-      self._spec_cache[key] = specs
+      self._spec_cache[key] = [spec] + [out for _, out in trace(self.stages, spec)]
     return self._spec_cache[key]
 
-  def _run_backward(self, state: PipelineState, j: int, micro_batch: int, st, *args):
-    """``self._backward[j](st, *args)``; for a micro-batch under a gradient
-    probe, the variant that also returns the applied gradient, kept with a
-    copy of the weights it was taken with (the live ones are donated)."""
-    probe = state.grad_probes.get(micro_batch)
-    if probe is None:
-      return self._backward[j](st, *args)
-    probe.backward_params[j] = self._copy(st.params)
-    if j == self.num_stages - 1:  # its forward is this same step
-      probe.forward_params[j] = probe.backward_params[j]
-    *out, probe.grads[j] = self._backward_probed[j](st, *args)
-    if j == 0:  # every stage is done: compare (paper App. B)
-      del state.grad_probes[micro_batch]
-      stats = [out[0].batch_stats] + [s.batch_stats for s in state.stages[1:]]
-      args = transport.send((probe.grads, probe.forward_params, probe.backward_params, stats,
-                             probe.images, probe.labels), self.devices[0])
-      state.grad_quality.append((micro_batch, self._grad_quality(*args)))
-    return tuple(out)
+  def message_specs(self, sample_input) -> list:
+    """Public :meth:`_specs_for`: each stage's input shapes, then the logits'."""
+    return self._specs_for(sample_input)
 
-  def _record(self, tick: int, j: int, kind: str, micro_batch: int):
-    if self.record_timeline:
-      self.timeline.append((tick, j, kind, micro_batch))
+
+def _check(stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str) -> None:
+  """The constructor's argument checks (see :class:`Pipeline`)."""
+  if len(stages) < 2:
+    raise ValueError(f"PETRA needs at least 2 stages, got {len(stages)}.")
+  if stages[0].reversible or stages[-1].reversible:
+    raise ValueError("the first stage (input) and the last (loss) cannot be reversible.")
+  if bn_stats not in BN_POLICIES:
+    raise ValueError(f"Unknown bn_stats policy {bn_stats!r}; choose one of {BN_POLICIES}.")
+  if method.needs_reversible and not any(b.reversible for s in stages for b in (s.blocks or (s,))):
+    others = [n for n, m in methods_lib.METHODS.items() if not m.needs_reversible]
+    raise ValueError(f"method {method.name!r} reconstructs inputs and needs reversible stages; "
+                     f"this model has none: use one of {others}.")

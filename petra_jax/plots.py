@@ -42,7 +42,7 @@ from petra_jax import diagnostics  # noqa: E402
 from petra_jax import metrics as metrics_lib  # noqa: E402
 
 _KEY = re.compile(rf"^{diagnostics.PREFIX}/(?P<name>\w+)/stage_(?P<stage>\d+)$")
-_PAIR_LABELS = {"petra_delayed": "PETRA vs delayed", "petra_e2e": "PETRA vs end-to-end",
+_PAIR_LABELS = {"applied_delayed": "applied vs delayed", "applied_e2e": "applied vs end-to-end",
                 "delayed_e2e": "delayed vs end-to-end"}
 _STEP_LABEL = "step (optimizer updates)"
 
@@ -139,15 +139,15 @@ def plot_grad_quality_over_training(quality: dict, kind: str, path: str,
   delayed vs end-to-end (dashed). One colour per stage. Returns None if the
   run recorded no such metric.
   """
-  if f"{kind}_petra_delayed" not in quality:
+  if f"{kind}_applied_delayed" not in quality:
     return None
-  stages = sorted(quality[f"{kind}_petra_delayed"])
+  stages = sorted(quality[f"{kind}_applied_delayed"])
   colors = _stage_colors(max(stages) + 1)
   what = "cosine similarity" if kind == "cos" else "norm ratio"
   unit = "cosine (1 = aligned)" if kind == "cos" else "||numerator|| / ||denominator||"
   fig, axes = plt.subplots(1, 2, figsize=(16, 5))
-  panels = [(axes[0], [("petra_delayed", "-")], f"{what}: PETRA vs delayed"),
-            (axes[1], [("petra_e2e", "-"), ("delayed_e2e", "--")],
+  panels = [(axes[0], [("applied_delayed", "-")], f"{what}: applied vs delayed"),
+            (axes[1], [("applied_e2e", "-"), ("delayed_e2e", "--")],
              f"{what} vs end-to-end: PETRA (full), delayed (dashed)")]
   for ax, pairs, title in panels:
     for pair, style in pairs:
@@ -169,7 +169,7 @@ def plot_grad_quality_over_training(quality: dict, kind: str, path: str,
 
 def pick_steps(quality: dict, steps: Optional[Sequence[int]] = None, num: int = 4) -> list:
   """The probed steps nearest to ``steps`` (default: ``num`` spread evenly)."""
-  probed = quality["cos_petra_delayed"][min(quality["cos_petra_delayed"])][0]
+  probed = quality["cos_applied_delayed"][min(quality["cos_applied_delayed"])][0]
   if len(probed) == 0:
     return []
   if not steps:
@@ -182,7 +182,7 @@ def plot_grad_quality_by_stage(quality: dict, path: str,
                                steps: Optional[Sequence[int]] = None) -> Optional[str]:
   """Paper Fig. 6: the three cosine similarities against the stage index,
   one panel per chosen step. Returns None if the run recorded none."""
-  if "cos_petra_delayed" not in quality:
+  if "cos_applied_delayed" not in quality:
     return None
   chosen = pick_steps(quality, steps)
   fig, axes = plt.subplots(1, len(chosen), figsize=(4.5 * len(chosen), 4), squeeze=False)

@@ -1,13 +1,55 @@
-"""The PETRA tick schedule: when each stage runs which micro-batch.
+"""Pipeline schedules as data: which task each stage runs on each tick.
 
-Stages are numbered ``j = 0 .. J-1``. Micro-batch ``m`` enters stage 0 on tick
-``m``; it runs its forward at stage ``j`` on tick ``m + j`` and its backward
-there on tick ``m + 2(J-1) - j``. The last stage runs forward, loss and
-backward on the same tick. The gradient of stage ``j`` is therefore
-``tau_j = 2(J-1-j)`` ticks late (the paper's ``tau_j = 2(J-j)`` with stages
-numbered from 1; Appendix B), and a non-reversible stage holds ``tau_j``
-buffered inputs.
+A schedule is a table: tick ``t`` holds a tuple of :class:`Task` ``(stage,
+kind, micro_batch)``. The engine (:class:`petra_jax.pipeline.Pipeline`) runs a
+tick's tasks in order; the timeline (paper Fig. 1), the memory model
+(:func:`held`), the simulated J-device time (:func:`simulate`) and the tests
+read the same table. A message a task sends is consumed on a later tick.
+
+Stages are numbered ``j = 0 .. J-1``; the last stage's task is ``loss``
+(forward, loss and backward at once). Kinds of schedule:
+
+* ``stream`` (``petra``, ``approximate_input``, ``dsp``, ``delayed``): paper
+  Alg. 1. Micro-batch ``m`` runs its forward at stage ``j`` on tick ``m + j``
+  and its backward there on tick ``m + 2(J-1) - j``: the gradient of stage
+  ``j`` is ``tau_j = 2(J-1-j)`` ticks late (the paper's ``2(J-j)`` with stages
+  numbered from 1) and every stage runs a forward and a backward per tick in
+  steady state. ``2(J-1)`` ticks fill the pipeline and ``2(J-1)`` drain it.
+* ``drained`` (``revprop``): the stream table of one micro-batch, repeated;
+  every delay is 0.
+* ``gpipe`` (Huang et al., 2019): per update of ``k`` micro-batches, every
+  forward, then every backward; flushed at the end of each update.
+* ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): per update, stage ``j``
+  runs ``min(J-1-j, k)`` forwards, then alternates one forward and one
+  backward, then the remaining backwards; at most one task per stage and
+  tick, each as early as its input allows. Flushed per update.
+* ``sequential`` (``backprop``): one ``backprop`` task per tick, the whole
+  model on one device.
 """
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator, NamedTuple, Optional, Sequence
+
+FORWARD, BACKWARD, LOSS, BACKPROP = "forward", "backward", "loss", "backprop"
+KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential")
+
+
+class Task(NamedTuple):
+  """One stage's work on one micro-batch during a tick.
+
+  ``kind`` is ``"forward"``, ``"backward"`` (reconstruct or recompute, vjp,
+  update), ``"loss"`` (the last stage's forward, loss and backward) or
+  ``"backprop"`` (``jax.grad`` of the whole model; ``stage`` is 0).
+  """
+  stage: int
+  kind: str
+  micro_batch: int
+
+
+Tick = tuple  # tuple[Task, ...]
 
 
 def delay(j: int, num_stages: int) -> int:
@@ -21,17 +63,262 @@ def delay(j: int, num_stages: int) -> int:
   return 2 * (num_stages - 1 - j)
 
 
-def forward_tick(m: int, j: int, num_stages: int) -> int:
-  """Tick on which micro-batch ``m`` runs its forward at stage ``j``."""
-  del num_stages
-  return m + j
-
-
-def backward_tick(m: int, j: int, num_stages: int) -> int:
-  """Tick on which micro-batch ``m`` runs its backward at stage ``j``."""
-  return m + j + delay(j, num_stages)
-
-
 def drain_ticks(num_stages: int) -> int:
-  """Ticks without new input after which the pipeline is empty: ``2(J-1)``."""
+  """Ticks without new input after which a stream is empty: ``2(J-1)``."""
   return 2 * (num_stages - 1)
+
+
+def _stream_tick(t: int, J: int, M: int, offset: int = 0) -> Tick:
+  """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)``."""
+  tasks = []
+  for j in range(J - 1):
+    for kind, m in ((FORWARD, t - j), (BACKWARD, t - 2 * (J - 1) + j)):
+      if 0 <= m < M:
+        tasks.append(Task(j, kind, m + offset))
+  if 0 <= t - (J - 1) < M:
+    tasks.append(Task(J - 1, LOSS, t - (J - 1) + offset))
+  return tuple(tasks)
+
+
+def _gpipe_round(J: int, k: int) -> list:
+  """One update of GPipe: forward wave of ``k`` micro-batches, then backwards."""
+  cells: dict[int, list] = {}
+  for m in range(k):
+    for j in range(J - 1):
+      cells.setdefault(m + j, []).append(Task(j, FORWARD, m))
+    cells.setdefault(m + J - 1, []).append(Task(J - 1, LOSS, m))
+    for j in range(J - 1):  # after every forward: tick k + J - 1 onwards
+      cells.setdefault(k + J - 1 + m + (J - 2 - j), []).append(Task(j, BACKWARD, m))
+  return [tuple(sorted(cells.get(u, []))) for u in range(max(cells) + 1)]
+
+
+def _dependency(task: Task, J: int) -> Optional[Task]:
+  """The task whose message ``task`` consumes (None for stage 0's forward)."""
+  j, kind, m = task
+  if kind == FORWARD:
+    return Task(j - 1, FORWARD, m) if j > 0 else None
+  if kind == LOSS:
+    return Task(J - 2, FORWARD, m)
+  return Task(J - 1, LOSS, m) if j == J - 2 else Task(j + 1, BACKWARD, m)
+
+
+def _one_f_one_b_round(J: int, k: int) -> list:
+  """One update of 1F1B: each stage's order, each task as early as possible."""
+  order = [[Task(J - 1, LOSS, m) for m in range(k)]]
+  for j in reversed(range(J - 1)):
+    warmup = min(J - 1 - j, k)
+    ops = [Task(j, FORWARD, m) for m in range(warmup)]
+    for i in range(k - warmup):
+      ops += [Task(j, FORWARD, warmup + i), Task(j, BACKWARD, i)]
+    ops += [Task(j, BACKWARD, m) for m in range(k - warmup, k)]
+    order.insert(0, ops)
+  done: dict[Task, int] = {}
+  ticks, nxt = [], [0] * J
+  while any(n < len(o) for n, o in zip(nxt, order)):
+    u, now = len(ticks), []
+    for j in range(J):
+      if nxt[j] < len(order[j]):
+        task = order[j][nxt[j]]
+        dep = _dependency(task, J)
+        if dep is None or done.get(dep, u) < u:
+          now.append(task)
+    for task in now:
+      done[task] = u
+      nxt[task.stage] += 1
+    ticks.append(tuple(now))
+  return ticks
+
+
+@functools.lru_cache(maxsize=64)
+def _round(kind: str, J: int, k: int) -> tuple:
+  if kind == "drained":
+    return tuple(_stream_tick(u, J, 1) for u in range(2 * J - 1))
+  if kind == "gpipe":
+    return tuple(_gpipe_round(J, k))
+  if kind == "1f1b":
+    return tuple(_one_f_one_b_round(J, k))
+  return ((Task(0, BACKPROP, 0),),)  # sequential
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The tick table of one method over ``num_micro_batches`` micro-batches.
+
+  Indexable and iterable (``schedule[t]`` is tick ``t``'s tuple of tasks),
+  computed lazily from closed forms, so a run of millions of micro-batches
+  costs no memory. Periodic kinds repeat one round per update (``k``
+  micro-batches; one micro-batch for ``drained`` and ``sequential``).
+
+  Attributes:
+    kind: one of :data:`KINDS`.
+    num_stages: ``J >= 2`` (1 for ``sequential``).
+    num_micro_batches: ``M``; a multiple of ``k`` for ``gpipe`` and ``1f1b``.
+    accumulation_steps: ``k``, micro-batches per update.
+
+  Raises:
+    ValueError: unknown kind, fewer than 2 stages, or ``M`` not a multiple of
+      ``k`` for a flushed schedule.
+  """
+  kind: str
+  num_stages: int
+  num_micro_batches: int
+  accumulation_steps: int = 1
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"Unknown schedule {self.kind!r}; choose one of {KINDS}.")
+    if self.kind != "sequential" and self.num_stages < 2:
+      raise ValueError(f"a pipeline schedule needs at least 2 stages, got {self.num_stages}.")
+    if self.kind in ("gpipe", "1f1b") and self.num_micro_batches % self.accumulation_steps:
+      raise ValueError(f"{self.kind}: {self.num_micro_batches} micro-batches do not split into "
+                       f"updates of k={self.accumulation_steps}.")
+
+  @property
+  def round_size(self) -> int:
+    """Micro-batches per repeated round (0 for ``stream``, which has none)."""
+    if self.kind == "stream":
+      return 0
+    return self.accumulation_steps if self.kind in ("gpipe", "1f1b") else 1
+
+  def _table(self) -> tuple:
+    return _round(self.kind, self.num_stages, self.round_size)
+
+  def __len__(self) -> int:
+    M = self.num_micro_batches
+    if M == 0:
+      return 0
+    if self.kind == "stream":
+      return M + drain_ticks(self.num_stages)
+    return len(self._table()) * (M // self.round_size)
+
+  def __getitem__(self, t: int) -> Tick:
+    if not 0 <= t < len(self):
+      raise IndexError(f"tick {t} outside [0, {len(self)})")
+    if self.kind == "stream":
+      return _stream_tick(t, self.num_stages, self.num_micro_batches)
+    table = self._table()
+    r, u = divmod(t, len(table))
+    return tuple(task._replace(micro_batch=task.micro_batch + r * self.round_size)
+                 for task in table[u])
+
+  def __iter__(self) -> Iterator[Tick]:
+    return (self[t] for t in range(len(self)))
+
+  def feed_tick(self, m: int) -> int:
+    """The tick on which micro-batch ``m`` enters stage 0."""
+    if self.kind == "stream":
+      return m
+    table = self._table()
+    r, i = divmod(m, self.round_size)
+    u = next(u for u, tick in enumerate(table)
+             for task in tick if task.stage == 0 and task.kind in (FORWARD, BACKPROP)
+             and task.micro_batch == i)
+    return r * len(table) + u
+
+
+def fed(tick: Tick) -> Optional[int]:
+  """The micro-batch that enters stage 0 on this tick, or None."""
+  for task in tick:
+    if task.stage == 0 and task.kind in (FORWARD, BACKPROP):
+      return task.micro_batch
+  return None
+
+
+def held(schedule: Schedule) -> list[list[int]]:
+  """Micro-batches each stage holds after each tick: forward run, backward not.
+
+  Returns:
+    ``[tick][stage]`` counts. Multiplied by what a stage keeps per micro-batch
+    (its input, its weights), this is the memory the schedule costs. The
+    last stage and ``backprop`` tasks keep nothing across ticks.
+  """
+  J = schedule.num_stages
+  count, out = [0] * J, []
+  for tick in schedule:
+    for task in tick:
+      if task.kind == FORWARD:
+        count[task.stage] += 1
+      elif task.kind == BACKWARD:
+        count[task.stage] -= 1
+    out.append(list(count))
+  return out
+
+
+def peak_held(schedule: Schedule) -> list[int]:
+  """``max`` over ticks of :func:`held`, per stage."""
+  table = held(schedule)
+  return [max((row[j] for row in table), default=0) for j in range(schedule.num_stages)]
+
+
+def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
+  """Cost of one task: ``F_j``, ``B_j``; the last stage's ``loss`` is its
+  ``B_{J-1}`` (which contains its forward); ``backprop`` is every stage's
+  ``F_j + B_j``."""
+  if task.kind == FORWARD:
+    return forward_ms[task.stage]
+  if task.kind == BACKPROP:
+    return float(sum(forward_ms[:-1]) + sum(backward_ms))
+  return backward_ms[task.stage]
+
+
+def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Sequence[float],
+             send_forward_ms: Optional[Sequence[float]] = None,
+             send_backward_ms: Optional[Sequence[float]] = None) -> dict:
+  """Event-driven time of ``schedule`` with one device per stage.
+
+  Each stage runs its tasks in table order; a task starts when its stage is
+  free and the message it consumes has arrived (the producing task's end plus
+  the send time of the producing stage). No global barrier: a tick is only
+  the order.
+
+  Args:
+    schedule: the table.
+    forward_ms, backward_ms: per stage ``F_j`` and ``B_j`` in ms (the last
+      stage's ``B`` contains its forward; :func:`task_ms`).
+    send_forward_ms, send_backward_ms: per stage, ms to send its output to
+      ``j+1`` and its ``(x~, delta)`` to ``j-1`` (default 0).
+
+  Returns:
+    ``{"makespan_ms": float, "busy_ms": [float per stage]}``.
+  """
+  J = schedule.num_stages
+  fsend = send_forward_ms or [0.0] * J
+  bsend = send_backward_ms or [0.0] * J
+  free, busy, end = [0.0] * J, [0.0] * J, {}
+  for tick in schedule:
+    for task in tick:
+      dep = None if task.kind == BACKPROP else _dependency(task, J)
+      ready = 0.0
+      if dep is not None:
+        ready = end.pop(dep) + (fsend if dep.kind == FORWARD else bsend)[dep.stage]
+      start = max(free[task.stage], ready)
+      cost = task_ms(task, forward_ms, backward_ms)
+      free[task.stage] = end[task] = start + cost
+      busy[task.stage] += cost
+  return {"makespan_ms": max(free), "busy_ms": busy}
+
+
+def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,
+                  forward_ms: Sequence[float], backward_ms: Sequence[float],
+                  send_forward_ms: Optional[Sequence[float]] = None,
+                  send_backward_ms: Optional[Sequence[float]] = None,
+                  updates: int = 16) -> dict:
+  """Steady-state simulated ms per update and bubble fraction.
+
+  Simulates ``updates`` and ``2 * updates`` updates and takes the difference,
+  so a stream's fill and drain (paid once per run, not per update) cancel;
+  flushed schedules pay theirs every update.
+
+  Returns:
+    ``{"simulated_ms_per_update": float, "bubble_fraction": float}``: the
+    bubble is ``1 - sum_j busy_j / (J * time)`` over the same window
+    (GPipe/1F1B with equal stage costs: ``(J-1)/(k+J-1)``).
+  """
+  k = accumulation_steps
+  runs = [simulate(Schedule(kind, num_stages, u * k, k), forward_ms, backward_ms,
+                   send_forward_ms, send_backward_ms) for u in (updates, 2 * updates)]
+  time = runs[1]["makespan_ms"] - runs[0]["makespan_ms"]
+  busy = sum(runs[1]["busy_ms"]) - sum(runs[0]["busy_ms"])
+  J = 1 if kind == "sequential" else num_stages
+  return {"simulated_ms_per_update": time / updates,
+          "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}

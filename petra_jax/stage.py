@@ -25,6 +25,7 @@ evaluation updates them (the paper's policy: the backward recomputation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -61,14 +62,38 @@ class Stage:
       for i, block in enumerate(self.blocks):
         v = block.init(jax.random.fold_in(key, i), x)
         params[f"block_{i}"], stats[f"block_{i}"] = v["params"], v["batch_stats"]
-        x = jax.eval_shape(lambda p, b, x: forward(block, p, b, x), v["params"],
-                           v["batch_stats"], x)[0]
-        x = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), x)
+        x = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), trace([block], x)[0][1])
       return {"params": params, "batch_stats": stats}
     x_in = x[0] if self.reversible else x
     variables = dict(self.module.init(key, x_in, train=True))
     variables.setdefault("batch_stats", {})
     return variables
+
+
+def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> list[tuple]:
+  """Shapes through ``stages``, nothing computed (:func:`jax.eval_shape`).
+
+  Args:
+    stages: the stages in order.
+    x: the first stage's input: arrays or ``jax.ShapeDtypeStruct``s, e.g.
+      ``float32[B, H, W, 3]``.
+    key: the initialisation key (default ``jax.random.key(0)``; only its
+      type matters).
+
+  Returns:
+    Per stage ``(variables, output)``: ``{"params", "batch_stats"}`` and the
+    output activation, as pytrees of ``jax.ShapeDtypeStruct``. Parameters do
+    not depend on the batch size; outputs have the batch of ``x``.
+  """
+  key = jax.random.key(0) if key is None else key
+  out = []
+  for s in stages:
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
+    variables = jax.eval_shape(functools.partial(s.init, key), one)
+    x = jax.eval_shape(lambda v, x, s=s: forward(s, v["params"], v["batch_stats"], x)[0],
+                       variables, x)
+    out.append((variables, x))
+  return out
 
 
 def group(blocks: Sequence[Stage], name: str | None = None) -> Stage:
@@ -247,6 +272,26 @@ def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean softmax cross-entropy: ``logits [B, K]``, ``labels int32 [B]``."""
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequence,
+                  images: jax.Array, labels: jax.Array):
+  """Mean cross-entropy of the stages composed: the model's loss (paper Eq. 2).
+
+  Args:
+    stages: the model's ``J`` stages.
+    params, batch_stats: one pytree per stage.
+    images: ``float32[B, H, W, C]``; labels: ``int32[B]``.
+
+  Returns:
+    ``(loss, new_batch_stats)``: a float32 scalar and the running statistics
+    of each stage after this (training-mode) forward.
+  """
+  x, new_stats = images, []
+  for stage, p, bs in zip(stages, params, batch_stats):
+    x, stats = forward(stage, p, bs, x)
+    new_stats.append(stats)
+  return cross_entropy(x, labels), new_stats
 
 
 def loss_vjp(stage: Stage, params, batch_stats, x, labels):

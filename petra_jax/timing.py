@@ -51,8 +51,10 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   """Median ms of each stage's jitted forward and backward, called directly.
 
   Inputs are the activations of a forward through the model; cotangents are
-  ones. The last stage's ``backward`` is its whole tick (forward, loss and
-  backward at once), so its cost per tick is ``backward`` alone.
+  ones; the backward takes the arguments :meth:`Pipeline.backward_args`
+  gives for the pipeline's method. The last stage's ``backward`` is its whole
+  tick (forward, loss and backward at once), so its cost per tick is
+  ``backward`` alone.
 
   Args:
     pipe, state: a pipeline on one device and its state (stage states are
@@ -66,27 +68,22 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   J = pipe.num_stages
   acts = [images]
   for j in range(J - 1):
-    acts.append(pipe._forward[j](state.stages[j], acts[j])[0])
+    acts.append(pipe.forward(j, state.train_states[j], acts[j])[0])
   rows = []
   for j, stage in enumerate(pipe.stages):
     box = {"args": None}
-    fwd = median_ms(lambda: pipe._forward[j](state.stages[j], acts[j]), iters, warmup)
-    if j == J - 1:
-      def setup():
-        box["args"] = (acts[j], labels)
-        return box["args"]
-    elif pipe.reconstructs[j]:  # (y, dy), both donated
-      def setup():
-        box["args"] = _copy((acts[j + 1], jax.tree.map(jnp.ones_like, acts[j + 1])))
-        return box["args"]
-    else:  # (buffered input, dy)
-      def setup():
-        box["args"] = (acts[j], jax.tree.map(jnp.ones_like, acts[j + 1]))
-        return box["args"]
+    fwd = median_ms(lambda: pipe.forward(j, state.train_states[j], acts[j]), iters, warmup)
+
+    def setup():  # fresh copies: a backward may donate its arguments
+      y = acts[j + 1] if j < J - 1 else None
+      box["args"] = _copy(pipe.backward_args(
+          j, x=acts[j], y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
+          labels=labels, stashed=state.train_states[j].params))
+      return box["args"]
 
     def bwd():
-      out = pipe._backward[j](state.stages[j], *box["args"])
-      state.stages[j] = out[0]
+      out = pipe.backward(j, state.train_states[j], *box["args"])
+      state.train_states[j] = out[0]
       return out
     rows.append({"name": stage.name, "reversible": stage.reversible, "forward": fwd,
                  "backward": median_ms(bwd, iters, warmup, setup=setup)})
@@ -122,8 +119,9 @@ def measure_stage_costs(stages: Sequence[Stage], input_shape: Sequence[int],
     device: where to time (default ``jax.local_devices()[0]``).
     iters, warmup: measured and unmeasured calls per step.
     seed: initialisation and data seed.
-    method: the pipeline method whose steps are timed (``"petra"``
-      reconstructs in reversible stages; ``"dsp"``/``"delayed"`` recompute
+    method: the method whose steps are timed (a name in
+      :data:`petra_jax.methods.METHODS`: ``"petra"`` reconstructs in
+      reversible stages, ``"dsp"``, ``"delayed"``, ``"1f1b"``... recompute
       from buffered inputs, the only choice for a ResNet).
 
   Returns:

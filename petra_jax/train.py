@@ -7,10 +7,13 @@ line naming the fix, never a JAX traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import sys
 import time
+from typing import Any, Callable, Optional
 
 import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
 
@@ -26,8 +29,10 @@ from petra_jax import checkpoint as checkpoint_lib
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import diagnostics
+from petra_jax import methods as methods_lib
 from petra_jax import metrics as metrics_lib
-from petra_jax import models, optim
+from petra_jax import models, observers, optim
+from petra_jax import schedule as schedule_lib
 from petra_jax import timing
 from petra_jax import transport
 from petra_jax.pipeline import Pipeline
@@ -47,7 +52,7 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
       that does not split into k micro-batches, more devices than exist.
   """
   for what, value, choices, flag in (
-      ("method", config.method, config_lib.METHODS, "method"),
+      ("method", config.method, tuple(methods_lib.METHODS), "method"),
       ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
       ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
       ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
@@ -57,9 +62,9 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
-  if (config.method in config_lib.RECONSTRUCTING_METHODS
+  if (methods_lib.get(config.method).needs_reversible
       and models.MODEL_FAMILY[config.model.name] != "revnet"):
-    supported = [m for m in config_lib.METHODS if m not in config_lib.RECONSTRUCTING_METHODS]
+    supported = [n for n, m in methods_lib.METHODS.items() if not m.needs_reversible]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
@@ -67,7 +72,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
-  if config.batch_size < 1 or config.batch_size % k:
+  if config.batch_size < 1:
+    raise ConfigError(f"batch_size must be positive, got {config.batch_size} "
+                      "(--config.batch_size=...).")
+  if config.batch_size % k:
     raise ConfigError(
         f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
         f"micro-batches; use a batch_size that is a multiple of {k}.")
@@ -121,20 +129,12 @@ def _stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_cla
     logging.info("timing the forward and backward of each of %d blocks for model.balance_by="
                  "'time' (compiles each block once)", len(blocks))
     costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0],
-                                       method=_pipeline_method(config.method, blocks))
+                                       method=config.method)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       costs = multihost_utils.broadcast_one_to_all(np.asarray(costs, np.float32)).tolist()
     logging.info("measured ms per tick of each block: %s", [round(c, 2) for c in costs])
   return models.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
-
-
-def _pipeline_method(method: str, stages) -> str:
-  """The engine's method: revprop is petra drained after every micro-batch;
-  backprop only uses the engine for evaluation."""
-  if method in ("revprop", "backprop"):
-    return "petra" if models.supports_reversible(stages) else "dsp"
-  return method
 
 
 def _devices(config) -> list:
@@ -328,37 +328,233 @@ class _LossLog:
     self.losses = {m: v for m, v in arrays.items() if m >= 0}
 
 
-def _write_grad_quality(writer, state, k: int, steps_per_epoch: int, wait: bool = False):
-  """Writes the gradient-quality results (paper App. B) that are computed.
-
-  One line per probed micro-batch ``m`` at step ``m // k + 1``, keys
-  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>`` (see
-  :mod:`petra_jax.diagnostics`). Results still being computed stay in
-  ``state.grad_quality`` for the next call (no wait on the hot path), unless
-  ``wait``.
-  """
-  pending = []
-  for m, quality in state.grad_quality:
-    if not wait and not all(v.is_ready() for v in quality.values()):
-      pending.append((m, quality))
-      continue
+def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
+  """Writes gradient-quality results (paper App. B): one line per probed
+  micro-batch ``m`` at step ``m // k + 1``, keys
+  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>``
+  (:mod:`petra_jax.diagnostics`)."""
+  for m, quality in results:
     values = jax.device_get(quality)
     step = m // k + 1
     writer.write(step, epoch=step / steps_per_epoch, **{
         diagnostics.metric_key(name, j): float(v[j])
         for name, v in values.items() for j in range(len(v))})
-  state.grad_quality[:] = pending
+
+
+@dataclasses.dataclass
+class Run:
+  """A training run between updates: what the loop and its hooks share.
+
+  Built by :func:`setup`; ``step`` counts the updates whose micro-batches
+  have all entered the pipeline (their gradients may still be in flight).
+  """
+  config: ml_collections.ConfigDict
+  workdir: str
+  info: Any
+  train: Any
+  test: Any
+  pipe: Pipeline
+  state: Any
+  schedule: schedule_lib.Schedule
+  batches: Callable
+  writer: Any
+  loss_log: "_LossLog"
+  checkpointer: Optional[checkpoint_lib.Checkpointer]
+  steps_per_epoch: int
+  total_steps: int
+  step: int = 0
+  restored_step: Optional[int] = None
+  reconstruction: Optional[observers.ReconstructionProbe] = None
+  grad_quality: Optional[observers.GradientProbe] = None
+  start: float = dataclasses.field(default_factory=time.time)
+  result: dict = dataclasses.field(default_factory=dict)
+
+
+def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int):
+  """The stages (grouped as configured), their pipeline and observers."""
+  k = config.accumulation_steps
+  stages = models.build_model(config.model.name, width=config.model.width,
+                              num_classes=info.num_classes, imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
+  sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
+                       os.path.join(workdir, "checkpoints"))
+  if sizes:
+    stages = models.group_stages(stages, sizes)
+    logging.info("stages of %s blocks each", sizes)
+  devices = _devices(config)
+  if not methods_lib.get(config.method).pipelined:
+    devices = devices[:1]
+  probes = {}
+  if config.reconstruction_error_every:
+    probes["reconstruction"] = observers.ReconstructionProbe(config.reconstruction_error_every, k)
+  if config.grad_quality_every:
+    probes["grad_quality"] = observers.GradientProbe(config.grad_quality_every, k)
+  pipe = Pipeline(stages, optim.make_optimizer(config, steps_per_epoch), devices,
+                  method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
+                  observers=list(probes.values()))
+  return pipe, sizes, probes
+
+
+def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> Callable:
+  """``m -> (images, labels)`` of micro-batch ``m``.
+
+  Update ``s = m // k`` is row ``s % steps_per_epoch`` of epoch ``s //
+  steps_per_epoch``'s permutation (a function of the seed and the epoch), cut
+  into ``k`` micro-batches; augmentation draws from ``fold_in(key(seed + 1),
+  m)``. So the data position is the micro-batch index alone, which the
+  schedule gives: a resumed run reads the same batches. Processes that do
+  not own stage 0 read only labels (images None).
+  """
+  k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0]) if pipe.local[0] else None
+  data_key = jax.random.key(config.seed + 1)
+  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
+      len(train), config.batch_size, config.seed, epoch, steps_per_epoch))
+
+  def batches(m: int):
+    epoch, row = divmod(m // k, steps_per_epoch)
+    sl = epoch_rows(epoch)[row][(m % k) * micro:(m % k + 1) * micro]
+    if batch_fn is None:
+      return None, data_lib.read_labels(train, sl)
+    return batch_fn(train, sl, jax.random.fold_in(data_key, m))
+  return batches
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+  """Validates the config, opens the data, builds the pipeline, restores.
+
+  Raises:
+    ConfigError, data.DataError, checkpoint.CheckpointError.
+  """
+  start = time.time()
+  validate_config(config, len(jax.local_devices()))
+  _validate_multiprocess(config)
+  info = data_lib.get_dataset_info(config.dataset)
+  # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
+  open_fn = (data_lib.open_split if transport.is_local(_devices(config)[0])
+             else data_lib.open_labels)
+  train = open_fn(config.dataset, info.train_split, config.data_dir or None)
+  test = open_fn(config.dataset, info.test_split, config.data_dir or None)
+  logging.info("data: %d train / %d test images, %.1f s", len(train), len(test),
+               time.time() - start)
+  k = config.accumulation_steps
+  steps_per_epoch = _steps_per_epoch(config, len(train))
+  total_steps = steps_per_epoch * config.num_epochs
+  if config.max_steps:
+    total_steps = min(total_steps, config.max_steps)
+  pipe, sizes, probes = _build_pipeline(config, workdir, info, config.batch_size // k,
+                                        steps_per_epoch)
+  state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
+  logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
+               [d.id for d in pipe.devices])
+  ckpt = restored = None
+  if not pipe.multiprocess:  # (checkpointing is single-process for now)
+    ckpt = checkpoint_lib.Checkpointer(
+        os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
+            model=config.model.name, width=config.model.width, method=config.method,
+            dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
+            batch_size=config.batch_size, accumulation_steps=k, seed=config.seed))
+    restored = ckpt.restore(state, pipe.devices)
+  step, extra, extra_arrays = 0, {}, {}
+  if restored is not None:
+    step, state, extra, extra_arrays = restored
+    logging.info("resumed from %s/%d", ckpt.directory, step)
+  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                    truncate_to=extra.get("metrics_offset"))
+  loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch,
+                      optim.learning_rate_schedule(config, steps_per_epoch))
+  if restored is not None:
+    loss_log.restore(extra["loss_log"], extra_arrays)
+  return Run(config, workdir, info, train, test, pipe, state,
+             pipe.schedule(total_steps * k),
+             _batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
+             steps_per_epoch, total_steps, step=step,
+             restored_step=None if restored is None else step,
+             reconstruction=probes.get("reconstruction"),
+             grad_quality=probes.get("grad_quality"), start=start)
+
+
+def _steps_per_epoch(config, num_examples: int) -> int:
+  full = num_examples // config.batch_size
+  if config.steps_per_epoch > full:
+    raise ConfigError(f"steps_per_epoch={config.steps_per_epoch} but the training split holds "
+                      f"only {full} batches of {config.batch_size}; use "
+                      f"--config.steps_per_epoch <= {full} (0: the whole split).")
+  return config.steps_per_epoch or full
+
+
+def _log_diagnostics(run: Run, wait: bool = False) -> None:
+  """Writes the reconstruction errors and gradient qualities measured so far
+  (computed ticks ago: reading them does not wait, unless ``wait``)."""
+  k = run.config.accumulation_steps
+  if run.reconstruction is not None:
+    for m, j, err in run.reconstruction.pop_results():
+      run.writer.write(m // k + 1, **{f"reconstruction_error/stage_{j}": float(err)})
+  if run.grad_quality is not None:
+    _write_grad_quality(run.writer, run.grad_quality.pop_results(wait), k, run.steps_per_epoch)
+
+
+def save_checkpoint(run: Run) -> None:
+  """Saves the whole pipeline at ``run.step`` (never a diverged state)."""
+  run.loss_log.check_finite(run.config.accumulation_steps)
+  _log_diagnostics(run, wait=True)  # (not checkpointed)
+  log_meta, log_arrays = run.loss_log.state()
+  run.checkpointer.save(run.step, run.state, extra={
+      "loss_log": log_meta, "metrics_offset": run.writer.offset()}, extra_arrays=log_arrays)
+
+
+def evaluate_and_log(run: Run) -> None:
+  """Test metrics with the current weights, written at ``run.step``."""
+  result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size)
+  result["wall_time"] = time.time() - run.start
+  run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
+  if "test_loss" in result:  # (process 0 only in multi-process runs)
+    tqdm.write(f"epoch {math.ceil(run.step / run.steps_per_epoch)}: train_loss "
+               f"{run.loss_log.last_loss:.4f} test_loss {result['test_loss']:.4f} "
+               f"test_accuracy {result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
+  run.result = result
+
+
+def on_update(run: Run) -> None:
+  """Periodic hooks after update ``run.step`` entered the pipeline: logs,
+  mid-epoch checkpoints, and at an epoch's end evaluation and checkpoint.
+  The last update's are in :func:`finish`."""
+  c, step = run.config, run.step
+  if step == run.total_steps:
+    return
+  if step % c.log_every == 0:
+    _log_diagnostics(run)
+  epoch_end = step % run.steps_per_epoch == 0
+  if epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0:
+    evaluate_and_log(run)
+  if c.checkpoint_every and step % c.checkpoint_every == 0 and run.checkpointer:
+    save_checkpoint(run)
+
+
+def finish(run: Run) -> dict:
+  """After the last tick: the last losses, evaluation and checkpoint."""
+  run.loss_log.finish(run.total_steps)
+  _log_diagnostics(run, wait=True)
+  evaluate_and_log(run)
+  if run.checkpointer is not None:
+    if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
+      save_checkpoint(run)
+    run.checkpointer.wait()
+    run.checkpointer.close()
+  run.writer.close()
+  return run.result
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
-  Writes ``WORKDIR/metrics.jsonl`` (``step``, ``epoch``, ``train_loss``,
-  ``learning_rate`` every ``log_every`` updates; ``test_loss``,
-  ``test_accuracy`` at each evaluation) and TensorBoard events; with
-  ``grad_quality_every``, per-stage gradient cosines and norm ratios
-  (``grad_quality/cos_petra_e2e/stage_3``, ...; :mod:`petra_jax.diagnostics`)
-  at the step of each probed micro-batch.
+  Runs the method's schedule (:mod:`petra_jax.schedule`) tick by tick over
+  ``total_steps * k`` micro-batches. Writes ``WORKDIR/metrics.jsonl``
+  (``step``, ``epoch``, ``train_loss``, ``learning_rate`` every ``log_every``
+  updates; ``test_loss``, ``test_accuracy`` at each evaluation) and
+  TensorBoard events; with ``reconstruction_error_every``,
+  ``reconstruction_error/stage_<j>``; with ``grad_quality_every``, per-stage
+  gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
+  ...; :mod:`petra_jax.diagnostics`).
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
@@ -367,142 +563,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ConfigError, data.DataError: bad config or missing data.
     FloatingPointError: a NaN or Inf training loss.
   """
-  start = time.time()
-  devices = _devices(config)
-  validate_config(config, len(jax.local_devices()))
-  _validate_multiprocess(config)
-  info = data_lib.get_dataset_info(config.dataset)
-  data_dir = config.data_dir or None
-  # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
-  open_fn = data_lib.open_split if transport.is_local(devices[0]) else data_lib.open_labels
-  train = open_fn(config.dataset, info.train_split, data_dir)
-  test = open_fn(config.dataset, info.test_split, data_dir)
-  logging.info("data: %d train / %d test images, %.1f s", len(train),
-               len(test), time.time() - start)
-
+  run = setup(config, workdir)
   k = config.accumulation_steps
-  micro = config.batch_size // k
-  steps_per_epoch = config.steps_per_epoch or len(train) // config.batch_size
-  total_steps = steps_per_epoch * config.num_epochs
-  if config.max_steps:
-    total_steps = min(total_steps, config.max_steps)
-  num_epochs = -(-total_steps // steps_per_epoch)
-  tx = optim.make_optimizer(config, steps_per_epoch)
-  schedule = optim.learning_rate_schedule(config, steps_per_epoch)
-
-  stages = models.build_model(config.model.name, width=config.model.width,
-                              num_classes=info.num_classes,
-                              imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
-  sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
-                       os.path.join(workdir, "checkpoints"))
-  if sizes:
-    stages = models.group_stages(stages, sizes)
-    logging.info("stages of %s blocks each", sizes)
-  if config.method == "backprop":
-    devices = devices[:1]
-  pipe = Pipeline(stages, tx, devices, bn_stats=config.model.bn_stats,
-                  method=_pipeline_method(config.method, stages),
-                  probe_every=config.reconstruction_error_every * k,
-                  grad_probe_every=config.grad_quality_every * k)
-  state = pipe.init(config.seed, jnp.zeros((micro,) + info.image_shape))
-  logging.info("%s %s: %d stages on %s", config.method, config.model.name, len(stages),
-               [d.id for d in pipe.devices])
-
-  # Augmentation keys are fold_in(data_key, micro_batch) and the epoch's
-  # permutation is a function of (seed, epoch): the data position is
-  # (epoch, step, micro_batch), all saved in checkpoints.
-  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
-  data_key = jax.random.key(config.seed + 1)
-  micro_batch = step = 0
-  ckpt = restored = None
-  if not pipe.multiprocess:  # (checkpointing is single-process for now)
-    ckpt = checkpoint_lib.Checkpointer(
-        os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
-            model=config.model.name, width=config.model.width, method=config.method,
-            dataset=config.dataset, num_stages=len(stages), stage_sizes=sizes,
-            batch_size=config.batch_size,
-            accumulation_steps=k, seed=config.seed))
-    restored = ckpt.restore(state, pipe.devices)
-  metrics_offset = None
-  if restored is not None:
-    step, state, extra, extra_arrays = restored
-    micro_batch, metrics_offset = extra["micro_batch"], extra["metrics_offset"]
-    logging.info("resumed from %s/%d", ckpt.directory, step)
-  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
-                                    truncate_to=metrics_offset)
-  loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch, schedule)
-  if restored is not None:
-    loss_log.restore(extra["loss_log"], extra_arrays)
-
-  def save_checkpoint():
-    loss_log.check_finite(k)  # never save a diverged state over a good one
-    _write_grad_quality(writer, state, k, steps_per_epoch, wait=True)  # (not checkpointed)
-    log_meta, log_arrays = loss_log.state()
-    ckpt.save(step, state, extra={"micro_batch": micro_batch, "loss_log": log_meta,
-                                  "metrics_offset": writer.offset()},
-              extra_arrays=log_arrays)
-
-  result = {}
-  bar = tqdm(total=total_steps * config.batch_size, initial=step * config.batch_size,
+  bar = tqdm(total=run.total_steps * config.batch_size, initial=run.step * config.batch_size,
              unit="img", unit_scale=True, desc=config.method,
              disable=None if jax.process_index() == 0 else True, mininterval=2.0)
-  for epoch in range(step // steps_per_epoch, num_epochs):
-    offset = step - epoch * steps_per_epoch
-    for idx in data_lib.batch_indices(len(train), config.batch_size, config.seed,
-                                      epoch, steps_per_epoch)[offset:total_steps - step + offset]:
-      for i in range(k):
-        sl = idx[i * micro:(i + 1) * micro]
-        if pipe.local[0]:
-          images, labels = batch_fn(train, sl, jax.random.fold_in(data_key, micro_batch))
-        else:  # another process feeds stage 0 (multi-process)
-          images, labels = None, data_lib.read_labels(train, sl)
-        if config.method not in ("revprop", "backprop"):  # the asynchronous methods
-          state, out = pipe.tick(state, images, labels)
-          if out is not None and out.loss is not None:  # (None off process 0)
-            loss_log.add(out.micro_batch, out.loss)
-        else:
-          step_fn = pipe.revprop_step if config.method == "revprop" else pipe.backprop_step
-          state, loss = step_fn(state, images, labels)
-          if loss is not None:
-            loss_log.add(micro_batch, loss)
-        micro_batch += 1
-      step += 1
+  for t in range(run.state.tick, len(run.schedule)):
+    tick = run.schedule[t]
+    run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+    for out in outputs:
+      if out.loss is not None:  # (None off process 0)
+        run.loss_log.add(out.micro_batch, out.loss)
+    m = schedule_lib.fed(tick)
+    if m is not None and (m + 1) % k == 0:
+      run.step = (m + 1) // k
       bar.update(config.batch_size)
-      if state.reconstruction_errors and step % config.log_every == 0:
-        for m, j, err in state.reconstruction_errors:  # computed ticks ago: no wait
-          writer.write(m // k + 1, **{f"reconstruction_error/stage_{j}": float(err)})
-        state.reconstruction_errors.clear()
-      if state.grad_quality and step % config.log_every == 0:
-        _write_grad_quality(writer, state, k, steps_per_epoch)
-      if (config.checkpoint_every and step % config.checkpoint_every == 0
-          and step % steps_per_epoch and step < total_steps):
-        save_checkpoint()  # (at an epoch's end, after its evaluation below)
-    last_epoch = step == total_steps
-    if last_epoch:  # finish the in-flight micro-batches (their updates count)
-      state, outs = pipe.drain(state)
-      for out in outs:
-        if out.loss is not None:
-          loss_log.add(out.micro_batch, out.loss)
-      loss_log.finish(total_steps)
-      _write_grad_quality(writer, state, k, steps_per_epoch, wait=True)
-    if last_epoch or (config.eval_every and (epoch + 1) % config.eval_every == 0):
-      result = evaluate(pipe, state, test, info, config.eval_batch_size)
-      result["wall_time"] = time.time() - start
-      writer.write(step, epoch=step / steps_per_epoch, **result)
-      if "test_loss" in result:  # (process 0 only in multi-process runs)
-        bar.write(f"epoch {epoch + 1}: train_loss {loss_log.last_loss:.4f} "
-                  f"test_loss {result['test_loss']:.4f} test_accuracy "
-                  f"{result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)")
-    if config.checkpoint_every and step % config.checkpoint_every == 0 and step < total_steps:
-      save_checkpoint()
-  if config.checkpoint_every and (restored is None or restored[0] < total_steps):
-    save_checkpoint()
-  if ckpt is not None:
-    ckpt.wait()
-    ckpt.close()
+      on_update(run)
   bar.close()
-  writer.close()
-  return result
+  return finish(run)
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",

@@ -8,14 +8,19 @@
   one stores its input if it buffers inputs (always for a non-reversible
   stage) and a copy of its parameters if it stashes weights:
 
-  ========== ============ ============ =====================================
-  method     input buffer param buffer
-  ========== ============ ============ =====================================
-  delayed    yes          yes          PipeDream-like delayed gradients
-  input_only yes          no           Xu et al. / DSP
-  param_only no           yes
-  petra      no           no           only non-reversible stages store
-  ========== ============ ============ =====================================
+  ================= ============ ============ ==============================
+  method            input buffer param buffer
+  ================= ============ ============ ==============================
+  delayed           yes          yes          PipeDream-like delayed gradients
+  dsp               yes          no           Xu et al. / DSP
+  approximate_input no           yes
+  petra             no           no           only non-reversible stages store
+  ================= ============ ============ ==============================
+
+  (the engine's method names, :mod:`petra_jax.methods`), and for the flushed
+  schedules ``gpipe`` and ``1f1b`` at ``k`` micro-batches per update. How many
+  micro-batches a stage holds comes from the method's schedule table
+  (:func:`petra_jax.schedule.peak_held`).
 
   Shapes come from :func:`jax.eval_shape`, so full-size models cost nothing.
 * **Measured bytes per stage** in a live PETRA run at steady state: the sum of
@@ -51,18 +56,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from petra_jax import methods as methods_lib
 from petra_jax import models, schedule
 from petra_jax import stage as stage_lib
 from petra_jax.pipeline import Pipeline
 from petra_jax.stage import Stage
 
-# (input_buffer, param_buffer) per method, in Table 3's row order.
-METHODS = {
-    "delayed": (True, True),
-    "input_only": (True, False),
-    "param_only": (False, True),
-    "petra": (False, False),
-}
+# Table 3's rows, in its order: (input buffer, param buffer) = (Y, Y), (Y, N),
+# (N, Y), (N, N).
+TABLE3_METHODS = ("delayed", "dsp", "approximate_input", "petra")
+# Every method whose stored bytes the report lists.
+METHODS = TABLE3_METHODS + ("gpipe", "1f1b")
 MIB = 2**20
 GB = 1e9
 PAPER_TABLE3 = [(44.5, 0.0), (43.6, 2.0), (21.2, 52.3), (20.3, 54.3)]  # GB, saving %
@@ -78,7 +82,7 @@ def _nbytes(tree) -> int:
                  for x in jax.tree.leaves(tree)))
 
 
-def stage_sizes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
+def stage_bytes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
                 dtype=jnp.float32) -> list[dict]:
   """Per-stage input and parameter bytes, from shapes only (no compute).
 
@@ -93,12 +97,9 @@ def stage_sizes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size:
     ``input_x1_bytes`` (the first stream of a two-stream input, else the
     whole input) and ``param_bytes``.
   """
-  key = jax.random.key(0)
   x = jax.ShapeDtypeStruct((batch_size, *image_shape), dtype)
   rows = []
-  for j, s in enumerate(stages):
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype), x)
-    variables = jax.eval_shape(functools.partial(s.init, key), one)
+  for j, (s, (variables, y)) in enumerate(zip(stages, stage_lib.trace(stages, x))):
     rows.append({
         "name": s.name,
         "reversible": s.reversible,
@@ -107,22 +108,26 @@ def stage_sizes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size:
         "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
         "param_bytes": _nbytes(variables["params"]),
     })
-    x = jax.eval_shape(
-        lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x)[0],
-        variables, x)
+    x = y
   return rows
 
 
 def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
-                 first_input: bool = True) -> list[int]:
-  """Bytes stage ``j`` holds between forward and backward: ``tau_j`` entries.
+                 first_input: bool = True, accumulation_steps: int = 1) -> list[int]:
+  """Peak bytes stage ``j`` holds between forward and backward.
+
+  The method's schedule table gives how many micro-batches each stage holds
+  at most (:func:`petra_jax.schedule.peak_held`: ``tau_j`` for the stream
+  methods); each one costs the stage's input if it buffers it (always for a
+  non-reversible stage) plus its parameters if the method stashes weights.
 
   Args:
-    sizes: :func:`stage_sizes` (or :func:`measure_live`'s ``sizes``).
-    method: a key of ``METHODS``.
+    sizes: :func:`stage_bytes` (or :func:`measure_live`'s ``sizes``).
+    method: a name in :data:`METHODS`.
     rev_stash: ``"both"`` streams or only ``"x1"`` of a reversible stage's
       input when the method buffers inputs.
     first_input: count stage 0's input buffer (Table 3 does not).
+    accumulation_steps: ``k`` (the round of ``gpipe`` and ``1f1b``).
 
   Raises:
     ValueError: unknown ``method`` or ``rev_stash``.
@@ -131,17 +136,19 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
     raise ValueError(f"Unknown method {method!r}; choose one of {list(METHODS)}.")
   if rev_stash not in ("both", "x1"):
     raise ValueError(f"rev_stash must be 'both' or 'x1', got {rev_stash!r}")
-  input_buffer, param_buffer = METHODS[method]
+  m = methods_lib.get(method)
+  J, k = len(sizes), accumulation_steps
+  held = schedule.peak_held(schedule.Schedule(m.schedule, J, k * 2 * J, k))
   out = []
   for j, r in enumerate(sizes):
     entry = 0
     if not r["reversible"] and (j > 0 or first_input):
       entry += r["input_bytes"]
-    elif r["reversible"] and input_buffer:
+    elif r["reversible"] and m.stashes_inputs:
       entry += r["input_x1_bytes"] if rev_stash == "x1" else r["input_bytes"]
-    if param_buffer:
+    if m.stashes_weights:
       entry += r["param_bytes"]
-    out.append(r["delay"] * entry)
+    out.append(held[j] * entry)
   return out
 
 
@@ -157,9 +164,11 @@ def table3(sizes: Sequence[dict], rev_stash: str = "x1") -> list[dict]:
   """
   model = sum(r["param_bytes"] for r in sizes)
   rows = []
-  for method, (inp, par) in METHODS.items():
+  for method in TABLE3_METHODS:
+    m = methods_lib.get(method)
     total = model + sum(stored_bytes(sizes, method, rev_stash=rev_stash, first_input=False))
-    rows.append({"method": method, "input_buffer": inp, "param_buffer": par,
+    rows.append({"method": method, "input_buffer": m.stashes_inputs,
+                 "param_buffer": m.stashes_weights,
                  "memory_gb": total / GB})
   for r in rows:
     r["saving_pct"] = 100.0 * (1.0 - r["memory_gb"] / rows[0]["memory_gb"])
@@ -179,25 +188,26 @@ def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size
     ``petra`` sums ``nbytes`` over ``state.buffers[j]``; ``delayed`` is what
     stashing every stage's input and parameters ``tau_j`` times would hold,
     with the sizes read from the live arrays (``sizes``, as
-    :func:`stage_sizes`).
+    :func:`stage_bytes`).
   """
   pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1])
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.normal(size=(batch_size, *image_shape)), jnp.float32)
   labels = jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)
   state = pipe.init(seed, images)
-  for _ in range(schedule.drain_ticks(pipe.num_stages) + 1):
-    state, _ = pipe.tick(state, images, labels)
-  jax.block_until_ready(state.stages)
-  petra = [sum(_nbytes(m.payload) for m in buf) for buf in state.buffers]
+  fill = schedule.drain_ticks(pipe.num_stages) + 1  # then every stage holds tau_j
+  table = pipe.schedule(fill)
+  state, _ = pipe.run(state, (table[t] for t in range(fill)), lambda m: (images, labels))
+  jax.block_until_ready(state.train_states)
+  petra = state.stored_bytes()
   sizes = []
   for j, s in enumerate(stages):
-    x = images if j == 0 else state.fwd_inbox[j].payload  # its next input
+    x = images if j == 0 else next(iter(state.inbox[j].values()))  # its next input
     sizes.append({"name": s.name, "reversible": s.reversible,
                   "delay": schedule.delay(j, pipe.num_stages),
                   "input_bytes": _nbytes(x),
                   "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
-                  "param_bytes": _nbytes(state.stages[j].params)})
+                  "param_bytes": _nbytes(state.train_states[j].params)})
   return {"petra": petra, "delayed": stored_bytes(sizes, "delayed"), "sizes": sizes}
 
 
@@ -233,22 +243,17 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
   """
   pipe = Pipeline(stages, tx or optax.sgd(0.1, momentum=0.9), jax.devices()[:1])
   state = pipe.init(0, jnp.zeros((1, *image_shape), jnp.float32))
-  specs = pipe._specs_for(jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32))
+  specs = pipe.message_specs(jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32))
   labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-  buffers = stored_bytes(stage_sizes(stages, image_shape, batch_size), "petra")
+  buffers = stored_bytes(stage_bytes(stages, image_shape, batch_size), "petra")
   J = len(stages)
   rows = []
   for j, s in enumerate(stages):
-    st = state.stages[j]
+    st = state.train_states[j]
     state_bytes = _nbytes(st)
-    if j == J - 1:
-      bwd_args = (specs[j], labels)
-    elif pipe.reconstructs[j]:
-      bwd_args = (specs[j + 1], specs[j + 1])
-    else:
-      bwd_args = (specs[j], specs[j + 1])
+    bwd_args = pipe.backward_args(j, x=specs[j], y=specs[j + 1], dy=specs[j + 1], labels=labels)
     working = []
-    for fn, args in ((pipe._forward[j], (specs[j],)), (pipe._backward[j], bwd_args)):
+    for fn, args in zip(pipe.jitted_steps(j), ((specs[j],), bwd_args)):
       ma = fn.lower(st, *args).compile().memory_analysis()
       if ma is None:
         raise RuntimeError(f"backend {jax.default_backend()!r} gives no memory analysis.")
@@ -263,12 +268,12 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
 def report(model: str, dataset: str, batch_size: int, width: int = 64,
            live_width: Optional[int] = 4, live_batch: int = 4,
            rev_stash: str = "x1", live_image_size: Optional[int] = None,
-           with_device_memory: bool = False) -> dict:
+           with_device_memory: bool = False, accumulation_steps: int = 4) -> dict:
   """The CLI's JSON.
 
   Returns:
     ``stored_bytes_per_stage`` (method -> bytes per stage, first stage
-    included, both streams), ``total_mib`` (method -> MiB), ``table3`` (rows
+    included, both streams; ``gpipe``/``1f1b`` at ``accumulation_steps``), ``total_mib`` (method -> MiB), ``table3`` (rows
     of :func:`table3` with ``rev_stash``), ``table3_both_streams``,
     ``delays``, ``stage_names`` and, with ``live_width``, ``live``: the
     measured bytes at ``live_width``/``live_batch`` against the analytic
@@ -279,10 +284,11 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
   d = models.DATASETS[dataset]
   build = functools.partial(models.build_model, model, num_classes=d.num_classes,
                             imagenet_stem=d.imagenet_stem)
-  sizes = stage_sizes(build(width=width), d.image_shape, batch_size)
-  stored = {m: stored_bytes(sizes, m) for m in METHODS}
+  sizes = stage_bytes(build(width=width), d.image_shape, batch_size)
+  stored = {m: stored_bytes(sizes, m, accumulation_steps=accumulation_steps) for m in METHODS}
   out = {
       "model": model, "dataset": dataset, "batch_size": batch_size, "width": width,
+      "accumulation_steps": accumulation_steps,
       "stage_names": [r["name"] for r in sizes],
       "delays": [r["delay"] for r in sizes],
       "stored_bytes_per_stage": stored,
@@ -298,7 +304,7 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
     live_stages = build(width=live_width)
     shape = d.image_shape if live_image_size is None else (live_image_size, live_image_size, 3)
     measured = measure_live(live_stages, shape, live_batch, d.num_classes)
-    analytic = stored_bytes(stage_sizes(live_stages, shape, live_batch), "petra")
+    analytic = stored_bytes(stage_bytes(live_stages, shape, live_batch), "petra")
     err = max(abs(m - a) / max(a, 1) for m, a in zip(measured["petra"], analytic))
     out["live"] = {"width": live_width, "batch_size": live_batch, "image_shape": list(shape),
                    "measured_bytes_per_stage": {k: measured[k] for k in ("petra", "delayed")},
@@ -308,12 +314,13 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
 
 def _print(r: dict, methods: Sequence[str]) -> None:
   print(f"{r['model']} on {r['dataset']}, width {r['width']}, batch {r['batch_size']}: "
-        "MiB held between forward and backward, per stage (tau_j entries)")
-  print(f"{'stage':<15}{'tau':>4}" + "".join(f"{m:>12}" for m in methods))
+        "peak MiB held between forward and backward, per stage (stream methods: tau_j "
+        f"micro-batches; gpipe, 1f1b: k={r['accumulation_steps']})")
+  print(f"{'stage':<15}{'tau':>4}" + "".join(f"{m:>18}" for m in methods))
   for j, name in enumerate(r["stage_names"]):
     print(f"{name:<15}{r['delays'][j]:>4}" +
-          "".join(f"{r['stored_bytes_per_stage'][m][j] / MIB:12.1f}" for m in methods))
-  print(f"{'total':<19}" + "".join(f"{r['total_mib'][m]:12.1f}" for m in methods))
+          "".join(f"{r['stored_bytes_per_stage'][m][j] / MIB:18.1f}" for m in methods))
+  print(f"{'total':<19}" + "".join(f"{r['total_mib'][m]:18.1f}" for m in methods))
   if "live" in r:
     lv = r["live"]
     print(f"live PETRA run (width {lv['width']}, batch {lv['batch_size']}, image "
@@ -362,10 +369,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--device-memory", action="store_true",
                  help="also estimate each stage's peak device memory (Table 6; compiles "
                       "every step at the full size, nothing runs)")
+  p.add_argument("--accumulation-steps", type=int, default=4,
+                 help="k micro-batches per update of the flushed gpipe / 1f1b schedules")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   r = report(args.model, args.dataset, args.batch_size, args.width, args.live_width,
-             args.live_batch, args.rev_stash, args.live_image_size, args.device_memory)
+             args.live_batch, args.rev_stash, args.live_image_size, args.device_memory,
+             args.accumulation_steps)
   if args.json:
     print(json.dumps(r))
   else:

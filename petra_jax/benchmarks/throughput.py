@@ -5,9 +5,10 @@
 after warm-up, the median time (ms) of one training step -- one micro-batch
 through every stage, forward and backward:
 
-* ``backprop``: :meth:`Pipeline.backprop_step` (``jax.grad`` of the model);
-* ``revprop``: :meth:`Pipeline.revprop_step` (reconstruct instead of store);
-* ``petra``: one steady-state :meth:`Pipeline.tick` with the pipeline full:
+* ``backprop``: one ``backprop`` task (``jax.grad`` of the model);
+* ``revprop``: one micro-batch of the drained table (reconstruct instead of
+  store);
+* ``petra``: one steady-state tick of the stream with the pipeline full:
   every stage runs one forward and one backward, i.e. the same work as one
   step, done by one device in sequence.
 
@@ -17,7 +18,10 @@ between two (virtual CPU) devices. From these it simulates PETRA on ``J``
 devices: a tick takes ``max_j (F_j + B_j + T_j)`` against a sequential revprop
 step of ``sum_j (F_j + B_j)``; and it finds the contiguous grouping of the
 blocks on ``J' < J`` devices that minimises the slowest group (stage
-balancing). The paper (Table 5) reports 3.0x for RevNet18 on 10 GPUs and 2.4x
+balancing). With the same measured costs, the ``schedules`` key compares
+GPipe, 1F1B and PETRA on ``J`` devices: simulated ms per update, bubble
+fraction and stored bytes per stage at ``k`` in {1, 4, 8}
+(:func:`schedule_table`). The paper (Table 5) reports 3.0x for RevNet18 on 10 GPUs and 2.4x
 for RevNet34 on 18; Table 1's floor for ``petra / backprop`` on one device is
 4/3 (a reversible backward re-runs the forward).
 """
@@ -58,6 +62,7 @@ from petra_jax.partition import balanced_partition, equal_partition, group_cost 
 from petra_jax.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
 from petra_jax.pipeline import Pipeline  # noqa: E402
 from petra_jax.stage import Stage  # noqa: E402
+from petra_jax.benchmarks.memory import stage_bytes  # noqa: E402
 
 PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
@@ -68,16 +73,14 @@ PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
 def _pipeline_arrays(state):
   """Every array the next tick depends on (to wait for a whole tick)."""
-  msgs = [m.payload for m in state.fwd_inbox + state.bwd_inbox if m is not None]
-  return state.stages, msgs
+  return state.train_states, [box for box in state.inbox + state.grad_inbox]
 
 
 # ----------------------------------------------------------------------------
 # Measurements.
 # ----------------------------------------------------------------------------
 
-def step_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1,
-               seed: int = 0):
+def step_times(pipes: dict, images, labels, iters: int, warmup: int = 1, seed: int = 0):
   """Median ms of one ``backprop``, ``revprop`` and steady-state ``petra`` step.
 
   The three methods are timed in interleaved rounds (one call of each per
@@ -85,43 +88,43 @@ def step_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 
   or throttled CPUs -- affects them alike.
 
   Args:
-    pipe: a pipeline whose stages all live on one device.
-    state: its freshly initialised (empty) state; consumed. ``backprop`` and
-      ``revprop`` run on it; ``petra`` on a second state (``pipe.init(seed)``)
-      filled with ``2(J-1)`` ticks first, so every stage runs one forward
-      and one backward per tick.
+    pipes: ``{"backprop": Pipeline, "revprop": Pipeline, "petra": Pipeline}``,
+      all on one device. ``backprop`` and ``revprop`` run one micro-batch of
+      their schedule per call; ``petra`` one tick of its stream, after
+      ``2(J-1)`` ticks that fill it (every stage then runs a forward and a
+      backward per tick).
     images, labels: one micro-batch, reused by every step.
     iters, warmup: measured and unmeasured rounds.
-    seed: initialisation seed of the second state.
+    seed: initialisation seed.
 
   Returns:
     ``({"backprop": ms, "revprop": ms, "petra": ms}, state)`` with ``state``
-    the full pipeline.
+    the full PETRA pipeline's.
   """
-  box = {"backprop": state, "revprop": None, "petra": pipe.init(seed, images)}
+  batch = lambda m: (images, labels)  # noqa: E731
+  states = {name: pipe.init(seed, images) for name, pipe in pipes.items()}
+  petra = pipes["petra"]
+  table = petra.schedule(schedule.drain_ticks(petra.num_stages) + warmup + iters + 1)
+  ticks = iter(table)
+  for _ in range(schedule.drain_ticks(petra.num_stages)):  # fill: every stage busy
+    states["petra"], _ = petra.run_tick(states["petra"], next(ticks), batch)
 
-  def backprop():
-    box["backprop"], loss = pipe.backprop_step(box["backprop"], images, labels)
-    return box["backprop"].stages, loss
+  def one_step(name):
+    def step():
+      if name == "petra":
+        states[name], out = petra.run_tick(states[name], next(ticks), batch)
+        return _pipeline_arrays(states[name]), out[0].loss
+      states[name], out = pipes[name].run(states[name], pipes[name].schedule(1), batch)
+      return states[name].train_states, out[0].loss
+    return step
 
-  def revprop():  # shares the (empty) state of backprop
-    box["backprop"], loss = pipe.revprop_step(box["backprop"], images, labels)
-    return box["backprop"].stages, loss
-
-  def petra():
-    box["petra"], out = pipe.tick(box["petra"], images, labels)
-    return _pipeline_arrays(box["petra"]), out.loss
-
-  for _ in range(schedule.drain_ticks(pipe.num_stages)):  # fill: every stage busy
-    box["petra"], _ = pipe.tick(box["petra"], images, labels)
-  steps = {"backprop": backprop, "revprop": revprop, "petra": petra}
-  times = {k: [] for k in steps}
+  times = {k: [] for k in pipes}
   for i in range(warmup + iters):
-    for name, step in steps.items():
-      t = median_ms(step, iters=1, warmup=0)
+    for name in pipes:
+      t = median_ms(one_step(name), iters=1, warmup=0)
       if i >= warmup:
         times[name].append(t)
-  return {k: statistics.median(v) for k, v in times.items()}, box["petra"]
+  return {k: statistics.median(v) for k, v in times.items()}, states["petra"]
 
 
 def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Device,
@@ -152,7 +155,7 @@ def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Dev
     fwd = acts[j + 1] if j < J - 1 else None
     bwd = None
     if j > 0:
-      bwd = (acts[j], acts[j]) if pipe.stages[j - 1].reversible else (acts[j],)
+      bwd = (acts[j], acts[j]) if pipe.reconstructs[j - 1] else (acts[j],)
     rows.append({"send_forward": put(fwd) if fwd is not None else 0.0,
                  "send_backward": put(bwd) if bwd is not None else 0.0,
                  "bytes_forward": _nbytes(fwd), "bytes_backward": _nbytes(bwd)})
@@ -216,6 +219,41 @@ def balancing_table(costs, send_forward=None, send_backward=None,
   return rows
 
 
+def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Sequence[dict],
+                   ks: Sequence[int] = (1, 4, 8)) -> dict:
+  """GPipe, 1F1B and PETRA on ``J`` devices from the same measured stage costs.
+
+  Args:
+    rows: per stage ``forward``/``backward`` ms of PETRA's steps
+      (reversible stages reconstruct) and sends (:func:`transfer_times`).
+    rows_stored: the same for steps that recompute from a buffered input
+      (``gpipe`` and ``1f1b`` store every input).
+    sizes: :func:`petra_jax.benchmarks.memory.stage_bytes` rows.
+    ks: micro-batches per update.
+
+  Returns:
+    ``{method: {str(k): {"simulated_ms_per_update", "bubble_fraction",
+    "stored_bytes_per_stage", "formula_bubble_fraction"}}}``:
+    :func:`petra_jax.schedule.ms_per_update` (event-driven, steady state,
+    sends included) and :func:`petra_jax.benchmarks.memory.stored_bytes`;
+    the formula is 1F1B's and GPipe's ``(J-1)/(k+J-1)`` at equal stage costs
+    (0 for PETRA's stream).
+  """
+  from petra_jax.benchmarks import memory  # pylint: disable=g-import-not-at-top
+  J, out = len(rows), {}
+  for method, r in (("gpipe", rows_stored), ("1f1b", rows_stored), ("petra", rows)):
+    kind = "stream" if method == "petra" else method
+    out[method] = {}
+    for k in ks:
+      sim = schedule.ms_per_update(
+          kind, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
+          [x.get("send_forward", 0.0) for x in r], [x.get("send_backward", 0.0) for x in r])
+      sim["stored_bytes_per_stage"] = memory.stored_bytes(sizes, method, accumulation_steps=k)
+      sim["formula_bubble_fraction"] = 0.0 if kind == "stream" else (J - 1) / (k + J - 1)
+      out[method][str(k)] = sim
+  return out
+
+
 # ----------------------------------------------------------------------------
 # The whole benchmark.
 # ----------------------------------------------------------------------------
@@ -237,24 +275,30 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     ``ratio_petra_backprop``, ``ratio_revprop_backprop``, ``stage_ms`` (per
     stage ``forward``, ``backward``, ``send_forward``, ``send_backward``, ms),
     ``simulated_speedup`` (with sends), ``simulated_speedup_compute_only``,
-    ``balancing`` (:func:`balancing_table`), ``num_stages``, ``devices``.
+    ``balancing`` (:func:`balancing_table`), ``schedules``
+    (:func:`schedule_table`), ``num_stages``, ``devices``.
   """
   devices = jax.devices()
-  pipe = Pipeline(stages, optax.sgd(1e-3, momentum=0.9), devices[:1])
+  tx = optax.sgd(1e-3, momentum=0.9)
+  pipes = {m: Pipeline(stages, tx, devices[:1], method=m) for m in ("backprop", "revprop", "petra")}
+  pipe = pipes["petra"]
   rng = np.random.default_rng(seed)
   images = jax.device_put(
       rng.normal(size=(batch_size, *input_shape)).astype(np.float32), devices[0])
   labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32),
                           devices[0])
-  state = pipe.init(seed, images)
-  ms, state = step_times(pipe, state, images, labels, iters, warmup, seed)
+  ms, state = step_times(pipes, images, labels, iters, warmup, seed)
   rows, acts = stage_times(pipe, state, images, labels, iters, warmup)
+  flushed = Pipeline(stages, tx, devices[:1], method="1f1b")
+  rows_stored, _ = stage_times(flushed, flushed.init(seed, images), images, labels, iters,
+                               warmup)
   if len(devices) > 1:
     sends = transfer_times(pipe, acts, devices[0], devices[1], iters, warmup)
   else:  # nowhere to send to: report compute only
     sends = [{"send_forward": 0.0, "send_backward": 0.0} for _ in rows]
-  for row, send in zip(rows, sends):
+  for row, stored, send in zip(rows, rows_stored, sends):
     row.update(send)
+    stored.update(send)
   costs = stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])
   flops = models.block_flops(stages, (batch_size, *input_shape))
   fwd_send = [r["send_forward"] for r in rows]
@@ -269,6 +313,8 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
       "simulated_speedup_compute_only": simulated_speedup(costs),
       "block_gflops": [f / 1e9 for f in flops],
       "balancing": balancing_table(costs, fwd_send, bwd_send, flops=flops),
+      "schedules": schedule_table(rows, rows_stored,
+                                  stage_bytes(stages, input_shape, batch_size)),
       "num_stages": len(stages),
       "batch_size": batch_size,
       "devices": [str(d) for d in devices[:2]],
@@ -296,6 +342,13 @@ def _print_report(r: dict, name: str) -> None:
     sizes = [last - first + 1 for first, last in b["groups"]]
     print(f"  {b['devices']:>3} {b['equal_speedup']:6.2f}x {b['flops_speedup']:6.2f}x "
           f"{b['simulated_speedup']:6.2f}x  {sizes}")
+  print(f"schedules on {r['num_stages']} devices (simulated from the measured stage costs, "
+        "sends included): ms per update, bubble fraction (1F1B/GPipe formula), stored MiB")
+  for method, by_k in r["schedules"].items():
+    for k, v in by_k.items():
+      print(f"  {method:<6} k={k:<2} {v['simulated_ms_per_update']:10.1f} ms  bubble "
+            f"{v['bubble_fraction']:.3f} ({v['formula_bubble_fraction']:.3f})  stored "
+            f"{sum(v['stored_bytes_per_stage']) / 2**20:8.1f} MiB")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,8 +1,11 @@
-"""The PETRA schedule as run: a Fig. 1-style chart of a recorded timeline.
+"""A schedule as run: a Fig. 1-style chart of a recorded timeline.
 
 ``python -m petra_jax.benchmarks.timeline --model=revnet18 --width=4 --ticks=30
---out=docs/timeline.png`` runs a tiny PETRA pipeline with
-``record_timeline=True`` (a new micro-batch every tick), draws ticks on x,
+[--method=petra|gpipe|1f1b|...] [--accumulation-steps=K]
+--out=docs/timeline.png`` runs the first ticks of a tiny pipeline's schedule
+table (PETRA: a new micro-batch every tick) with a
+:class:`petra_jax.observers.TimelineRecorder`, checks that the tasks it ran
+are the table's, draws ticks on x,
 stages on y and one forward (F) and one backward (B) cell per stage and tick,
 labelled with the micro-batch id, and prints how long the pipeline took to
 fill and how many F/B slots stayed idle (bubbles).
@@ -26,7 +29,8 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from petra_jax import models  # noqa: E402
+from petra_jax import models, observers  # noqa: E402
+from petra_jax.methods import METHODS  # noqa: E402
 from petra_jax.pipeline import Pipeline  # noqa: E402
 
 Event = tuple  # (tick, stage, "F" | "B", micro_batch)
@@ -72,7 +76,7 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
 
   Args:
     timeline: ``(tick, stage, "F" | "B", micro_batch)`` events, e.g.
-      ``Pipeline.timeline``.
+      :class:`petra_jax.observers.TimelineRecorder` ``.events``.
     num_stages: ``J``.
     path: output file (format from the extension, e.g. ``.png``).
     title: the chart's title (default: a summary with the bubble count).
@@ -113,22 +117,40 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
   return path
 
 
+def table_events(table, num_ticks: Optional[int] = None) -> list[Event]:
+  """The events a schedule table prescribes, as :class:`TimelineRecorder`
+  records them (a ``loss`` task is an F and a B)."""
+  events = []
+  for t, tick in enumerate(table):
+    if num_ticks is not None and t >= num_ticks:
+      break
+    for task in tick:
+      for kind in {"forward": "F", "backward": "B", "loss": "FB"}.get(task.kind, ""):
+        events.append((t, task.stage, kind, task.micro_batch))
+  return events
+
+
 def run_timeline(stages, image_shape: Sequence[int], num_ticks: int,
-                 batch_size: int = 8, num_classes: int = 10, seed: int = 0):
-  """Runs ``num_ticks`` PETRA ticks (a micro-batch fed every tick).
+                 batch_size: int = 8, num_classes: int = 10, seed: int = 0,
+                 method: str = "petra", accumulation_steps: int = 1):
+  """Runs the first ``num_ticks`` ticks of ``method``'s schedule.
 
   Returns:
-    The recorded ``Pipeline.timeline``.
+    ``(recorded, table)``: the events a :class:`TimelineRecorder` saw, and
+    the schedule table that was run.
   """
-  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], record_timeline=True)
+  recorder = observers.TimelineRecorder()
+  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], method=method,
+                  accumulation_steps=accumulation_steps, observers=[recorder])
   key = jax.random.key(seed)
   images = jax.random.normal(key, (batch_size, *image_shape), jnp.float32)
   labels = jax.random.randint(key, (batch_size,), 0, num_classes, jnp.int32)
   state = pipe.init(seed, images)
-  for _ in range(num_ticks):
-    state, _ = pipe.tick(state, images, labels)
-  jax.block_until_ready(state.stages)
-  return pipe.timeline
+  table = pipe.schedule(accumulation_steps * num_ticks)  # at least num_ticks ticks
+  state, _ = pipe.run(state, (table[t] for t in range(num_ticks)),
+                      lambda m: (images, labels))
+  jax.block_until_ready(state.train_states)
+  return recorder.events, table
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -142,17 +164,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--image-size", type=int, default=None,
                  help="override the dataset's image side (the schedule does not depend on it)")
   p.add_argument("--ticks", type=int, default=30)
+  p.add_argument("--method", default="petra", choices=[m for m in METHODS if m != "backprop"])
+  p.add_argument("--accumulation-steps", type=int, default=1, help="k (gpipe, 1f1b rounds)")
   p.add_argument("--out", default="docs/timeline.png")
   args = p.parse_args(argv)
   d = models.DATASETS[args.dataset]
   shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
   stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
                               imagenet_stem=d.imagenet_stem)
-  timeline = run_timeline(stages, shape, args.ticks, args.batch_size, d.num_classes)
+  timeline, table = run_timeline(stages, shape, args.ticks, args.batch_size, d.num_classes,
+                                 method=args.method, accumulation_steps=args.accumulation_steps)
+  if sorted(timeline) != sorted(table_events(table, args.ticks)):
+    raise SystemExit("error: the engine ran other tasks than its schedule table prescribes.")
   J = len(stages)
   plot_timeline(timeline, J, args.out, num_ticks=args.ticks)
   s = timeline_stats(timeline, J, args.ticks)
-  print(f"{args.model}: {J} stages, {s['ticks']} ticks -> {args.out}")
+  print(f"{args.model}, {args.method}: {J} stages, {s['ticks']} ticks -> {args.out} (the "
+        "recorded tasks equal the schedule table's)")
   print(f"first loss on tick {s['first_loss_tick']} (J-1 = {J - 1}); pipeline full from "
         f"tick {s['fill_ticks']} (2(J-1) = {2 * (J - 1)}); bubbles: {s['bubbles']} idle of "
         f"{s['slots']} F/B slots ({s['busy']} busy)")

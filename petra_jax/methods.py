@@ -1,0 +1,94 @@
+"""The training methods: what each stage keeps and which schedule it runs.
+
+One :class:`Method` record per ``config.method``; the engine, the memory
+model, the benchmarks, the studies and the config validation all read
+:data:`METHODS`. Between a micro-batch's forward and its backward
+(paper Table 4; the last stage keeps nothing, a non-reversible stage always
+keeps its input):
+
+============== ========== ============ ============= ==================================
+method         schedule   input buffer weight stash  reversible stages
+============== ========== ============ ============= ==================================
+backprop       sequential (whole graph) no           ``jax.grad`` of the composed model
+revprop        drained    no           no            reconstruct; every delay 0
+petra          stream     no           no            reconstruct with current weights
+approximate_   stream     no           yes           reconstruct (current), vjp with
+input                                                the stashed weights
+dsp            stream     yes          no            current weights (Xu et al., 2020)
+delayed        stream     yes          yes           stashed weights (PipeDream)
+gpipe          gpipe      yes          no            exact; flushed every update
+1f1b           1f1b       yes          no            exact; flushed every update
+============== ========== ============ ============= ==================================
+
+``gpipe`` and ``1f1b`` store every stage's input, as GPipe with
+re-materialisation and PipeDream-Flush do, rather than reconstruct: their
+gradients are then exact (no reconstruction round-off, so their losses equal
+``backprop``'s), and the memory benchmark compares PETRA with the schedules as
+pipeline libraries ship them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """What a method keeps and which schedule it runs.
+
+  Attributes:
+    name: the ``config.method`` value.
+    schedule: a kind of :class:`petra_jax.schedule.Schedule`.
+    stashes_inputs: reversible stages keep their input too (non-reversible
+      ones always do).
+    stashes_weights: every stage keeps a copy of the weights its forward
+      used, for its backward's vjp.
+    reconstructs: reversible stages rebuild their input from their output
+      with their current weights (paper Eq. 5).
+  """
+  name: str
+  schedule: str
+  stashes_inputs: bool
+  stashes_weights: bool
+  reconstructs: bool
+
+  @property
+  def delayed(self) -> bool:
+    """Whether gradients arrive ``tau_j > 0`` ticks after their forward."""
+    return self.schedule == "stream"
+
+  @property
+  def needs_reversible(self) -> bool:
+    """Whether the model must have reversible stages."""
+    return self.reconstructs
+
+  @property
+  def pipelined(self) -> bool:
+    """Whether the method runs stage by stage (not ``jax.grad`` of the model)."""
+    return self.schedule != "sequential"
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("backprop", "sequential", stashes_inputs=False, stashes_weights=False,
+           reconstructs=False),
+    Method("revprop", "drained", stashes_inputs=False, stashes_weights=False, reconstructs=True),
+    Method("petra", "stream", stashes_inputs=False, stashes_weights=False, reconstructs=True),
+    Method("approximate_input", "stream", stashes_inputs=False, stashes_weights=True,
+           reconstructs=True),
+    Method("dsp", "stream", stashes_inputs=True, stashes_weights=False, reconstructs=False),
+    Method("delayed", "stream", stashes_inputs=True, stashes_weights=True, reconstructs=False),
+    Method("gpipe", "gpipe", stashes_inputs=True, stashes_weights=False, reconstructs=False),
+    Method("1f1b", "1f1b", stashes_inputs=True, stashes_weights=False, reconstructs=False),
+)}
+DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
+
+
+def get(name: str) -> Method:
+  """The method called ``name``.
+
+  Raises:
+    ValueError: unknown name; the message lists the known ones.
+  """
+  if name not in METHODS:
+    raise ValueError(f"Unknown method {name!r}; choose one of {tuple(METHODS)}.")
+  return METHODS[name]

@@ -1,0 +1,175 @@
+"""Diagnostics that watch the engine at task boundaries.
+
+Each is a :class:`petra_jax.pipeline.Observer` passed to
+``Pipeline(observers=[...])``; a pipeline without observers runs no
+diagnostic code. Results stay in the observer (device arrays, read without a
+wait once computed), never in the pipeline state or its checkpoints.
+
+* :class:`ReconstructionProbe`: ``||x~ - x|| / ||x||`` of every reconstructing
+  stage (paper Sec. 3.2: the reconstruction of Eq. 5 with moved weights).
+* :class:`GradientProbe`: the applied, delayed and end-to-end gradients of
+  probed micro-batches compared stage by stage (paper App. B, Figs. 5-6).
+* :class:`TimelineRecorder`: the ``(tick, stage, "F"|"B", micro_batch)``
+  events that ran (paper Fig. 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax import diagnostics, transport
+from petra_jax.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
+from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
+
+_copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
+
+
+def _probed(m: int, every_updates: int, k: int) -> bool:
+  """The first micro-batch of every ``every_updates``-th update."""
+  return every_updates > 0 and m % (every_updates * k) == 0
+
+
+class ReconstructionProbe(Observer):
+  """Relative reconstruction error of reconstructing stages.
+
+  The first micro-batch of every ``every_updates``-th update has its true
+  input copied at each reconstructing stage's forward, compared with the
+  input that stage rebuilds in its backward. Cost per probed micro-batch and
+  stage: one copy of the input and one reduction.
+
+  Args:
+    every_updates: updates between probes (> 0).
+    accumulation_steps: ``k``, micro-batches per update.
+  """
+
+  def __init__(self, every_updates: int, accumulation_steps: int = 1):
+    self.every, self.k = every_updates, accumulation_steps
+    self._inputs: dict = {}
+    self._error = jax.jit(relative_error)
+    self.results: list = []  # (micro_batch, stage, float32 device scalar)
+
+  def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
+    j, m = task.stage, task.micro_batch
+    if (task.kind == FORWARD and pipe.reconstructs[j] and pipe.local[j]
+        and _probed(m, self.every, self.k)):
+      self._inputs[(j, m)] = _copy(state.inbox[j][m])  # the backward donates it
+
+  def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
+                 result: TaskResult) -> None:
+    true = self._inputs.pop((task.stage, task.micro_batch), None)
+    if task.kind == BACKWARD and true is not None:
+      self.results.append((task.micro_batch, task.stage, self._error(result.x_tilde, true)))
+
+  def pop_results(self) -> list:
+    """``(micro_batch, stage, error)`` measured since the last call."""
+    out, self.results = self.results, []
+    return out
+
+
+@dataclasses.dataclass
+class _Probe:
+  images: jax.Array
+  labels: jax.Array
+  forward_params: list
+  backward_params: list
+  grads: list
+
+
+class GradientProbe(Observer):
+  """Gradient quality of probed micro-batches (paper App. B).
+
+  For the first micro-batch of every ``every_updates``-th update, each stage
+  copies the weights its forward used and those it holds at its backward,
+  and computes the gradient its backward applies (:meth:`Pipeline.gradient`:
+  the same function, jitted without the update). When the backward reaches
+  stage 0, :func:`diagnostics.grad_quality` compares it with the delayed and
+  end-to-end gradients (two ``jax.grad`` of the composed model on stage 0's
+  device). Cost per probe: about two passes of the whole model plus one more
+  backward per stage, and three copies of the parameters while in flight.
+  Needs every stage in this process.
+
+  Raises:
+    ValueError: (at the first probe) a stage on another process.
+  """
+
+  def __init__(self, every_updates: int, accumulation_steps: int = 1):
+    self.every, self.k = every_updates, accumulation_steps
+    self._probes: dict[int, _Probe] = {}
+    self._quality = None
+    self.results: list = []  # (micro_batch, {name: float32[J]})
+
+  def _start(self, pipe: Pipeline, m: int):
+    if not all(pipe.local):
+      raise ValueError("grad_quality_every needs every stage's device in this process "
+                       "(it composes all stages on one device).")
+    J = pipe.num_stages
+    self._probes[m] = _Probe(None, None, [None] * J, [None] * J, [None] * J)
+
+  def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
+    j, m = task.stage, task.micro_batch
+    if task.kind == FORWARD and j == 0 and _probed(m, self.every, self.k):
+      self._start(pipe, m)
+    probe = self._probes.get(m)
+    if probe is None or task.kind == BACKPROP:
+      return
+    params = _copy(state.train_states[j].params)
+    if task.kind in (FORWARD, LOSS):
+      probe.forward_params[j] = params
+    if task.kind in (BACKWARD, LOSS):
+      probe.backward_params[j] = params
+      probe.grads[j] = pipe.gradient(j, state.train_states[j], *_peek_backward_args(
+          pipe, state, j, m))
+
+  def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
+                 result: TaskResult) -> None:
+    j, m = task.stage, task.micro_batch
+    if task.kind == FORWARD and j == 0 and m in self._probes:  # the micro-batch, as fed
+      self._probes[m].images, self._probes[m].labels = state.buffers[0][m], state.labels[m]
+    elif task.kind == BACKWARD and j == 0 and m in self._probes:
+      self._finish(pipe, state, m)
+
+  def _finish(self, pipe: Pipeline, state: PipelineState, m: int):
+    probe = self._probes.pop(m)
+    if self._quality is None:
+      self._quality = jax.jit(functools.partial(diagnostics.grad_quality, pipe.stages))
+    stats = [s.batch_stats for s in state.train_states]
+    args = transport.send((probe.grads, probe.forward_params, probe.backward_params, stats,
+                           probe.images, probe.labels), pipe.devices[0])
+    self.results.append((m, self._quality(*args)))
+
+  def pop_results(self, wait: bool = False) -> list:
+    """``(micro_batch, {name: float32[J]})`` whose figures are computed
+    (all of them with ``wait``); the others stay for the next call."""
+    ready, pending = [], []
+    for m, quality in self.results:
+      done = wait or all(v.is_ready() for v in quality.values())
+      (ready if done else pending).append((m, quality))
+    self.results = pending
+    return ready
+
+
+def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) -> tuple:
+  """Stage ``j``'s backward arguments for micro-batch ``m``, left in place."""
+  if j == pipe.num_stages - 1:
+    return pipe.backward_args(j, x=state.inbox[j][m], labels=state.labels[m])
+  y, dy = state.grad_inbox[j][m]
+  return pipe.backward_args(j, x=state.buffers[j].get(m), y=y, dy=dy,
+                            stashed=state.weight_stash[j].get(m))
+
+
+class TimelineRecorder(Observer):
+  """Records ``(tick, stage, "F"|"B", micro_batch)`` of every task that ran
+  (a ``loss`` task is both; ``backprop`` tasks are not recorded)."""
+
+  def __init__(self):
+    self.events: list[tuple[int, int, str, int]] = []
+
+  def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
+                 result: TaskResult) -> None:
+    kinds = {FORWARD: "F", BACKWARD: "B", LOSS: "FB"}.get(task.kind, "")
+    for kind in kinds:
+      self.events.append((state.tick, task.stage, kind, task.micro_batch))
