@@ -60,8 +60,10 @@ class ReconstructionProbe(Observer):
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
                  result: TaskResult) -> None:
+    if task.kind != BACKWARD:
+      return
     true = self._inputs.pop((task.stage, task.micro_batch), None)
-    if task.kind == BACKWARD and true is not None:
+    if true is not None:
       self.results.append((task.micro_batch, task.stage, self._error(result.x_tilde, true)))
 
   def pop_results(self) -> list:

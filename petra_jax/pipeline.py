@@ -317,8 +317,8 @@ class Pipeline:
     self.stages = list(stages)
     self.num_stages = J = len(stages)
     self.accumulation_steps = accumulation_steps
-    # (an optax GradientTransformation is itself a tuple: test it first)
-    self.txs = [tx] * J if isinstance(tx, optax.GradientTransformation) else list(tx)
+    # (an optax GradientTransformation is itself a tuple: test for one first)
+    self.txs = [tx] * J if hasattr(tx, "update") else list(tx)
     if len(self.txs) != J:
       raise ValueError(f"{len(self.txs)} optimizers for {J} stages: give one, or one per stage.")
     self.devices = assign_devices(J, devices or jax.local_devices())

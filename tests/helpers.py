@@ -39,3 +39,16 @@ def rel_err(a, b):
   num = sum(float(jnp.sum((u - v) ** 2)) for u, v in zip(la, lb))
   den = sum(float(jnp.sum(v ** 2)) for v in lb)
   return (num / den) ** 0.5
+
+
+def batches_of(seed_offset=0, **kwargs):
+  """``m -> random_batch(seed=m + seed_offset)``: a different batch per micro-batch."""
+  return lambda m: random_batch(seed=m + seed_offset, **kwargs)
+
+
+def run_ticks(pipe, state, num_micro_batches, batches, num_ticks=None):
+  """Runs the first ``num_ticks`` ticks (default: all) of the pipeline's
+  schedule over ``num_micro_batches``; returns ``(state, outputs)``."""
+  table = pipe.schedule(num_micro_batches)
+  n = len(table) if num_ticks is None else num_ticks
+  return pipe.run(state, (table[t] for t in range(n)), batches)

@@ -6,22 +6,45 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, pipeline, schedule
-from helpers import composed_loss, random_batch, rel_err
+from petra_jax import methods, models, pipeline, schedule
+from helpers import batches_of, composed_loss, random_batch, rel_err, run_ticks
+
+# Paper Table 4, read off the paper (Sec. 4.2): whether the gradient is
+# delayed, whether an input buffer and a parameter buffer are kept, and
+# whether reversible stages reconstruct their input.
+TABLE4 = {  # method: (delayed, input buffer, parameter buffer, reconstructs)
+    "backprop": (False, False, False, False),
+    "delayed": (True, True, True, False),
+    "dsp": (True, True, False, False),
+    "approximate_input": (True, False, True, True),
+    "petra": (True, False, False, True),
+}
+PIPELINED = [m for m in methods.METHODS if m != "backprop"]
 
 
-@pytest.mark.parametrize("method", pipeline.PIPELINE_METHODS)
+@pytest.mark.parametrize("name", sorted(TABLE4))
+def test_method_table_matches_paper_table4(name):
+  m = methods.get(name)
+  assert (m.delayed, m.stashes_inputs, m.stashes_weights, m.reconstructs) == TABLE4[name]
+
+
+def test_unknown_method_names_the_choices():
+  with pytest.raises(ValueError, match="Unknown method 'pipedream'.*petra"):
+    methods.get("pipedream")
+
+
+@pytest.mark.parametrize("method", PIPELINED)
 def test_zero_delay_equals_jax_grad(method):
   """Drained after every micro-batch, every method's update is -lr * jax.grad."""
   stages = models.build_model("revnet18", width=4)
   pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1], method=method)
   x, y = random_batch()
   state = pipe.init(0, x)
-  params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.stages]
-  stats = [s.batch_stats for s in state.stages]
+  params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]
+  stats = [s.batch_stats for s in state.train_states]
   ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
   state, _ = pipe.revprop_step(state, x, y)
-  step = jax.tree.map(lambda b, a: b - a, params, [s.params for s in state.stages])
+  step = jax.tree.map(lambda b, a: b - a, params, [s.params for s in state.train_states])
   for j in range(len(stages)):
     # float32 round-off of the reconstruction: ~1e-6 measured (see test_stage).
     assert rel_err(step[j], ref[j]) < 1e-4, (method, j)
@@ -32,27 +55,27 @@ def steady_runs():
   """Each method run for 2J ticks (past the fill): ``{method: (stages, pipe, state)}``."""
   stages = models.build_model("revnet18", width=4)
   runs = {}
-  for method in pipeline.PIPELINE_METHODS:
+  for method in methods.DELAYED:
     pipe = pipeline.Pipeline(stages, optax.sgd(0.1, momentum=0.9), jax.devices()[:1],
                              method=method)
     state = pipe.init(0, random_batch()[0])
-    for i in range(2 * len(stages)):  # past the fill: every FIFO at its steady depth
-      state, _ = pipe.tick(state, *random_batch(seed=i))
+    J = len(stages)  # past the fill: every stage holds its steady number of inputs
+    state, _ = run_ticks(pipe, state, 4 * J, batches_of(), num_ticks=2 * J)
     runs[method] = (stages, pipe, state)
   return runs
 
 
-@pytest.mark.parametrize("method", pipeline.PIPELINE_METHODS)
+@pytest.mark.parametrize("method", methods.DELAYED)
 def test_stored_bytes_match_each_methods_claim(method, steady_runs):
   stages, _, state = steady_runs[method]
   x, _ = random_batch()
   J = len(stages)
   # Independent accounting from shapes: input of stage j and its parameters.
   inputs, h = [], x
-  for s, st in zip(stages, state.stages):
+  for s, st in zip(stages, state.train_states):
     inputs.append(sum(a.nbytes for a in jax.tree.leaves(h)))
     h = pipeline.forward_step(s, st, h)[0]
-  param_bytes = [sum(a.nbytes for a in jax.tree.leaves(st.params)) for st in state.stages]
+  param_bytes = [sum(a.nbytes for a in jax.tree.leaves(st.params)) for st in state.train_states]
   stash_inputs = method in ("dsp", "delayed")
   stash_params = method in ("delayed", "approximate_input")
   expected = []
@@ -70,7 +93,8 @@ def test_stored_bytes_match_each_methods_claim(method, steady_runs):
 
 def test_methods_differ_once_delays_are_real(steady_runs):
   """Guard against a method silently running another's code path."""
-  final = {m: np.concatenate([np.ravel(a) for a in jax.tree.leaves(run[2].stages[1].params)])
+  final = {m: np.concatenate([np.ravel(a) for a in jax.tree.leaves(
+      run[2].train_states[1].params)])
            for m, run in steady_runs.items()}
   names = list(final)
   for a in range(len(names)):
@@ -82,5 +106,24 @@ def test_reconstructing_method_on_plain_resnet_raises():
   stages = models.build_model("resnet18", width=4)
   with pytest.raises(ValueError, match="needs reversible stages"):
     pipeline.Pipeline(stages, optax.sgd(0.1), method="petra")
-  with pytest.raises(ValueError, match="Unknown pipeline method"):
+  with pytest.raises(ValueError, match="Unknown method"):
     pipeline.Pipeline(stages, optax.sgd(0.1), method="pipedream")
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+def test_flushed_schedules_lose_as_backprop(method):
+  """GPipe and 1F1B are exact: with k = 4 accumulated micro-batches per
+  update, every micro-batch's loss equals backprop's up to float32 round-off."""
+  stages = models.build_model("revnet18", width=4)
+  k, M = 4, 12
+  tx = optax.MultiSteps(optax.sgd(0.5, momentum=0.9), k)
+  losses = {}
+  for name in ("backprop", method):
+    pipe = pipeline.Pipeline(stages, tx, jax.devices()[:1], method=name, accumulation_steps=k)
+    state = pipe.init(0, random_batch()[0])
+    state, out = run_ticks(pipe, state, M, batches_of())
+    assert state.in_flight() == 0
+    losses[name] = np.array([float(o.loss) for o in sorted(out)])
+  assert len(losses[method]) == M
+  assert np.abs(losses["backprop"][k:] - losses["backprop"][0]).max() > 1e-3  # it trains
+  np.testing.assert_allclose(losses[method], losses["backprop"], rtol=1e-5)

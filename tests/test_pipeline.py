@@ -10,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, pipeline, schedule
+from petra_jax import models, observers, pipeline, schedule
 from petra_jax.stage import Stage
-from helpers import random_batch
+from helpers import batches_of, random_batch, run_ticks
 
 LR = 0.1
 
@@ -104,16 +104,15 @@ def test_engine_equals_literal_eq5():
   pipe = pipeline.Pipeline(stages, optax.sgd(LR), jax.devices()[:1])
   xs, ys = _toy_data(8)
   state = pipe.init(0, xs[0])
-  theta0 = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.stages]
-  num_ticks = 12
+  theta0 = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]
+  table = pipe.schedule(len(xs))
+  num_ticks = len(table)
+  assert num_ticks == 12  # 8 micro-batches + 2(J-1) to drain
   expected = _literal_eq5(theta0, xs, ys, num_ticks)
   moved = 0
   for t in range(num_ticks):
-    if t < len(xs):
-      state, _ = pipe.tick(state, xs[t], ys[t])
-    else:
-      state, _ = pipe.tick(state)
-    got = [s.params for s in state.stages]
+    state, _ = pipe.run_tick(state, table[t], lambda m: (xs[m], ys[m]))
+    got = [s.params for s in state.train_states]
     # Same float32 operations in a different order: agreement to ~1e-7.
     chex.assert_trees_all_close(got, expected[t], atol=1e-6, rtol=1e-6)
     moved += t > 0 and not all(np.allclose(a, b) for a, b in zip(
@@ -124,26 +123,25 @@ def test_engine_equals_literal_eq5():
 
 def test_backward_runs_tau_ticks_after_forward():
   stages = models.build_model("revnet18", width=4)
-  pipe = pipeline.Pipeline(stages, optax.sgd(0.01), jax.devices()[:1], record_timeline=True)
+  recorder = observers.TimelineRecorder()
+  pipe = pipeline.Pipeline(stages, optax.sgd(0.01), jax.devices()[:1], observers=[recorder])
   x, y = random_batch()
   state = pipe.init(0, x)
   num_micro = 25
-  for _ in range(num_micro):
-    state, _ = pipe.tick(state, x, y)
-  state, _ = pipe.drain(state)
+  state, _ = run_ticks(pipe, state, num_micro, lambda m: (x, y))
   J = len(stages)
-  fwd = {(j, m): t for t, j, k, m in pipe.timeline if k == "F"}
-  bwd = {(j, m): t for t, j, k, m in pipe.timeline if k == "B"}
+  fwd = {(j, m): t for t, j, k, m in recorder.events if k == "F"}
+  bwd = {(j, m): t for t, j, k, m in recorder.events if k == "B"}
   assert len(fwd) == len(bwd) == J * num_micro
   for (j, m), t in fwd.items():
     assert t == m + j
     assert bwd[(j, m)] - t == schedule.delay(j, J) == 2 * (J - 1 - j)
   # Once the pipeline is full, every stage runs a forward and a backward per tick.
   steady = 2 * (J - 1)
-  per_tick = collections.Counter((t, k) for t, _, k, _ in pipe.timeline)
+  per_tick = collections.Counter((t, k) for t, _, k, _ in recorder.events)
   assert per_tick[(steady, "F")] == J and per_tick[(steady, "B")] == J
-  # Non-reversible stages held exactly tau_j inputs at most (now drained).
-  assert all(len(b) == 0 for b in state.buffers)
+  # Drained: nothing held, nothing in flight.
+  assert all(len(b) == 0 for b in state.buffers) and state.in_flight() == 0
 
 
 def test_one_and_four_devices_give_identical_losses():
@@ -156,15 +154,11 @@ def test_one_and_four_devices_give_identical_losses():
     pipe = pipeline.Pipeline(stages, optax.sgd(0.05, momentum=0.9), devices)
     state = pipe.init(0, x)
     if n == 4:
-      placed = {next(iter(jax.tree.leaves(s.params)[0].devices())) for s in state.stages}
+      placed = {next(iter(jax.tree.leaves(s.params)[0].devices()))
+                for s in state.train_states}
       assert len(placed) == 4
-    out = []
-    for i in range(30):
-      xi, yi = random_batch(seed=i)
-      state, o = pipe.tick(state, xi, yi)
-      if o is not None:
-        out.append(o.loss)
-    losses[n] = np.asarray(jax.device_get(out))
+    state, out = run_ticks(pipe, state, 30, batches_of(), num_ticks=30)
+    losses[n] = np.asarray(jax.device_get([o.loss for o in out]))
   assert len(losses[1]) == 30 - (len(stages) - 1)
   # Same XLA programs on identical CPU devices: bit-identical.
   np.testing.assert_array_equal(losses[1], losses[4])
@@ -175,11 +169,10 @@ def test_steps_compile_once():
   pipe = pipeline.Pipeline(stages, optax.sgd(0.01), jax.devices()[:2])
   x, y = random_batch()
   state = pipe.init(0, x)
-  for i in range(3 * len(stages)):
-    state, _ = pipe.tick(state, *random_batch(seed=i))
-  state, _ = pipe.drain(state)
-  for fn in pipe._forward + pipe._backward:
-    assert fn._cache_size() <= 1  # 0: the head never runs a separate forward
+  state, _ = run_ticks(pipe, state, 3 * len(stages), batches_of())
+  for j in range(len(stages)):
+    for fn in pipe.jitted_steps(j):
+      assert fn._cache_size() <= 1  # 0: the head never runs a separate forward
 
 
 def test_bad_stage_lists_raise():
@@ -197,13 +190,22 @@ def test_reconstruction_error_probe(lr, low, high):
   """Without updates the reconstruction is exact up to float32 round-off;
   with updates between forward and backward it is not."""
   stages = models.build_model("revnet18", width=4)
-  pipe = pipeline.Pipeline(stages, optax.sgd(lr), jax.devices()[:1], probe_every=4)
+  probe = observers.ReconstructionProbe(every_updates=4)
+  pipe = pipeline.Pipeline(stages, optax.sgd(lr), jax.devices()[:1], observers=[probe])
   state = pipe.init(0, random_batch()[0])
-  for i in range(30):
-    state, _ = pipe.tick(state, *random_batch(seed=i))
-  errors = [(m, j, float(e)) for m, j, e in state.reconstruction_errors]
+  state, _ = run_ticks(pipe, state, 30, batches_of(), num_ticks=30)
+  errors = [(m, j, float(e)) for m, j, e in probe.pop_results()]
   reversible = [j for j, s in enumerate(stages) if s.reversible]
   assert {j for _, j, _ in errors} == set(reversible)
   assert {m for m, _, _ in errors} <= {0, 4, 8, 12, 16}
   first = max(e for _, j, e in errors if j == reversible[0])
   assert low <= first <= high
+
+
+def test_a_task_before_its_input_arrives_is_a_schedule_error():
+  stages = _toy_stages()
+  pipe = pipeline.Pipeline(stages, optax.sgd(LR), jax.devices()[:1])
+  xs, ys = _toy_data(1)
+  state = pipe.init(0, xs[0])
+  with pytest.raises(pipeline.ScheduleError, match="stage 1 has no input for micro-batch 0"):
+    pipe.run_tick(state, (schedule.Task(1, schedule.FORWARD, 0),), lambda m: (xs[m], ys[m]))
