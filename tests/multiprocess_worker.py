@@ -31,7 +31,7 @@ import optax
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import models, train, transport
+from petra_jax import models, schedule, train, transport
 from petra_jax.pipeline import Pipeline
 from petra_jax.stage import Stage
 
@@ -71,20 +71,21 @@ def run(data_dir: str, die_after: int) -> dict:
   batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
   key = jax.random.key(1)
   losses = {}
-  for m in range(NUM_MICRO_BATCHES):
+
+  def batches(m):
+    idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
+    if pipe.local[0]:
+      return batch_fn(train_split, idx, jax.random.fold_in(key, m))
+    return None, data_lib.read_labels(train_split, idx)
+
+  table = pipe.schedule(NUM_MICRO_BATCHES)
+  for tick in table:
+    m = schedule.fed(tick)
     if die_after and m == die_after and jax.process_index() == jax.process_count() - 1:
       print(f"DYING at {time.time()}", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
-    idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
-    if pipe.local[0]:
-      images, labels = batch_fn(train_split, idx, jax.random.fold_in(key, m))
-    else:
-      images, labels = None, data_lib.read_labels(train_split, idx)
-    state, out = pipe.tick(state, images, labels)
-    if out is not None and out.loss is not None:
-      losses[out.micro_batch] = out.loss
-  state, outs = pipe.drain(state)
-  losses.update({o.micro_batch: o.loss for o in outs if o.loss is not None})
+    state, outs = pipe.run_tick(state, tick, batches)
+    losses.update({o.micro_batch: o.loss for o in outs if o.loss is not None})
   test = train.evaluate(pipe, state, test_split, info, batch_size=16)
   return {"losses": [float(losses[m]).hex() for m in sorted(losses)], "test": test,
           "num_processes": jax.process_count()}

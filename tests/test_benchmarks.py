@@ -46,6 +46,20 @@ def test_throughput_report_schema():
     assert b["tick_ms"] <= b["equal_tick_ms"] + 1e-9
   assert r["balancing"][-1]["groups"] == r["balancing"][-1]["equal_groups"]
   assert len(r["block_gflops"]) == 5 and all(b["flops_speedup"] > 0 for b in r["balancing"])
+  assert set(r["schedules"]) == {"gpipe", "1f1b", "petra"}
+  sizes = memory.stage_bytes(_tiny_revnet(), IMAGE, 4)
+  for method, by_k in r["schedules"].items():
+    assert set(by_k) == {"1", "4", "8"}
+    for k, v in by_k.items():
+      assert {"simulated_ms_per_update", "bubble_fraction", "stored_bytes_per_stage"} <= set(v)
+      assert 0 <= v["bubble_fraction"] < 1 and v["simulated_ms_per_update"] > 0
+      # Independent accounting: GPipe keeps k inputs at every stage but the last.
+      if method == "gpipe":
+        assert v["stored_bytes_per_stage"] == [
+            int(k) * row["input_bytes"] for row in sizes[:-1]] + [0]
+  # PETRA's stream never flushes: at k = 8 it is no slower per update than GPipe.
+  assert (r["schedules"]["petra"]["8"]["simulated_ms_per_update"]
+          <= r["schedules"]["gpipe"]["8"]["simulated_ms_per_update"] + 1e-9)
 
 
 def test_stage_cost_last_stage_is_backward_only():
@@ -113,7 +127,7 @@ def test_measured_stored_bytes_match_formula():
   stages = _tiny_revnet()
   J, batch = len(stages), 4
   live = memory.measure_live(stages, IMAGE, batch)
-  sizes = memory.stage_sizes(stages, IMAGE, batch)
+  sizes = memory.stage_bytes(stages, IMAGE, batch)
   analytic = memory.stored_bytes(sizes, "petra")
   assert live["petra"] == analytic
   assert live["delayed"] == memory.stored_bytes(sizes, "delayed")
@@ -131,7 +145,7 @@ def test_device_memory_per_stage():
   stages = _tiny_revnet()
   batch = 4
   rows = memory.device_memory(stages, IMAGE, batch)
-  sizes = memory.stage_sizes(stages, IMAGE, batch)
+  sizes = memory.stage_bytes(stages, IMAGE, batch)
   assert [r["name"] for r in rows] == [s.name for s in stages]
   for j, (r, s) in enumerate(zip(rows, stages)):
     # Independent lower bounds: the parameters plus one momentum slot each,
@@ -147,7 +161,7 @@ def test_device_memory_per_stage():
 
 def test_revnet18_matches_reference_numbers():
   stages = models.build_model("revnet18", width=64, num_classes=10)
-  sizes = memory.stage_sizes(stages, (32, 32, 3), 64)
+  sizes = memory.stage_bytes(stages, (32, 32, 3), 64)
   petra = [b / memory.MIB for b in memory.stored_bytes(sizes, "petra")]
   assert petra == pytest.approx([13.5, 0, 0, 384, 0, 128, 0, 32, 0, 0])
   delayed = sum(memory.stored_bytes(sizes, "delayed")) / memory.MIB
@@ -158,7 +172,8 @@ def test_table3_revnet50_imagenet():
   d = models.DATASETS["imagenet"]
   stages = models.build_model("revnet50", width=64, num_classes=d.num_classes,
                               imagenet_stem=True)
-  rows = memory.table3(memory.stage_sizes(stages, d.image_shape, 64))
+  rows = memory.table3(memory.stage_bytes(stages, d.image_shape, 64))
+  assert [r["method"] for r in rows] == ["delayed", "dsp", "approximate_input", "petra"]
   assert [(r["input_buffer"], r["param_buffer"]) for r in rows] == [
       (True, True), (True, False), (False, True), (False, False)]
   assert rows[0]["saving_pct"] == 0
@@ -172,9 +187,10 @@ def test_table3_revnet50_imagenet():
 def test_timeline_png(tmp_path):
   stages, ticks = _tiny_revnet(), 12
   J = len(stages)
-  events = timeline.run_timeline(stages, IMAGE, ticks, batch_size=2)
-  for t, j, kind, m in events:
-    assert t == (schedule.forward_tick if kind == "F" else schedule.backward_tick)(m, j, J)
+  events, table = timeline.run_timeline(stages, IMAGE, ticks, batch_size=2)
+  assert sorted(events) == sorted(timeline.table_events(table, ticks))
+  for t, j, kind, m in events:  # the closed forms (schedule module docstring)
+    assert t == (m + j if kind == "F" else m + 2 * (J - 1) - j)
   stats = timeline.timeline_stats(events, J, ticks)
   assert stats["first_loss_tick"] == J - 1
   assert stats["fill_ticks"] == 2 * (J - 1)

@@ -18,32 +18,35 @@ from test_train import REPO
 FP = {"model": "revnet18", "width": 4}
 
 
-def _tiny_pipeline():
+def _tiny_pipeline(method="petra"):
   stages = models.build_model("revnet18", width=4)
   tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
-  pipe = pipeline.Pipeline(stages, tx, jax.devices()[:2])
+  pipe = pipeline.Pipeline(stages, tx, jax.devices()[:2], method=method)
   return pipe, pipe.init(0, random_batch()[0])
 
 
-def _run(pipe, state, seeds):
-  losses = []
-  for s in seeds:
-    state, out = pipe.tick(state, *random_batch(seed=s))
-    if out is not None:
-      losses.append(out.loss)
-  return state, np.asarray(jax.device_get(losses))
+TABLE_SIZE = 40  # micro-batches of the stream the tests run ticks of
 
 
-def test_restore_mid_flight_continues_bit_exactly(tmp_path):
-  pipe, state = _tiny_pipeline()
+def _run(pipe, state, ticks):
+  """Runs the given ticks of a 40-micro-batch stream; the losses they produce."""
+  table = pipe.schedule(TABLE_SIZE)
+  state, out = pipe.run(state, (table[t] for t in ticks), lambda m: random_batch(seed=m))
+  return state, np.asarray(jax.device_get([o.loss for o in out]))
+
+
+@pytest.mark.parametrize("method", ["petra", "delayed"])  # delayed: weight stashes too
+def test_restore_mid_flight_continues_bit_exactly(tmp_path, method):
+  pipe, state = _tiny_pipeline(method)
   state, _ = _run(pipe, state, range(13))  # pipeline full, accumulators half full
   assert state.in_flight() > 0 and any(len(b) for b in state.buffers)
+  assert any(len(w) for w in state.weight_stash) == (method == "delayed")
   ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2, fingerprint=FP)
   ckpt.save(13, state, extra={"hello": 1}, extra_arrays={5: jax.numpy.float32(2.5)})
   ckpt.wait()
   _, expected = _run(pipe, state, range(13, 30))
 
-  pipe2, template = _tiny_pipeline()
+  pipe2, template = _tiny_pipeline(method)
   step, restored, extra, extra_arrays = checkpoint.Checkpointer(
       str(tmp_path), keep=2, fingerprint=FP).restore(template, pipe2.devices)
   assert step == 13 and extra == {"hello": 1} and float(extra_arrays[5]) == 2.5

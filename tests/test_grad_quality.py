@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import diagnostics, metrics, models, pipeline, plots, train
+from petra_jax import diagnostics, metrics, models, observers, pipeline, plots, train
 from petra_jax.stage import Stage
 from helpers import random_batch
 from test_train import tiny_config
@@ -48,26 +48,22 @@ def test_cosine_and_norm_ratio_match_a_hand_computation():
 
 def _run(method, num_ticks, zero_delay=False, lr=0.5):
   stages = _small_revnet()
+  probe = observers.GradientProbe(every_updates=1 if zero_delay else 3)
   pipe = pipeline.Pipeline(stages, optax.sgd(lr, momentum=0.9), jax.devices()[:1],
-                           method=method, grad_probe_every=1 if zero_delay else 3)
+                           method="revprop" if zero_delay else method, observers=[probe])
   state = pipe.init(0, random_batch(size=16)[0])
-  for i in range(num_ticks):
-    batch = random_batch(size=16, seed=i)
-    if zero_delay:
-      state, _ = pipe.revprop_step(state, *batch)
-    else:
-      state, _ = pipe.tick(state, *batch)
-  state, _ = pipe.drain(state)
-  assert not state.grad_probes  # every probe finished
-  quality = [(m, jax.device_get(q)) for m, q in state.grad_quality]
-  return pipe, stages, quality
+  table = pipe.schedule(num_ticks)
+  state, _ = pipe.run(state, table, lambda m: random_batch(size=16, seed=m))
+  quality = [(m, jax.device_get(q)) for m, q in probe.pop_results(wait=True)]
+  assert not probe._probes  # every probe finished
+  return pipe, probe, stages, quality
 
 
 def test_zero_delay_gives_three_equal_gradients():
   # revprop: each micro-batch is drained before the next, so each stage's
   # forward and backward use the same weights, and those are the current ones;
   # the weights do change between micro-batches (lr 0.5, momentum 0.9).
-  pipe, stages, quality = _run("petra", 3, zero_delay=True)
+  pipe, _, stages, quality = _run("petra", 3, zero_delay=True)
   assert [m for m, _ in quality] == [0, 1, 2]
   for m, q in quality:
     assert set(q) == set(diagnostics.METRICS)
@@ -81,7 +77,7 @@ def test_zero_delay_gives_three_equal_gradients():
 
 
 def test_petra_with_delays_gives_cosines_in_range_and_differs():
-  pipe, stages, quality = _run("petra", 12)
+  pipe, probe, stages, quality = _run("petra", 12)
   J = len(stages)
   assert [m for m, _ in quality] == [0, 3, 6, 9]
   for m, q in quality:
@@ -93,30 +89,33 @@ def test_petra_with_delays_gives_cosines_in_range_and_differs():
         assert np.all(v > 0), (name, m, v)
     # The last stage has no delay and its input is the forward's own output:
     # PETRA's and the delayed gradient coincide there.
-    np.testing.assert_allclose(q["cos_petra_delayed"][J - 1], 1.0, atol=1e-5)
+    np.testing.assert_allclose(q["cos_applied_delayed"][J - 1], 1.0, atol=1e-5)
   # ... but with delays of up to 2(J-1) updates, the first stage's do not.
   last = quality[-1][1]
-  assert last["cos_petra_delayed"][0] < 0.999, last["cos_petra_delayed"]
-  assert np.abs(last["norm_ratio_petra_e2e"] - 1).max() > 1e-3
+  assert last["cos_applied_delayed"][0] < 0.999, last["cos_applied_delayed"]
+  assert np.abs(last["norm_ratio_applied_e2e"] - 1).max() > 1e-3
   # One compilation each, whatever the number of probes.
-  for fn in pipe._backward + pipe._backward_probed + [pipe._grad_quality]:
+  for fn in pipe._gradient + [probe._quality] + [pipe.jitted_steps(j)[1] for j in range(J)]:
     assert fn._cache_size() <= 1
 
 
 def test_delayed_method_applies_the_delayed_gradient():
   """PipeDream (stashed inputs and weights) computes exactly the delayed gradient."""
-  _, _, quality = _run("delayed", 9)
+  _, _, _, quality = _run("delayed", 9)
   for m, q in quality:
-    np.testing.assert_allclose(q["cos_petra_delayed"], 1.0, atol=1e-5, err_msg=str(m))
-    np.testing.assert_allclose(q["norm_ratio_petra_delayed"], 1.0, atol=1e-4, err_msg=str(m))
+    np.testing.assert_allclose(q["cos_applied_delayed"], 1.0, atol=1e-5, err_msg=str(m))
+    np.testing.assert_allclose(q["norm_ratio_applied_delayed"], 1.0, atol=1e-4, err_msg=str(m))
   assert quality[-1][1]["cos_delayed_e2e"][0] < 0.999  # and it is not the end-to-end one
 
 
-def test_off_by_default_compiles_nothing_more():
+def test_without_observers_no_diagnostic_runs():
+  """No observer: the tick calls the task functions directly, and no
+  gradient-only step is ever built."""
   pipe = pipeline.Pipeline(_small_revnet(), optax.sgd(0.1), jax.devices()[:1])
-  assert pipe._backward_probed == [] and not hasattr(pipe, "_grad_quality")
+  assert pipe._run_task == pipe._run_plain
   state = pipe.init(0, random_batch(size=16)[0])
-  assert state.grad_probes == {} and state.grad_quality == []
+  pipe.run(state, pipe.schedule(2), lambda m: random_batch(size=16, seed=m))
+  assert not hasattr(pipe, "_gradient")
 
 
 def test_plots_without_metrics_is_one_clear_error(tmp_path):
@@ -149,7 +148,7 @@ def test_tiny_run_logs_grad_quality_and_plots_render(cifar10_dir, tmp_path):
         assert np.isfinite(v)
         if name.startswith("cos"):
           assert -1 - 1e-6 <= v <= 1 + 1e-6
-  assert "grad_quality/cos_petra_e2e/stage_3" in lines[0]
+  assert "grad_quality/cos_applied_e2e/stage_3" in lines[0]
   # A recorded timeline is drawn too.
   with open(tmp_path / "timeline.json", "w") as f:
     json.dump({"num_stages": 3, "events": [[0, 0, "F", 0], [1, 1, "F", 0], [2, 2, "F", 0],

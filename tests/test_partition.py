@@ -39,12 +39,12 @@ def test_grouped_revprop_update_equals_jax_grad_of_ungrouped_model(sizes):
   flat = lambda tree_per_stage: [
       t[f"block_{i}"] if s.blocks else t
       for s, t in zip(stages, tree_per_stage) for i in range(max(1, len(s.blocks)))]
-  params = flat([jax.tree.map(lambda a: a.copy(), s.params) for s in state.stages])
-  stats = flat([s.batch_stats for s in state.stages])
+  params = flat([jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states])
+  stats = flat([s.batch_stats for s in state.train_states])
   ref = jax.grad(lambda p: composed_loss(blocks, p, stats, x, y))(params)
   state, _ = pipe.revprop_step(state, x, y)
   step = [jax.tree.map(lambda b, a: b - a, p, q)
-          for p, q in zip(params, flat([s.params for s in state.stages]))]
+          for p, q in zip(params, flat([s.params for s in state.train_states]))]
   for j in range(len(blocks)):
     # float32 round-off of the reconstruction: ~1e-6 measured (see test_stage).
     assert rel_err(step[j], ref[j]) < 1e-4, j

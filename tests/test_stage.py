@@ -44,8 +44,8 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
   """Reconstructed inputs, cotangents and parameter gradients at every stage
   equal jax.grad of the composed model (no delay)."""
   stages, _, state, x, y = tiny
-  params = [s.params for s in state.stages]
-  stats = [s.batch_stats for s in state.stages]
+  params = [s.params for s in state.train_states]
+  stats = [s.batch_stats for s in state.train_states]
   ref_grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
   acts = [x]
   for s, p, bs in zip(stages[:-1], params, stats):
@@ -73,12 +73,12 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
 def test_revprop_engine_update_equals_jax_grad(tiny):
   """One revprop step with SGD(lr=1) moves every parameter by -jax.grad."""
   stages, pipe, state, x, y = tiny
-  params = [s.params for s in state.stages]
-  stats = [s.batch_stats for s in state.stages]
+  params = [s.params for s in state.train_states]
+  stats = [s.batch_stats for s in state.train_states]
   ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
   before = jax.tree.map(lambda a: a.copy(), params)  # the step donates state
   state, loss = pipe.revprop_step(state, x, y)
-  after = [s.params for s in state.stages]
+  after = [s.params for s in state.train_states]
   step = jax.tree.map(lambda b, a: b - a, before, after)
   for j in range(len(stages)):
     assert rel_err(step[j], ref[j]) < 1e-4, (j, stages[j].name)
