@@ -123,7 +123,7 @@ class GradientProbe(Observer):
       probe.forward_params[j] = params
     if task.kind in (BACKWARD, LOSS):
       probe.backward_params[j] = params
-      probe.grads[j] = pipe.gradient(j, state.train_states[j], *_peek_backward_args(
+      probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *_peek_backward_args(
           pipe, state, j, m))
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
@@ -157,9 +157,9 @@ class GradientProbe(Observer):
 def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) -> tuple:
   """Stage ``j``'s backward arguments for micro-batch ``m``, left in place."""
   if j == pipe.num_stages - 1:
-    return pipe.backward_args(j, x=state.inbox[j][m], labels=state.labels[m])
+    return pipe.steps.backward_args(j, x=state.inbox[j][m], labels=state.labels[m])
   y, dy = state.grad_inbox[j][m]
-  return pipe.backward_args(j, x=state.buffers[j].get(m), y=y, dy=dy,
+  return pipe.steps.backward_args(j, x=state.buffers[j].get(m), y=y, dy=dy,
                             stashed=state.weight_stash[j].get(m))
 
 

@@ -280,71 +280,32 @@ def _take(box: dict, m: int, what: str, j: int):
                         "a task before the message it consumes was sent.") from None
 
 
-# ----------------------------------------------------------------------------
-# The engine.
-# ----------------------------------------------------------------------------
+class StageSteps:
+  """Every stage's jitted steps, and the rule of what a backward takes.
 
-class Pipeline:
-  """A method's stages on their devices, and the tasks of its schedule.
+  The one place that says which step a stage's backward runs (reconstruct,
+  recompute or the loss), which arguments it takes and which it donates.
+  The engine, :mod:`petra_jax.timing`, the memory benchmark and the gradient
+  probe all call stages through it. Each step is compiled once per stage.
 
   Args:
-    stages: the model's stages (at least 2; the last one computes the loss).
-    tx: the optax optimizer of every stage, or one per stage (e.g. a delay
-      compensation that depends on ``tau_j``); states are per stage.
-    devices: devices to spread the stages over in contiguous blocks (default:
-      all local devices). Fewer devices than stages is fine; ``backprop``
-      needs one.
-    method: a name in :data:`petra_jax.methods.METHODS`; ``"petra"`` is
-      paper Eq. 5.
-    accumulation_steps: ``k``, micro-batches per update (the round of the
-      ``gpipe``/``1f1b`` schedules; ``tx`` accumulates them).
-    bn_stats: ``"backward"`` (paper, Sec. 4: running statistics updated by the
-      backward recomputation/reconstruction, never by the forward) or
-      ``"forward"`` (the authors' code: updated by the forward).
-    observers: :class:`Observer`\\ s called around every task (diagnostics).
-
-  Raises:
-    ValueError: fewer than 2 stages, a reversible first or last stage, an
-      unknown ``bn_stats`` policy or method, a reconstructing method on a
-      model without reversible stages, or ``backprop`` on several devices.
+    stages: the model's stages.
+    method: the method (what it stashes, whether it reconstructs).
+    bn_stats: ``"backward"`` or ``"forward"`` (see :class:`Pipeline`).
   """
 
-  def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
-               *, method: str = "petra", accumulation_steps: int = 1,
-               bn_stats: str = "backward", observers: Sequence[Observer] = ()):
-    self.method = methods_lib.get(method)
-    _check(stages, self.method, bn_stats)
-    self.stages = list(stages)
-    self.num_stages = J = len(stages)
-    self.accumulation_steps = accumulation_steps
-    # (an optax GradientTransformation is itself a tuple: test for one first)
-    self.txs = [tx] * J if hasattr(tx, "update") else list(tx)
-    if len(self.txs) != J:
-      raise ValueError(f"{len(self.txs)} optimizers for {J} stages: give one, or one per stage.")
-    self.devices = assign_devices(J, devices or jax.local_devices())
-    if not self.method.pipelined and len(set(self.devices)) > 1:
-      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
-    # Multi-process (jax.distributed): this process runs only the stages on
-    # its own devices; messages to or from the others go through transport.
-    self.local = [transport.is_local(d) for d in self.devices]
-    self.multiprocess = not all(self.local)
+  def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str):
+    self.stages, self.method = list(stages), method
+    self.num_stages = len(stages)
     self.stats_in_forward = bn_stats == "forward"
     # Stage j rebuilds its input from its output (otherwise it buffers it).
-    self.reconstructs = [s.reversible and self.method.reconstructs for s in stages]
-    self.observers = list(observers)
-    self._spec_cache: dict = {}
-    self._specs = [None] * (J + 1)  # message shapes; set by init()
+    self.reconstructs = [s.reversible and method.reconstructs for s in stages]
     self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
     self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
     self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
-                      for j in range(J)]
+                      for j in range(self.num_stages)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
-    self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
-    self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
-                   LOSS: self._loss_task, BACKPROP: self._backprop_task}
-    self._run_task = self._run_observed if self.observers else self._run_plain
 
-  # -- the backward rule (the one place that says what a backward takes) -----
 
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
@@ -409,6 +370,78 @@ class Pipeline:
     them for XLA's memory analysis); arguments as :meth:`forward` and
     :meth:`backward`."""
     return self._forward[j], self._backward[j]
+
+  def evaluate(self, j: int, train_state: StageState, x):
+    """Stage ``j``'s forward with the running BatchNorm statistics."""
+    return self._eval[j](train_state, x)
+
+  def backprop(self, train_states: list, images, labels):
+    """``jax.grad`` of the composed model and every stage's update
+    (donating ``train_states``): ``(new_states, loss)``."""
+    return self._backprop(train_states, images, labels)
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
+class Pipeline:
+  """A method's stages on their devices, and the tasks of its schedule.
+
+  Args:
+    stages: the model's stages (at least 2; the last one computes the loss).
+    tx: the optax optimizer of every stage, or one per stage (e.g. a delay
+      compensation that depends on ``tau_j``); states are per stage.
+    devices: devices to spread the stages over in contiguous blocks (default:
+      all local devices). Fewer devices than stages is fine; ``backprop``
+      needs one.
+    method: a name in :data:`petra_jax.methods.METHODS`; ``"petra"`` is
+      paper Eq. 5.
+    accumulation_steps: ``k``, micro-batches per update (the round of the
+      ``gpipe``/``1f1b`` schedules; ``tx`` accumulates them).
+    bn_stats: ``"backward"`` (paper, Sec. 4: running statistics updated by the
+      backward recomputation/reconstruction, never by the forward) or
+      ``"forward"`` (the authors' code: updated by the forward).
+    observers: :class:`Observer`\\ s called around every task (diagnostics).
+
+  Attributes:
+    steps: the stages' jitted steps and backward rule (:class:`StageSteps`).
+    devices: each stage's device; local: whether this process runs it.
+
+  Raises:
+    ValueError: fewer than 2 stages, a reversible first or last stage, an
+      unknown ``bn_stats`` policy or method, a reconstructing method on a
+      model without reversible stages, or ``backprop`` on several devices.
+  """
+
+  def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
+               *, method: str = "petra", accumulation_steps: int = 1,
+               bn_stats: str = "backward", observers: Sequence[Observer] = ()):
+    self.method = methods_lib.get(method)
+    _check(stages, self.method, bn_stats)
+    self.stages = list(stages)
+    self.num_stages = J = len(stages)
+    self.accumulation_steps = accumulation_steps
+    # (an optax GradientTransformation is itself a tuple: test for one first)
+    self.txs = [tx] * J if hasattr(tx, "update") else list(tx)
+    if len(self.txs) != J:
+      raise ValueError(f"{len(self.txs)} optimizers for {J} stages: give one, or one per stage.")
+    self.devices = assign_devices(J, devices or jax.local_devices())
+    if not self.method.pipelined and len(set(self.devices)) > 1:
+      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
+    # Multi-process (jax.distributed): this process runs only the stages on
+    # its own devices; messages to or from the others go through transport.
+    self.local = [transport.is_local(d) for d in self.devices]
+    self.multiprocess = not all(self.local)
+    self.steps = StageSteps(stages, self.method, bn_stats)
+    self.reconstructs = self.steps.reconstructs
+    self.observers = list(observers)
+    self._spec_cache: dict = {}
+    self._specs = [None] * (J + 1)  # message shapes; set by init()
+    self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
+    self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
+                   LOSS: self._loss_task, BACKPROP: self._backprop_task}
+    self._run_task = self._run_observed if self.observers else self._run_plain
 
   # -- set-up ----------------------------------------------------------------
 
@@ -529,8 +562,8 @@ class Pipeline:
     x, y = _take(state.inbox[j], m, "input", j), None
     if self.local[j]:
       st = state.train_states[j]
-      y, stats = self._forward[j](st, x)
-      if self.stats_in_forward:
+      y, stats = self.steps.forward(j, st, x)
+      if self.steps.stats_in_forward:
         state.train_states[j] = st.replace(batch_stats=stats)
       if self.method.stashes_weights:  # copied: the backward donates the live ones
         state.weight_stash[j][m] = self._copy(st.params)
@@ -542,19 +575,20 @@ class Pipeline:
   def _backward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
     del batches
     j, m = task.stage, task.micro_batch
-    y, dy = _take(state.grad_inbox[j], m, "cotangent", j)
+    message = _take(state.grad_inbox[j], m, "cotangent", j)
     x_tilde = x = None
     if self.local[j]:
+      y, dy = message
       if not self.reconstructs[j]:
         x = _take(state.buffers[j], m, "buffered input", j)
       stashed = (_take(state.weight_stash[j], m, "stashed weights", j)
                  if self.method.stashes_weights else None)
-      args = self.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
+      args = self.steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
       if self.reconstructs[j]:
-        state.train_states[j], x_tilde, dx = self._backward[j](state.train_states[j], *args)
+        state.train_states[j], x_tilde, dx = self.steps.backward(j, state.train_states[j], *args)
         x = x_tilde
       else:
-        state.train_states[j], dx = self._backward[j](state.train_states[j], *args)
+        state.train_states[j], dx = self.steps.backward(j, state.train_states[j], *args)
     else:
       dx = None
     if j > 0:
@@ -567,7 +601,7 @@ class Pipeline:
     x, loss, dx = _take(state.inbox[j], m, "input", j), None, None
     if self.local[j]:
       labels = _take(state.labels, m, "labels", j)
-      state.train_states[j], dx, loss = self._backward[j](state.train_states[j], x, labels)
+      state.train_states[j], dx, loss = self.steps.backward(j, state.train_states[j], x, labels)
     state.grad_inbox[j - 1][m] = self._send_back(j, x, dx)
     if self.multiprocess:  # metrics are written by process 0
       loss = self._move(loss, j, 0, _LOSS_SPEC)
@@ -578,7 +612,7 @@ class Pipeline:
     self._feed(state, m, batches)
     images = _take(state.inbox[0], m, "input", 0)
     labels = _take(state.labels, m, "labels", 0)
-    state.train_states, loss = self._backprop(state.train_states, images, labels)
+    state.train_states, loss = self.steps.backprop(state.train_states, images, labels)
     return TaskResult(loss=loss)
 
   # -- evaluation ------------------------------------------------------------
@@ -602,7 +636,7 @@ class Pipeline:
       if j > 0:
         x = self._move(x, j - 1, j, specs[j])
       if self.local[j]:
-        x = self._eval[j](state.train_states[j], x)
+        x = self.steps.evaluate(j, state.train_states[j], x)
     return x if self.local[-1] else None
 
   # -- messages ----------------------------------------------------------------

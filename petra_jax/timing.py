@@ -68,21 +68,21 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   J = pipe.num_stages
   acts = [images]
   for j in range(J - 1):
-    acts.append(pipe.forward(j, state.train_states[j], acts[j])[0])
+    acts.append(pipe.steps.forward(j, state.train_states[j], acts[j])[0])
   rows = []
   for j, stage in enumerate(pipe.stages):
     box = {"args": None}
-    fwd = median_ms(lambda: pipe.forward(j, state.train_states[j], acts[j]), iters, warmup)
+    fwd = median_ms(lambda: pipe.steps.forward(j, state.train_states[j], acts[j]), iters, warmup)
 
     def setup():  # fresh copies: a backward may donate its arguments
       y = acts[j + 1] if j < J - 1 else None
-      box["args"] = _copy(pipe.backward_args(
+      box["args"] = _copy(pipe.steps.backward_args(
           j, x=acts[j], y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
           labels=labels, stashed=state.train_states[j].params))
       return box["args"]
 
     def bwd():
-      out = pipe.backward(j, state.train_states[j], *box["args"])
+      out = pipe.steps.backward(j, state.train_states[j], *box["args"])
       state.train_states[j] = out[0]
       return out
     rows.append({"name": stage.name, "reversible": stage.reversible, "forward": fwd,

@@ -57,9 +57,27 @@ def test_throughput_report_schema():
       if method == "gpipe":
         assert v["stored_bytes_per_stage"] == [
             int(k) * row["input_bytes"] for row in sizes[:-1]] + [0]
-  # PETRA's stream never flushes: at k = 8 it is no slower per update than GPipe.
-  assert (r["schedules"]["petra"]["8"]["simulated_ms_per_update"]
-          <= r["schedules"]["gpipe"]["8"]["simulated_ms_per_update"] + 1e-9)
+
+
+def test_schedule_table_from_given_costs():
+  """Equal stage costs (F = 1, B = 2 ms; the loss task 3 ms): PETRA's stream
+  takes the slowest stage's 3 ms per micro-batch and idles nowhere; the
+  flushed schedules pay a fill and a drain every update."""
+  rows = [{"forward": 1.0, "backward": 2.0} for _ in range(4)]
+  rows[-1]["backward"] = 3.0
+  sizes = [{"reversible": False, "input_bytes": 100, "input_x1_bytes": 50, "param_bytes": 7}
+           for _ in range(4)]
+  table = throughput.schedule_table(rows, rows, sizes, ks=(1, 8))
+  for k in ("1", "8"):
+    assert table["petra"][k]["simulated_ms_per_update"] == pytest.approx(3.0 * int(k))
+    assert table["petra"][k]["bubble_fraction"] == pytest.approx(0.0, abs=1e-9)
+    assert table["petra"][k]["stored_bytes_per_stage"] == [600, 400, 200, 0]  # tau_j inputs
+    for method in ("gpipe", "1f1b"):
+      assert table[method][k]["simulated_ms_per_update"] > 3.0 * int(k)
+  assert table["gpipe"]["8"]["stored_bytes_per_stage"] == [800, 800, 800, 0]
+  assert table["1f1b"]["8"]["stored_bytes_per_stage"] == [400, 300, 200, 0]  # J - j in flight
+  # J = 4, k = 1: one micro-batch through 4 stages and back: 1+1+1+3+2+2+2 = 12 ms.
+  assert table["gpipe"]["1"]["simulated_ms_per_update"] == pytest.approx(12.0)
 
 
 def test_stage_cost_last_stage_is_backward_only():

@@ -95,7 +95,7 @@ def test_petra_with_delays_gives_cosines_in_range_and_differs():
   assert last["cos_applied_delayed"][0] < 0.999, last["cos_applied_delayed"]
   assert np.abs(last["norm_ratio_applied_e2e"] - 1).max() > 1e-3
   # One compilation each, whatever the number of probes.
-  for fn in pipe._gradient + [probe._quality] + [pipe.jitted_steps(j)[1] for j in range(J)]:
+  for fn in pipe.steps._gradient + [probe._quality] + [pipe.steps.jitted_steps(j)[1] for j in range(J)]:
     assert fn._cache_size() <= 1
 
 
@@ -115,7 +115,7 @@ def test_without_observers_no_diagnostic_runs():
   assert pipe._run_task == pipe._run_plain
   state = pipe.init(0, random_batch(size=16)[0])
   pipe.run(state, pipe.schedule(2), lambda m: random_batch(size=16, seed=m))
-  assert not hasattr(pipe, "_gradient")
+  assert not hasattr(pipe.steps, "_gradient")
 
 
 def test_plots_without_metrics_is_one_clear_error(tmp_path):

@@ -171,7 +171,7 @@ def test_steps_compile_once():
   state = pipe.init(0, x)
   state, _ = run_ticks(pipe, state, 3 * len(stages), batches_of())
   for j in range(len(stages)):
-    for fn in pipe.jitted_steps(j):
+    for fn in pipe.steps.jitted_steps(j):
       assert fn._cache_size() <= 1  # 0: the head never runs a separate forward
 
 

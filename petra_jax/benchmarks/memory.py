@@ -251,9 +251,9 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
   for j, s in enumerate(stages):
     st = state.train_states[j]
     state_bytes = _nbytes(st)
-    bwd_args = pipe.backward_args(j, x=specs[j], y=specs[j + 1], dy=specs[j + 1], labels=labels)
+    bwd_args = pipe.steps.backward_args(j, x=specs[j], y=specs[j + 1], dy=specs[j + 1], labels=labels)
     working = []
-    for fn, args in zip(pipe.jitted_steps(j), ((specs[j],), bwd_args)):
+    for fn, args in zip(pipe.steps.jitted_steps(j), ((specs[j],), bwd_args)):
       ma = fn.lower(st, *args).compile().memory_analysis()
       if ma is None:
         raise RuntimeError(f"backend {jax.default_backend()!r} gives no memory analysis.")
