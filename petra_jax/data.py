@@ -77,6 +77,8 @@ class DatasetInfo:
     std: per-channel standard deviation, in [0, 1] units, ``[C]``.
     train_split: tfds split name used for training.
     test_split: tfds split name used for evaluation.
+    imagenet_stem: the model's stem for this input size: ImageNet's 7x7
+      stride-2 convolution and max-pool (True) or the CIFAR 3x3 one (False).
     lazy: if True the split is too large for memory: ``open_split`` returns a
       ``LazySplit`` decoded per batch with ImageNet crops (the images may have
       any size; ``image_shape`` is the crop). If False the split is decoded
@@ -90,6 +92,7 @@ class DatasetInfo:
   std: tuple[float, ...]
   train_split: str = "train"
   test_split: str = "test"
+  imagenet_stem: bool = False
   lazy: bool = False
 
 
@@ -123,6 +126,7 @@ DATASETS: dict[str, DatasetInfo] = {
         mean=IMAGENET_MEAN,
         std=IMAGENET_STD,
         test_split="validation",
+        imagenet_stem=True,
         lazy=True,
     ),
 }

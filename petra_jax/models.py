@@ -292,20 +292,8 @@ MODEL_SPECS = {
 MODEL_FAMILY = {name: spec.family for name, spec in MODEL_SPECS.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class DatasetShape:
-  """What a dataset fixes for a model: input size, classes and stem."""
-  image_shape: tuple[int, int, int]
-  num_classes: int
-  imagenet_stem: bool
-
-
-DATASETS = {
-    "cifar10": DatasetShape((32, 32, 3), 10, False),
-    "cifar100": DatasetShape((32, 32, 3), 100, False),
-    "imagenet32": DatasetShape((32, 32, 3), 1000, False),
-    "imagenet": DatasetShape((224, 224, 3), 1000, True),
-}
+# The data sets' input shapes, classes and stems: the one registry, in data.py.
+from petra_jax.data import DATASETS  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def _unknown_model_message(name: str) -> str:

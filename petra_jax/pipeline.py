@@ -443,6 +443,28 @@ class Pipeline:
                    LOSS: self._loss_task, BACKPROP: self._backprop_task}
     self._run_task = self._run_observed if self.observers else self._run_plain
 
+  # -- where the data enters and the loss leaves ------------------------------
+
+  @property
+  def input_device(self) -> jax.Device:
+    """Stage 0's device: where images are fed."""
+    return self.devices[0]
+
+  @property
+  def output_device(self) -> jax.Device:
+    """The last stage's device: where labels go and logits come out."""
+    return self.devices[-1]
+
+  @property
+  def owns_input(self) -> bool:
+    """Whether this process runs stage 0 (and so reads images)."""
+    return self.local[0]
+
+  @property
+  def owns_output(self) -> bool:
+    """Whether this process runs the last stage (labels, logits, losses)."""
+    return self.local[-1]
+
   # -- set-up ----------------------------------------------------------------
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:

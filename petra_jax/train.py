@@ -220,8 +220,8 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int):
   """
   n = len(split)
   loss_sum, correct = 0.0, 0
-  if pipe.local[0]:
-    batches = data_lib.eval_batches(split, info, batch_size, pipe.devices[0])
+  if pipe.owns_input:
+    batches = data_lib.eval_batches(split, info, batch_size, pipe.input_device)
   else:  # another process feeds stage 0: predict only needs the shape
     like = jax.ShapeDtypeStruct((batch_size,) + info.image_shape, jnp.float32)
     batches = ((like, data_lib.read_labels(split, np.arange(s, min(s + batch_size, n))),
@@ -246,14 +246,14 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int):
 def _to_process_0(pipe: Pipeline, values: np.ndarray):
   """float64 ``values`` computed by the last stage's process, on process 0
   (sent as their uint32 bits, exactly); None on other processes."""
-  first, last = pipe.devices[0], pipe.devices[-1]
+  first, last = pipe.input_device, pipe.output_device
   bits = values.view(np.uint32)
-  if pipe.local[0] and pipe.local[-1]:
+  if pipe.owns_input and pipe.owns_output:
     return values
-  if pipe.local[-1]:
+  if pipe.owns_output:
     transport.transfer(jax.device_put(bits, last), last, first,
                        jax.ShapeDtypeStruct(bits.shape, bits.dtype))
-  elif pipe.local[0]:
+  elif pipe.owns_input:
     received = transport.transfer(None, last, first, jax.ShapeDtypeStruct(bits.shape, bits.dtype))
     return np.asarray(received).view(np.float64)
   return None
@@ -374,7 +374,7 @@ def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int
   """The stages (grouped as configured), their pipeline and observers."""
   k = config.accumulation_steps
   stages = models.build_model(config.model.name, width=config.model.width,
-                              num_classes=info.num_classes, imagenet_stem=models.DATASETS[config.dataset].imagenet_stem)
+                              num_classes=info.num_classes, imagenet_stem=info.imagenet_stem)
   sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
                        os.path.join(workdir, "checkpoints"))
   if sizes:
@@ -405,7 +405,7 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
   not own stage 0 read only labels (images None).
   """
   k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
-  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0]) if pipe.local[0] else None
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.input_device) if pipe.owns_input else None
   data_key = jax.random.key(config.seed + 1)
   epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
       len(train), config.batch_size, config.seed, epoch, steps_per_epoch))

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from petra_jax import models, schedule
+from petra_jax import data, models, schedule
 from petra_jax.benchmarks import memory, throughput, timeline
 from petra_jax.stage import Stage
 
@@ -187,7 +187,7 @@ def test_revnet18_matches_reference_numbers():
 
 
 def test_table3_revnet50_imagenet():
-  d = models.DATASETS["imagenet"]
+  d = data.DATASETS["imagenet"]
   stages = models.build_model("revnet50", width=64, num_classes=d.num_classes,
                               imagenet_stem=True)
   rows = memory.table3(memory.stage_bytes(stages, d.image_shape, 64))

@@ -57,6 +57,7 @@ import numpy as np
 import optax
 
 from petra_jax import methods as methods_lib
+from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models, schedule
 from petra_jax import stage as stage_lib
 from petra_jax.pipeline import Pipeline
@@ -281,7 +282,7 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
     (default: the dataset's); with ``with_device_memory``,
     ``device_memory`` (:func:`device_memory` at ``width``/``batch_size``).
   """
-  d = models.DATASETS[dataset]
+  d = data_lib.DATASETS[dataset]
   build = functools.partial(models.build_model, model, num_classes=d.num_classes,
                             imagenet_stem=d.imagenet_stem)
   sizes = stage_bytes(build(width=width), d.image_shape, batch_size)
@@ -354,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.memory",
                               description=__doc__.splitlines()[0])
   p.add_argument("--model", default="revnet50", choices=sorted(models.MODEL_SPECS))
-  p.add_argument("--dataset", default="imagenet", choices=sorted(models.DATASETS))
+  p.add_argument("--dataset", default="imagenet", choices=sorted(data_lib.DATASETS))
   p.add_argument("--batch-size", type=int, default=64)
   p.add_argument("--width", type=int, default=64)
   p.add_argument("--method", default="all", choices=["all", *METHODS],

@@ -57,6 +57,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models, schedule  # noqa: E402
 from petra_jax.partition import balanced_partition, equal_partition, group_cost  # noqa: E402,F401
 from petra_jax.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
@@ -356,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.throughput",
                               description=__doc__.splitlines()[0])
   p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
-  p.add_argument("--dataset", default="cifar10", choices=sorted(models.DATASETS))
+  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
   p.add_argument("--batch-size", type=int, default=64, help="micro-batch size")
   p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
   p.add_argument("--iters", type=int, default=5, help="measured calls per timing")
@@ -365,7 +366,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="override the dataset's image side (tiny smoke runs)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
-  d = models.DATASETS[args.dataset]
+  d = data_lib.DATASETS[args.dataset]
   shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
   stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
                               imagenet_stem=d.imagenet_stem)

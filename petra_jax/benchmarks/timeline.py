@@ -29,6 +29,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models, observers  # noqa: E402
 from petra_jax.methods import METHODS  # noqa: E402
 from petra_jax.pipeline import Pipeline  # noqa: E402
@@ -158,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.timeline",
                               description=__doc__.splitlines()[0])
   p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
-  p.add_argument("--dataset", default="cifar10", choices=sorted(models.DATASETS))
+  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
   p.add_argument("--width", type=int, default=4)
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--image-size", type=int, default=None,
@@ -168,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--accumulation-steps", type=int, default=1, help="k (gpipe, 1f1b rounds)")
   p.add_argument("--out", default="docs/timeline.png")
   args = p.parse_args(argv)
-  d = models.DATASETS[args.dataset]
+  d = data_lib.DATASETS[args.dataset]
   shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
   stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
                               imagenet_stem=d.imagenet_stem)
