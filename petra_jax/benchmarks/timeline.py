@@ -178,8 +178,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if sorted(timeline) != sorted(table_events(table, args.ticks)):
     raise SystemExit("error: the engine ran other tasks than its schedule table prescribes.")
   J = len(stages)
-  plot_timeline(timeline, J, args.out, num_ticks=args.ticks)
   s = timeline_stats(timeline, J, args.ticks)
+  k = f", k = {args.accumulation_steps}" if args.method in ("gpipe", "1f1b") else ""
+  plot_timeline(timeline, J, args.out, num_ticks=args.ticks, title=(
+      f"{args.method} schedule, {J} stages{k}: labels = micro-batch; {s['bubbles']} idle "
+      f"of {s['slots']} F/B slots"))
   print(f"{args.model}, {args.method}: {J} stages, {s['ticks']} ticks -> {args.out} (the "
         "recorded tasks equal the schedule table's)")
   print(f"first loss on tick {s['first_loss_tick']} (J-1 = {J - 1}); pipeline full from "
