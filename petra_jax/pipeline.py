@@ -306,7 +306,6 @@ class StageSteps:
                       for j in range(self.num_stages)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
 
-
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
     without the update), on the arguments :meth:`backward_args` gives."""

@@ -267,9 +267,12 @@ def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Seque
   """Event-driven time of ``schedule`` with one device per stage.
 
   Each stage runs its tasks in table order; a task starts when its stage is
-  free and the message it consumes has arrived (the producing task's end plus
-  the send time of the producing stage). No global barrier: a tick is only
-  the order.
+  free and the message it consumes has arrived. A stage sends what a task
+  produces right after it (forward: to ``j+1``; backward and loss: to
+  ``j-1``) and is busy sending (a blocking copy), so in PETRA's steady state a
+  micro-batch costs ``max_j (F_j + B_j + T_j)``, the tick of
+  :func:`petra_jax.benchmarks.throughput.simulated_speedup`. No global
+  barrier: a tick is only the order.
 
   Args:
     schedule: the table.
@@ -279,23 +282,31 @@ def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Seque
       ``j+1`` and its ``(x~, delta)`` to ``j-1`` (default 0).
 
   Returns:
-    ``{"makespan_ms": float, "busy_ms": [float per stage]}``.
+    ``{"makespan_ms": float, "busy_ms": [float per stage]}``: ``busy_ms``
+    counts compute only (sending is idle time for the bubble).
   """
   J = schedule.num_stages
   fsend = send_forward_ms or [0.0] * J
   bsend = send_backward_ms or [0.0] * J
-  free, busy, end = [0.0] * J, [0.0] * J, {}
+  free, busy, sent = [0.0] * J, [0.0] * J, {}
   for tick in schedule:
     for task in tick:
       dep = None if task.kind == BACKPROP else _dependency(task, J)
-      ready = 0.0
-      if dep is not None:
-        ready = end.pop(dep) + (fsend if dep.kind == FORWARD else bsend)[dep.stage]
-      start = max(free[task.stage], ready)
+      start = max(free[task.stage], sent.pop(dep) if dep is not None else 0.0)
       cost = task_ms(task, forward_ms, backward_ms)
-      free[task.stage] = end[task] = start + cost
+      send = _send_ms(task, J, fsend, bsend)
+      free[task.stage] = sent[task] = start + cost + send
       busy[task.stage] += cost
   return {"makespan_ms": max(free), "busy_ms": busy}
+
+
+def _send_ms(task: Task, J: int, fsend: Sequence[float], bsend: Sequence[float]) -> float:
+  """Time stage ``task.stage`` spends sending what ``task`` produced."""
+  if task.kind == FORWARD:
+    return fsend[task.stage]
+  if task.kind in (BACKWARD, LOSS) and task.stage > 0:
+    return bsend[task.stage]
+  return 0.0
 
 
 def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,

@@ -103,16 +103,25 @@ def test_held_is_tau_at_steady_state():
 
 
 def test_simulated_time_by_hand():
-  """J = 2, costs F0 = 1, B0 = 2, loss L1 = 3, sends 0.5 each way.
+  """J = 2, costs F0 = 1, B0 = 2, loss L1 = 3; stage 0 sends forward in 0.5,
+  stage 1 back in 0.5, busy while sending.
 
-  Stream, one micro-batch: F0 [0, 1], L1 [1.5, 4.5], B0 [5, 7]: 7 ms.
-  Two micro-batches: F0(0) [0,1], F0(1) [1,2], L1(0) [1.5,4.5], L1(1)
-  [4.5,7.5], B0(0) [5,7], B0(1) [8,10]: makespan 10, busy 6 + 6.
+  One micro-batch: F0 [0, 1] + send to 1.5, L1 [1.5, 4.5] + send to 5,
+  B0 [5, 7]: 7 ms. Two: F0(0) [0, 1.5], F0(1) [1.5, 3], L1(0) [1.5, 5],
+  L1(1) [5, 8.5], B0(0) [5, 7], B0(1) [8.5, 10.5]; compute 6 + 6.
   """
   one = schedule.simulate(Schedule("stream", 2, 1), [1, 0], [2, 3], [0.5, 0], [0, 0.5])
   assert one["makespan_ms"] == 7.0 and one["busy_ms"] == [3.0, 3.0]
   two = schedule.simulate(Schedule("stream", 2, 2), [1, 0], [2, 3], [0.5, 0], [0, 0.5])
-  assert two["makespan_ms"] == 10.0 and two["busy_ms"] == [6.0, 6.0]
+  assert two["makespan_ms"] == 10.5 and two["busy_ms"] == [6.0, 6.0]
+
+
+def test_stream_steady_state_is_the_slowest_stage_with_its_sends():
+  """PETRA's tick on one device per stage: max_j (F_j + B_j + T_j)."""
+  F, B = [1.0, 2.0, 1.0, 0.0], [1.0, 3.0, 2.0, 4.0]
+  fs, bs = [0.5, 0.25, 0.1, 0.0], [0.0, 0.5, 0.3, 0.2]
+  r = schedule.ms_per_update("stream", 4, 1, F, B, fs, bs)
+  assert r["simulated_ms_per_update"] == pytest.approx(2 + 3 + 0.25 + 0.5)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

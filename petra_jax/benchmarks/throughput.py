@@ -175,11 +175,17 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
                       send_backward: Optional[Sequence[float]] = None) -> float:
   """PETRA on one device per stage against sequential revprop.
 
-  ``sum_j c_j / max_j (c_j + T_j)``: a PETRA tick waits for the slowest stage
-  (compute ``c_j`` plus its sends ``T_j``), while a sequential reversible step
-  runs every stage's forward and backward in turn.
+  ``sum_j c_j`` (a sequential reversible step runs every stage's forward and
+  backward in turn) over PETRA's steady-state time per micro-batch on one
+  device per stage, from its schedule table
+  (:func:`petra_jax.schedule.ms_per_update`): ``max_j (c_j + T_j)``, the
+  slowest stage's compute ``c_j`` plus its sends ``T_j``.
   """
-  tick = max(group_cost(costs, j, j, send_forward, send_backward) for j in range(len(costs)))
+  J = len(costs)
+  forward = list(costs[:-1]) + [0.0]  # the table needs F_j and B_j; only c_j matters
+  backward = [0.0] * (J - 1) + [costs[-1]]
+  tick = schedule.ms_per_update("stream", J, 1, forward, backward, send_forward,
+                                send_backward)["simulated_ms_per_update"]
   return float(sum(costs)) / tick
 
 
@@ -276,8 +282,10 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     ``ratio_petra_backprop``, ``ratio_revprop_backprop``, ``stage_ms`` (per
     stage ``forward``, ``backward``, ``send_forward``, ``send_backward``, ms),
     ``simulated_speedup`` (with sends), ``simulated_speedup_compute_only``,
-    ``balancing`` (:func:`balancing_table`), ``schedules``
-    (:func:`schedule_table`), ``num_stages``, ``devices``.
+    ``balancing`` (:func:`balancing_table`), ``stage_ms_recompute`` (the
+    stages' costs when they recompute from a stored input, as ``gpipe`` and
+    ``1f1b`` do), ``schedules`` (:func:`schedule_table`), ``num_stages``,
+    ``devices``.
   """
   devices = jax.devices()
   tx = optax.sgd(1e-3, momentum=0.9)
@@ -314,6 +322,7 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
       "simulated_speedup_compute_only": simulated_speedup(costs),
       "block_gflops": [f / 1e9 for f in flops],
       "balancing": balancing_table(costs, fwd_send, bwd_send, flops=flops),
+      "stage_ms_recompute": rows_stored,
       "schedules": schedule_table(rows, rows_stored,
                                   stage_bytes(stages, input_shape, batch_size)),
       "num_stages": len(stages),
