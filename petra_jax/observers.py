@@ -119,7 +119,9 @@ class GradientProbe(Observer):
     if probe is None or task.kind == BACKPROP:
       return
     params = _copy(state.train_states[j].params)
-    if task.kind in (FORWARD, LOSS):
+    if task.kind == FORWARD:  # the weights the forward uses (predicted, if so)
+      probe.forward_params[j] = _copy(pipe.steps.forward_params(j, state.train_states[j]))
+    elif task.kind == LOSS:
       probe.forward_params[j] = params
     if task.kind in (BACKWARD, LOSS):
       probe.backward_params[j] = params

@@ -187,9 +187,10 @@ class Observer:
 # Jitted per-stage steps (module-level pure functions; one jit per stage).
 # ----------------------------------------------------------------------------
 
-def forward_step(stage: Stage, state: StageState, x):
-  """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1)."""
-  return forward(stage, state.params, state.batch_stats, x)
+def forward_step(stage: Stage, state: StageState, x, params=None):
+  """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1),
+  or with ``params`` (e.g. weights predicted ahead by a delay compensation)."""
+  return forward(stage, state.params if params is None else params, state.batch_stats, x)
 
 
 def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
@@ -292,10 +293,18 @@ class StageSteps:
     stages: the model's stages.
     method: the method (what it stashes, whether it reconstructs).
     bn_stats: ``"backward"`` or ``"forward"`` (see :class:`Pipeline`).
+    predictors: per stage, None or ``(params, opt_state) -> params``: the
+      weights its forward uses instead of the current ones (weight
+      prediction, :mod:`petra_jax.compensation`). Backwards always use the
+      current weights (a reconstructing stage rebuilds its input with them,
+      Eq. 5) or, for methods that stash weights, the ones the forward used.
   """
 
-  def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str):
+  def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
+               predictors: Optional[Sequence[Optional[Callable]]] = None):
     self.stages, self.method = list(stages), method
+    self._predict = [None if p is None else jax.jit(p)
+                     for p in (predictors or [None] * len(stages))]
     self.num_stages = len(stages)
     self.stats_in_forward = bn_stats == "forward"
     # Stage j rebuilds its input from its output (otherwise it buffers it).
@@ -360,9 +369,19 @@ class StageSteps:
     out = self._gradient[j](train_state, *args)
     return out[2] if self.reconstructs[j] or j == self.num_stages - 1 else out[1]
 
-  def forward(self, j: int, train_state: StageState, x):
-    """Stage ``j``'s jitted forward: ``(y, batch_stats)``."""
-    return self._forward[j](train_state, x)
+  def forward_params(self, j: int, train_state: StageState):
+    """The weights stage ``j``'s forward uses: predicted, or the current ones."""
+    predict = self._predict[j]
+    if predict is None:
+      return train_state.params
+    return predict(train_state.params, train_state.opt_state)
+
+  def forward(self, j: int, train_state: StageState, x, params=None):
+    """Stage ``j``'s jitted forward: ``(y, batch_stats)``, with ``params``
+    if given (see :meth:`forward_params`), else the current weights."""
+    if params is None:
+      return self._forward[j](train_state, x)
+    return self._forward[j](train_state, x, params)
 
   def jitted_steps(self, j: int) -> tuple:
     """Stage ``j``'s jitted ``(forward, backward)`` (e.g. to ``.lower()``
@@ -402,6 +421,8 @@ class Pipeline:
       backward recomputation/reconstruction, never by the forward) or
       ``"forward"`` (the authors' code: updated by the forward).
     observers: :class:`Observer`\\ s called around every task (diagnostics).
+    predictors: per stage, the weights its forward uses (see
+      :class:`StageSteps`); default: the current ones.
 
   Attributes:
     steps: the stages' jitted steps and backward rule (:class:`StageSteps`).
@@ -415,7 +436,8 @@ class Pipeline:
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
-               bn_stats: str = "backward", observers: Sequence[Observer] = ()):
+               bn_stats: str = "backward", observers: Sequence[Observer] = (),
+               predictors: Optional[Sequence[Optional[Callable]]] = None):
     self.method = methods_lib.get(method)
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
@@ -432,7 +454,7 @@ class Pipeline:
     # its own devices; messages to or from the others go through transport.
     self.local = [transport.is_local(d) for d in self.devices]
     self.multiprocess = not all(self.local)
-    self.steps = StageSteps(stages, self.method, bn_stats)
+    self.steps = StageSteps(stages, self.method, bn_stats, predictors)
     self.reconstructs = self.steps.reconstructs
     self.observers = list(observers)
     self._spec_cache: dict = {}
@@ -583,11 +605,12 @@ class Pipeline:
     x, y = _take(state.inbox[j], m, "input", j), None
     if self.local[j]:
       st = state.train_states[j]
-      y, stats = self.steps.forward(j, st, x)
+      params = self.steps.forward_params(j, st)
+      y, stats = self.steps.forward(j, st, x, None if params is st.params else params)
       if self.steps.stats_in_forward:
         state.train_states[j] = st.replace(batch_stats=stats)
       if self.method.stashes_weights:  # copied: the backward donates the live ones
-        state.weight_stash[j][m] = self._copy(st.params)
+        state.weight_stash[j][m] = self._copy(params)
       if not self.reconstructs[j]:
         state.buffers[j][m] = x
     state.inbox[j + 1][m] = self._move(y, j, j + 1, self._specs[j + 1])
