@@ -22,6 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
   c.model.width = 64          # channels per stream after the stem (paper: 64)
+  c.model.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
   c.model.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
   c.model.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
   c.model.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost

@@ -32,7 +32,30 @@ starts with a bottleneck downsampling block (stride 1 in the first group).
 Against ResNet50 this adds one 1x1 projection per group and a head on
 ``2 x 2048`` features: 25.6M + 2.8M + 2.0M = 30.4M.
 
-Run ``python -m petra_jax.models NAME --dataset=cifar10 [--width=W] [--json]``
+Fixed-size RevNet (``revnet_fixed``, the authors' ``make_layers_revnet_fixed_size``
+run by their ``main_fixed_size.py``): the stem, ``depth`` reversible basic
+blocks at ``width`` channels per stream and the stem's resolution (no
+downsampling), the head. Default ``depth`` 20, the authors' ``--n-layers``.
+Their ``--hidden-size`` (default 256) counts both streams: it is ``width =
+hidden_size / 2`` here (their default is ``width=128``).
+
+Invertible-downsampling RevNets (``revnet18_inv/34_inv/50_inv``): RevNet18/34/50
+with every downsampling block made reversible after i-RevNet (Jacobsen et al.,
+2018; :mod:`petra_jax.invertible`), so only the stem and the head buffer their
+input. A downsampling block from ``C`` to ``2C`` channels per stream becomes
+``pre`` + coupling: the first ``C/2`` channels of each stream go through the
+space-to-depth ``psi`` (``[H, W, C/2] -> [H/2, W/2, 2C]``) and stay on the
+streams; the other ``C/2`` of each are set aside unchanged (``[H, W, C]`` for
+both streams) and carried after the streams to the head, which average-pools
+them with the streams. The coupling's ``F`` is the group's residual function
+(``BasicResidual(2C)`` or ``BottleneckResidual``), so every later block sees
+RevNet18/34/50's stream widths and resolutions. ``revnet50_inv``'s first group
+(stride 1, ``width -> 4 width``) pads the streams with zero channels instead
+(i-RevNet's injective padding). Every activation between stem and head holds
+as many numbers as the stem's output (4x it in ``revnet50_inv``): nothing is
+discarded, so nothing needs a buffer.
+
+Run ``python -m petra_jax.models NAME --dataset=cifar10 [--width=W] [--depth=N] [--json]``
 to print the stages, their output shapes and parameter counts.
 """
 
@@ -51,6 +74,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from petra_jax import invertible
 from petra_jax import stage as stage_lib
 from petra_jax.stage import Stage
 
@@ -229,17 +253,22 @@ class Head(nn.Module):
   """Last stage: (concat streams) -> global average pool -> Dense -> logits.
 
   Takes streams ``(x1, x2)`` (RevNets) or one ``[B, H, W, C]`` tensor
-  (ResNets). Returns ``float32[B, num_classes]``; the softmax cross-entropy is
-  applied by the engine (:func:`petra_jax.stage.cross_entropy`).
+  (ResNets); arrays carried after the streams (invertible downsampling, any
+  resolution) are average-pooled too and their features appended. Returns
+  ``float32[B, num_classes]``; the softmax cross-entropy is applied by the
+  engine (:func:`petra_jax.stage.cross_entropy`).
   """
   num_classes: int
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train
+    carried = ()
     if isinstance(x, (tuple, list)):
-      x = jnp.concatenate(x, axis=-1)
+      x, carried = jnp.concatenate(x[:2], axis=-1), x[2:]
     h = x.mean(axis=(1, 2))
+    if carried:
+      h = jnp.concatenate([h, *(c.mean(axis=(1, 2)) for c in carried)], axis=-1)
     return nn.Dense(self.num_classes, kernel_init=_torch_default_init,
                     bias_init=_torch_bias_init(h.shape[-1]))(h)
 
@@ -256,10 +285,16 @@ class ModelSpec:
       (one tensor, every stage non-reversible).
     blocks_per_group: residual blocks per resolution group.
     bottleneck: bottleneck blocks (channel expansion 4) instead of basic ones.
+    invertible_downsampling: downsampling blocks are reversible (i-RevNet's
+      ``psi``, :mod:`petra_jax.invertible`) instead of buffered.
+    fixed_size: one group, no downsampling, its block count set by
+      ``build_model``'s ``depth`` (``blocks_per_group`` holds the default).
   """
   family: str
   blocks_per_group: Sequence[int]
   bottleneck: bool = False
+  invertible_downsampling: bool = False
+  fixed_size: bool = False
 
   @property
   def reversible(self) -> bool:
@@ -285,6 +320,14 @@ MODEL_SPECS = {
     "revnet18": ModelSpec("revnet", (2, 2, 2, 2)),
     "revnet34": ModelSpec("revnet", (3, 4, 6, 3)),
     "revnet50": ModelSpec("revnet", (3, 4, 6, 3), bottleneck=True),
+    # The same with reversible (invertible) downsampling blocks.
+    "revnet18_inv": ModelSpec("revnet", (2, 2, 2, 2), invertible_downsampling=True),
+    "revnet34_inv": ModelSpec("revnet", (3, 4, 6, 3), invertible_downsampling=True),
+    "revnet50_inv": ModelSpec("revnet", (3, 4, 6, 3), bottleneck=True,
+                              invertible_downsampling=True),
+    # Stem + depth reversible blocks + head; default depth 20 (the authors'
+    # main_fixed_size.py --n-layers).
+    "revnet_fixed": ModelSpec("revnet", (20,), fixed_size=True),
 }
 
 # Model name -> "revnet" | "resnet": lets the trainer tell reversible models
@@ -301,29 +344,42 @@ def _unknown_model_message(name: str) -> str:
 
 
 def build_model(name: str, *, width: int = 64, num_classes: int = 10,
-                imagenet_stem: bool = False) -> list[Stage]:
+                imagenet_stem: bool = False, depth: Optional[int] = None) -> list[Stage]:
   """Builds the stage list of a model, one residual block per stage.
 
   Args:
-    name: one of ``MODEL_SPECS`` (``resnet18/34/50``, ``revnet18/34/50``).
+    name: one of ``MODEL_SPECS`` (``resnet18/34/50``, ``revnet18/34/50``,
+      ``revnet18_inv/34_inv/50_inv``, ``revnet_fixed``).
     width: base channels (the paper's 64): per stream after the stem for
       RevNets, of the stem's output for ResNets; group ``g`` has base width
       ``width * 2**g`` (times 4 at block outputs for the 50-layer models).
+      ``revnet_fixed`` keeps ``width`` throughout; the ``_inv`` models need
+      an even width (checked when traced).
     num_classes: classes of the head.
     imagenet_stem: 7x7/2 conv + max-pool stem instead of the CIFAR 3x3 one.
+    depth: reversible blocks of ``revnet_fixed`` (``config.model.depth``);
+      None for the model's default (20). Only fixed-size models take it.
 
   Returns:
     ``[stem, block, ..., head]``: 10 stages for the 18-layer models, 18 for
-    the 34- and 50-layer ones.
+    the 34- and 50-layer ones, ``depth + 2`` for ``revnet_fixed``.
 
   Raises:
-    ValueError: unknown ``name`` or ``width < 1``.
+    ValueError: unknown ``name``, ``width < 1``, ``depth < 1``, or a
+      ``depth`` for a model whose block counts are fixed.
   """
   if name not in MODEL_SPECS:
     raise ValueError(f"{_unknown_model_message(name)} (--config.model.name=...)")
   if width < 1:
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = MODEL_SPECS[name]
+  if depth is not None:
+    fixed = sorted(n for n, s in MODEL_SPECS.items() if s.fixed_size)
+    if not spec.fixed_size:
+      raise ValueError(f"model.depth applies to {fixed} only; {name} has fixed block counts.")
+    if depth < 1:
+      raise ValueError(f"model.depth must be >= 1, got {depth}.")
+    spec = dataclasses.replace(spec, blocks_per_group=(depth,))
   build = _revnet_blocks if spec.reversible else _resnet_blocks
   stem = Stem(width, imagenet=imagenet_stem, two_streams=spec.reversible)
   return ([Stage("stem", stem, reversible=False)] + build(spec, width) +
@@ -331,13 +387,16 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
 
 
 def _revnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
-  """The RevNet block stages: downsampling (non-reversible) and reversible."""
-  stages = []
+  """The RevNet block stages: downsampling (non-reversible unless
+  ``spec.invertible_downsampling``) and reversible."""
+  stages, c_in = [], width
   for g, n in enumerate(spec.blocks_per_group):
     hidden = width * 2**g
     c = spec.expansion * hidden
     for b in range(n):
-      if b == 0 and spec.bottleneck:
+      if b == 0 and (spec.bottleneck or g > 0) and spec.invertible_downsampling:
+        stages.append(_invertible_downsample(spec, g, c_in, c, hidden))
+      elif b == 0 and spec.bottleneck:
         module = BottleneckDownsample(c, hidden, stride=1 if g == 0 else 2)
         stages.append(Stage(f"group{g}_down", module, reversible=False))
       elif b == 0 and g > 0:
@@ -346,7 +405,23 @@ def _revnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
         stages.append(Stage(f"group{g}_rev{b}", BottleneckResidual(c, hidden), reversible=True))
       else:
         stages.append(Stage(f"group{g}_rev{b}", BasicResidual(c), reversible=True))
+    c_in = c
   return stages
+
+
+def _invertible_downsample(spec: ModelSpec, g: int, c_in: int, c: int, hidden: int) -> Stage:
+  """Group ``g``'s first block, reversible: ``pre`` then the group's coupling.
+
+  Streams of ``c_in`` channels in, ``c`` out. Group 0 (RevNet50's stride-1
+  block) zero-pads the channels; later groups halve the resolution with
+  ``psi`` on ``c / 4`` channels per stream and set the rest aside.
+  """
+  if g == 0:
+    pre = invertible.InjectivePad(c_in, c)
+  else:
+    pre = invertible.InvertibleDownsample(c_in, c)
+  module = BottleneckResidual(c, hidden) if spec.bottleneck else BasicResidual(c)
+  return Stage(f"group{g}_down", module, reversible=True, pre=pre)
 
 
 def _resnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
@@ -466,7 +541,9 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
     One dict per stage: ``index``, ``name``, ``kind`` (``"reversible"`` or
     ``"non-reversible"``), ``output_shape`` (per stream, without the batch:
     ``[H, W, C]``, or ``[num_classes]`` for the head) and ``params`` (number of
-    trainable parameters; BatchNorm statistics excluded).
+    trainable parameters; BatchNorm statistics excluded). Where the output
+    carries arrays after the streams (invertible downsampling), also
+    ``carried_shapes``: their ``[H, W, C]``s.
   """
   x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
   rows = []
@@ -479,6 +556,8 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
         "output_shape": list(out.shape[1:]),
         "params": sum(math.prod(p.shape) for p in jax.tree.leaves(variables["params"])),
     })
+    if isinstance(y, tuple) and len(y) > 2:
+      rows[-1]["carried_shapes"] = [list(c.shape[1:]) for c in y[2:]]
   return rows
 
 
@@ -487,11 +566,12 @@ def count_params(stages: Sequence[Stage], image_shape: Sequence[int]) -> int:
   return sum(r["params"] for r in stage_summaries(stages, image_shape))
 
 
-def summarize(name: str, dataset: str, width: int = 64) -> dict:
+def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None) -> dict:
   """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
 
   The dataset fixes the input size, the stem and the classes (``DATASETS``);
-  stages are as in :func:`stage_summaries`.
+  stages are as in :func:`stage_summaries`; ``depth`` as in
+  :func:`build_model`.
 
   Raises:
     ValueError: unknown ``name`` or ``dataset``.
@@ -500,13 +580,13 @@ def summarize(name: str, dataset: str, width: int = 64) -> dict:
     raise ValueError(f"Unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}.")
   d = DATASETS[dataset]
   stages = build_model(name, width=width, num_classes=d.num_classes,
-                       imagenet_stem=d.imagenet_stem)
+                       imagenet_stem=d.imagenet_stem, depth=depth)
   rows = stage_summaries(stages, d.image_shape)
   return {"total_params": sum(r["params"] for r in rows), "stages": rows}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m petra_jax.models NAME --dataset=D [--width=W] [--json]``."""
+  """``python -m petra_jax.models NAME --dataset=D [--width=W] [--depth=N] [--json]``."""
   parser = argparse.ArgumentParser(
       prog="python -m petra_jax.models",
       description="Print a model's PETRA stages, output shapes (per stream, "
@@ -515,6 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--dataset", choices=sorted(DATASETS), default="cifar10",
                       help="fixes input size, stem and classes (default cifar10)")
   parser.add_argument("--width", type=int, default=64, help="base width (default 64)")
+  parser.add_argument("--depth", type=int, default=None,
+                      help="reversible blocks of a fixed-size model (revnet_fixed; default 20)")
   parser.add_argument("--json", action="store_true", help="print JSON")
   args = parser.parse_args(argv)
   if args.name not in MODEL_SPECS:
@@ -523,19 +605,31 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.width < 1:
     print(f"error: --width must be >= 1, got {args.width}.", file=sys.stderr)
     return 2
-  summary = summarize(args.name, args.dataset, args.width)
+  try:
+    summary = summarize(args.name, args.dataset, args.width, args.depth)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   if args.json:
     print(json.dumps(summary))
     return 0
   family = MODEL_FAMILY[args.name]
   print(f"{args.name} ({family}) on {args.dataset}, width {args.width}: "
         f"{len(summary['stages'])} stages")
-  print(f"{'idx':>3}  {'name':<14} {'kind':<15} {'output (HxWxC)':<22} {'params':>12}")
+  shapes = []
   for r in summary["stages"]:
     shape = "x".join(map(str, r["output_shape"]))
     if family == "revnet" and r["name"] != "head":
       shape = f"2 x {shape}"
-    print(f"{r['index']:>3}  {r['name']:<14} {r['kind']:<15} {shape:<22} {r['params']:>12,}")
+    if r.get("carried_shapes"):
+      shape += " + " + ", ".join("x".join(map(str, c)) for c in r["carried_shapes"])
+    shapes.append(shape)
+  col = max(22, *map(len, shapes))
+  print(f"{'idx':>3}  {'name':<14} {'kind':<15} {'output (HxWxC)':<{col}} {'params':>12}")
+  for r, shape in zip(summary["stages"], shapes):
+    print(f"{r['index']:>3}  {r['name']:<14} {r['kind']:<15} {shape:<{col}} {r['params']:>12,}")
+  if any(r.get("carried_shapes") for r in summary["stages"]):
+    print("(after '+': arrays set aside by invertible downsampling, carried to the head)")
   print(f"total: {summary['total_params']:,} parameters")
   return 0
 

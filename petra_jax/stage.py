@@ -13,8 +13,18 @@ implements the coupling of paper Fig. 2::
 Its backward (:func:`reverse_vjp`) reconstructs the input from the output with
 the *current* weights and takes the vector-Jacobian product at the
 reconstruction (paper Eq. 5); ``F`` is evaluated once, its vjp recorded while
-reconstructing. A non-reversible stage (stem, downsampling, head) recomputes
-its forward from a buffered input (:func:`recompute_vjp`, Alg. 1 l. 15-17).
+reconstructing.
+
+A reversible stage may also hold a ``pre``: a parameter-free linear map ``P``
+with ``P^T P = I`` (a permutation such as i-RevNet's space-to-depth ``psi``, or
+an injective zero-padding; see :mod:`petra_jax.invertible`) applied to its
+input before the coupling, so the stage is ``x -> C(P x)``. ``P^T`` is then both
+the reconstruction of ``x`` from ``P x`` and ``P``'s vjp. Activations after
+such a stage may carry, after the two streams, arrays set aside by ``P``
+(``(x1, x2, *carried)``); the coupling passes them through unchanged.
+
+A non-reversible stage (stem, downsampling, head) recomputes its forward from
+a buffered input (:func:`recompute_vjp`, Alg. 1 l. 15-17).
 
 BatchNorm always normalises with the current batch's statistics in training
 (forward and reconstruction alike). Every function returns the BatchNorm
@@ -26,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import flax.linen as nn
 import jax
@@ -49,11 +59,15 @@ class Stage:
       coupling of ``module`` (Fig. 2), or a group of reversible blocks only.
     blocks: for a group (:func:`group`), its single-block stages in order;
       their variables live under ``"block_0"``, ``"block_1"``, ...
+    pre: for a reversible single-block stage, an optional :class:`Reshuffle`
+      applied to the input before the coupling (e.g. invertible
+      downsampling); None for the plain coupling of Fig. 2.
   """
   name: str
   module: nn.Module | None
   reversible: bool
   blocks: tuple["Stage", ...] = ()
+  pre: "Reshuffle | None" = None
 
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
@@ -64,10 +78,37 @@ class Stage:
         params[f"block_{i}"], stats[f"block_{i}"] = v["params"], v["batch_stats"]
         x = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), trace([block], x)[0][1])
       return {"params": params, "batch_stats": stats}
-    x_in = x[0] if self.reversible else x
+    x_in = _reshuffle(self, x)[0] if self.reversible else x
     variables = dict(self.module.init(key, x_in, train=True))
     variables.setdefault("batch_stats", {})
     return variables
+
+
+class Reshuffle(Protocol):
+  """A parameter-free linear map ``P`` with ``P^T P = I``, before a coupling.
+
+  A permutation (then ``P^T = P^{-1}``) or an injection such as zero-padding
+  channels. ``transpose`` is ``P^T``: it rebuilds ``x`` exactly from ``P x``
+  (:func:`inverse`) and is ``P``'s vjp (:func:`reverse_vjp`), so the stage's
+  backward still evaluates ``F`` once. Both map activation pytrees:
+  ``(x1, x2, *carried)`` in and out.
+  """
+
+  def apply(self, x: PyTree) -> PyTree:
+    """``P x``."""
+
+  def transpose(self, y: PyTree) -> PyTree:
+    """``P^T y``."""
+
+
+def _reshuffle(stage: Stage, x):
+  """``P x`` for a stage with a ``pre``, else ``x``."""
+  return x if stage.pre is None else stage.pre.apply(x)
+
+
+def _unshuffle(stage: Stage, y):
+  """``P^T y`` for a stage with a ``pre``, else ``y``."""
+  return y if stage.pre is None else stage.pre.transpose(y)
 
 
 def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> list[tuple]:
@@ -152,15 +193,16 @@ def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
     return x, new_stats
   if not stage.reversible:
     return _apply(stage.module, params, batch_stats, x, train)
-  x1, x2 = x
+  x1, x2, *carried = _reshuffle(stage, x)
   f, new_stats = _apply(stage.module, params, batch_stats, x1, train)
-  return (x2 + f, x1), new_stats
+  return (x2 + f, x1, *carried), new_stats
 
 
 def inverse(stage: Stage, params, batch_stats, y):
   """Reconstruction ``x = F_j^{-1}(y, theta_j)`` of a reversible stage.
 
-  Returns the streams ``(x1, x2) = (y2, y1 - F(y2))``.
+  Returns the streams ``(x1, x2) = (y2, y1 - F(y2))`` (any carried arrays
+  passed through), mapped back by ``P^T`` for a stage with a ``pre``.
 
   Raises:
     ValueError: if the stage is not reversible.
@@ -171,9 +213,9 @@ def inverse(stage: Stage, params, batch_stats, y):
     for i in reversed(range(len(stage.blocks))):
       y = inverse(stage.blocks[i], *_block_vars(params, batch_stats, i), y)
     return y
-  y1, y2 = y
+  y1, y2, *carried = y
   f, _ = _apply(stage.module, params, batch_stats, y2, True)
-  return y2, y1 - f
+  return _unshuffle(stage, (y2, y1 - f, *carried))
 
 
 def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
@@ -186,13 +228,16 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
     delta_j = d_x F(x~, theta)^T dy = (dy2 + J_F(y2)^T dy1, dy1)
     Delta_j = d_theta F(x~, theta)^T dy = d_theta F(y2)^T dy1
 
-  ``F`` is evaluated once: its vjp is recorded while reconstructing.
+  ``F`` is evaluated once: its vjp is recorded while reconstructing. With a
+  ``pre`` ``P`` (the stage is ``x -> C(P x)``), both ``x~`` and ``delta_j``
+  are mapped back by ``P^T``, ``P``'s inverse and vjp; arrays carried after
+  the streams pass through with their cotangents.
 
   Args:
     stage: a reversible stage.
     params, batch_stats: the stage's *current* variables (``theta_j^t``).
-    y: streams ``(y1, y2)``, each ``[B, H, W, C]``.
-    dy: cotangent streams, same shapes.
+    y: streams ``(y1, y2)``, each ``[B, H, W, C]`` (then any carried arrays).
+    dy: cotangent streams, same structure.
 
   Returns:
     ``(x_tilde, dx, dparams, new_batch_stats)``: the reconstructed input
@@ -206,15 +251,16 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
       y, dy, grads[key], stats[key] = reverse_vjp(
           stage.blocks[i], params[key], batch_stats[key], y, dy)
     return y, dy, grads, stats
-  y1, y2 = y
-  dy1, dy2 = dy
+  y1, y2, *carried = y
+  dy1, dy2, *dcarried = dy
 
   def residual(p, x1):
     return _apply(stage.module, p, batch_stats, x1, True)
 
   f, f_vjp, new_stats = jax.vjp(residual, params, y2, has_aux=True)
   dparams, dx1 = f_vjp(dy1)
-  return (y2, y1 - f), (dy2 + dx1, dy1), dparams, new_stats
+  return (_unshuffle(stage, (y2, y1 - f, *carried)),
+          _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats)
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
@@ -234,15 +280,15 @@ def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
       y, dy, grads[key], stats[key] = reverse_vjp_stashed(
           stage.blocks[i], params[key], vjp_params[key], batch_stats[key], y, dy)
     return y, dy, grads, stats
-  y1, y2 = y
-  dy1, dy2 = dy
+  y1, y2, *carried = y
+  dy1, dy2, *dcarried = dy
   f_now, _ = _apply(stage.module, params, batch_stats, y2, True)
-  x_tilde = (y2, y1 - f_now)
+  x_tilde = _unshuffle(stage, (y2, y1 - f_now, *carried))
   _, vjp, new_stats = jax.vjp(
       lambda p, x1: _apply(stage.module, p, batch_stats, x1, True), vjp_params, y2,
       has_aux=True)
   dparams, dx1 = vjp(dy1)
-  return x_tilde, (dy2 + dx1, dy1), dparams, new_stats
+  return x_tilde, _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats
 
 
 def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool = True):

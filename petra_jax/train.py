@@ -83,7 +83,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       "method 'backprop' computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
-  num_blocks = len(models.build_model(config.model.name, width=1))
+  try:
+    num_blocks = len(models.build_model(config.model.name, width=1, depth=_depth(config)))
+  except ValueError as e:  # e.g. a depth for a model whose block counts are fixed
+    raise ConfigError(str(e)) from None
   num_stages = len(config.model.stage_sizes) or config.model.num_stages
   if num_stages > num_blocks:
     raise ConfigError(
@@ -102,6 +105,11 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError(
         f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
         "use --config.num_devices=0 for all of them.")
+
+
+def _depth(config):
+  """``config.model.depth``, None for the model's own (0)."""
+  return config.model.depth or None
 
 
 def _stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_classes: int,
@@ -373,7 +381,7 @@ class Run:
 def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int):
   """The stages (grouped as configured), their pipeline and observers."""
   k = config.accumulation_steps
-  stages = models.build_model(config.model.name, width=config.model.width,
+  stages = models.build_model(config.model.name, width=config.model.width, depth=_depth(config),
                               num_classes=info.num_classes, imagenet_stem=info.imagenet_stem)
   sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
                        os.path.join(workdir, "checkpoints"))
@@ -450,7 +458,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   if not pipe.multiprocess:  # (checkpointing is single-process for now)
     ckpt = checkpoint_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
-            model=config.model.name, width=config.model.width, method=config.method,
+            model=config.model.name, width=config.model.width, depth=config.model.depth,
+            method=config.method,
             dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
             batch_size=config.batch_size, accumulation_steps=k, seed=config.seed))
     restored = ckpt.restore(state, pipe.devices)
