@@ -136,7 +136,9 @@ class Checkpointer:
 
   Args:
     directory: where checkpoints go (``WORKDIR/checkpoints``).
-    keep: how many of the latest checkpoints to keep.
+    keep: how many of the latest known-good checkpoints to keep
+      (:meth:`prune`); newer ones whose losses are still in flight are kept
+      too.
     fingerprint: what must match for a checkpoint to be resumed (model,
       method, stage count...); JSON-able.
   """
@@ -144,10 +146,27 @@ class Checkpointer:
   def __init__(self, directory: str, keep: int, fingerprint: dict):
     self.directory = os.path.abspath(directory)
     self.fingerprint = fingerprint
+    self.keep = keep
+    # Rotation is ours (prune): a checkpoint only counts once the losses of
+    # every micro-batch before it are known finite.
     self.manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=None, create=True),
         item_names=("arrays", "meta"))
+
+  def prune(self, verified_through: int) -> None:
+    """Keeps the newest ``keep`` checkpoints at steps ``<= verified_through``
+    (known good) and every newer one; deletes the older ones."""
+    steps = sorted(self.manager.all_steps())
+    good = [s for s in steps if s <= verified_through]
+    for s in good[:max(len(good) - self.keep, 0)]:
+      self.manager.delete(s)
+
+  def discard_from(self, step: int) -> None:
+    """Deletes every checkpoint at ``step`` or later (waits for pending saves)."""
+    self.manager.wait_until_finished()
+    for s in self.manager.all_steps():
+      if s >= step:
+        self.manager.delete(s)
 
   def save(self, step: int, state: PipelineState, extra: dict,
            extra_arrays: Optional[dict[int, Any]] = None) -> None:
@@ -236,6 +255,10 @@ class Checkpointer:
       else:
         boxes[(e["slot"], e["stage"])][e["key"]] = payload
     return state, meta["extra"], extra_arrays
+
+  def latest_step(self) -> Optional[int]:
+    """The newest checkpoint's step (saved or being saved), None if none."""
+    return self.manager.latest_step()
 
   def wait(self):
     """Blocks until pending saves are on disk."""

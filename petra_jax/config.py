@@ -18,6 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.method = "petra"          # a name in petra_jax.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
   c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
   c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
+  c.download = False          # prepare a missing data set with tfds (needs network); off: a typo never starts a download
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS

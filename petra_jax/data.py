@@ -9,7 +9,8 @@ the standard random-resized crop for training and resize 256 / center crop 224
 for evaluation. Either way the training loop sees index batches
 (``batch_indices``) and one uniform API:
 
-* ``open_split(name, split, data_dir)`` -> ``Split`` or ``LazySplit``;
+* ``open_split(name, split, data_dir, download=False)`` -> ``Split`` or
+  ``LazySplit``;
 * ``make_train_batch_fn(info, device)(split, indices, key)`` -> augmented,
   normalised float32 images on ``device`` and their int32 labels;
 * ``eval_batches(split, info, batch_size)`` -> normalised batches of one shape
@@ -18,6 +19,13 @@ for evaluation. Either way the training loop sees index batches
 Data is read with ``tfds.data_source`` (array_record files, no TensorFlow) and
 the images are decoded with Pillow, so the pixels do not depend on whether
 OpenCV happens to be installed.
+
+Opening a split checks the data first and fails with one ``DataError`` line
+that names the fix: a data set that is not prepared in the data dir (point to
+one, or pass ``download=True`` to let tfds download and prepare it,
+``ensure_prepared``), and a shard file that is missing, truncated or holds
+another number of records than the data set's metadata says (re-prepare it).
+Only the shards' footers are read for that, not their records.
 
 Example:
   info = get_dataset_info("cifar100")
@@ -168,8 +176,12 @@ class LazySplit:
     return self.num_examples
 
   def read(self, indices: Sequence[int]) -> tuple[list[bytes], np.ndarray]:
-    """Encoded images (a list of ``len(indices)`` bytes) and int32 labels."""
-    records = self.source.__getitems__([int(i) for i in indices])
+    """Encoded images (a list of ``len(indices)`` bytes) and int32 labels.
+
+    Raises:
+      DataError: a record cannot be read (corrupted shard file).
+    """
+    records = _read_records(self.source, indices, self.name)
     labels = np.array([r["label"] for r in records], np.int32)
     return [r["image"] for r in records], labels
 
@@ -211,13 +223,122 @@ def resolve_data_dir(data_dir: str | None) -> str:
   return os.path.expanduser(_TFDS_DEFAULT_DATA_DIR)
 
 
-def _missing_data_error(name: str, data_dir: str, reason: str) -> DataError:
+def _missing_data_error(
+    name: str, data_dir: str, reason: str, download_hint: bool = False
+) -> DataError:
+  hint = ""
+  if download_hint:
+    hint = (" Or set --config.download=True to download and prepare it there "
+            "with tfds (needs network access; ImageNet needs its archives "
+            "downloaded by hand first).")
   return DataError(
       f"Cannot load dataset {name!r} from data dir {data_dir!r}: {reason}. "
       "Point to a tfds data dir that holds it with "
       "--config.data_dir=/path/to/tensorflow_datasets or by setting "
-      "TFDS_DATA_DIR=/path/to/tensorflow_datasets."
+      f"TFDS_DATA_DIR=/path/to/tensorflow_datasets.{hint}"
   )
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+  """``Type: message`` of an exception on one line, at most ``limit`` chars."""
+  text = " ".join(str(e).split())
+  if len(text) > limit:
+    text = text[: limit - 3] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _tfds_builder(info: DatasetInfo, data_dir: str):
+  """tfds' builder of a dataset in ``data_dir`` (reads no records)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  return tfds.builder(info.tfds_name, data_dir=data_dir, file_format="array_record")
+
+
+def _rebuild_command(info: DatasetInfo, data_dir: str) -> str:
+  return (f"tfds build {info.tfds_name} --data_dir={data_dir} "
+          "--file_format=array_record")
+
+
+def ensure_prepared(
+    name: str, data_dir: str | None = None, download: bool = False
+) -> str:
+  """Makes sure a dataset is prepared (tfds format) in its data dir.
+
+  If it is, nothing happens (only its ``dataset_info.json`` is read). If it is
+  not and ``download`` is True, tfds downloads and prepares it there
+  (``DatasetBuilder.download_and_prepare``: archives go to
+  ``<data_dir>/downloads``; CIFAR-10 is about 170 MB, ImageNet32 several GB,
+  and ImageNet cannot be downloaded: tfds needs its archives in
+  ``<data_dir>/downloads/manual``). In a multi-process run call it with
+  ``download=True`` in one process only, then synchronise, so that processes
+  do not prepare the same data concurrently.
+
+  ``download`` defaults to False (and so should ``config.download``): a
+  mistyped data dir then fails at once with an error naming the fixes, rather
+  than silently starting a download of gigabytes into the wrong place, or
+  hanging on retries on a compute node without network.
+
+  Args:
+    name: registry name (a key of ``DATASETS``).
+    data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
+    download: whether to download and prepare a dataset that is missing.
+
+  Returns:
+    The resolved data dir (``str``) that holds the prepared dataset.
+
+  Raises:
+    DataError: unknown dataset; dataset missing and ``download`` False (the
+      message names ``--config.data_dir``, ``TFDS_DATA_DIR`` and
+      ``--config.download``); or the download / preparation failed, e.g. no
+      network (the message names the error and both fixes: point to a
+      prepared copy, or run on a machine with network access).
+  """
+  info = get_dataset_info(name)
+  data_dir = resolve_data_dir(data_dir)
+  prepared, where = _is_prepared(name, info, data_dir)
+  if prepared:
+    return data_dir
+  if not download:
+    raise _missing_data_error(name, data_dir, f"no prepared copy at {where!r}",
+                              download_hint=True)
+  try:
+    _tfds_builder(info, data_dir).download_and_prepare()
+  except Exception as e:  # pylint: disable=broad-except
+    needs = ""
+    if isinstance(e, ImportError):
+      needs = " The tfds builder of this dataset needs that module: pip install it."
+    raise DataError(
+        f"Dataset {name!r} is not in data dir {data_dir!r} and tfds could not "
+        f"download and prepare it there ({_one_line(e)}).{needs} Either point "
+        "--config.data_dir (or TFDS_DATA_DIR) at a tfds data dir that holds a "
+        "prepared copy, or run with --config.download=True on a machine with "
+        f"network access (or run `{_rebuild_command(info, data_dir)}` there and "
+        "copy the data dir over)."
+    ) from e
+  prepared, where = _is_prepared(name, info, data_dir)
+  if not prepared:
+    raise DataError(
+        f"tfds' download_and_prepare of dataset {name!r} left no prepared copy "
+        f"at {where!r}. Prepare it with `{_rebuild_command(info, data_dir)}` "
+        "and point --config.data_dir (or TFDS_DATA_DIR) at that data dir."
+    )
+  return data_dir
+
+
+def _is_prepared(name: str, info: DatasetInfo, data_dir: str) -> tuple[bool, str]:
+  """Whether tfds finds the dataset prepared in ``data_dir``, and where it
+  looked (``<data_dir>/<name>[/<config>]/<version>``).
+
+  Raises:
+    DataError: tfds cannot build the dataset's description (e.g. an unreadable
+      ``dataset_info.json``).
+  """
+  try:
+    builder = _tfds_builder(info, data_dir)
+    return bool(builder.is_prepared()), str(builder.data_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    reason = f"tfds cannot read its metadata ({_one_line(e)})"
+    raise _missing_data_error(name, data_dir, reason) from None
 
 
 def load_split(
@@ -225,6 +346,7 @@ def load_split(
     split: str,
     data_dir: str | None = None,
     limit: int | None = None,
+    download: bool = False,
 ) -> Split:
   """Decodes a whole split into memory, once per process.
 
@@ -238,14 +360,19 @@ def load_split(
     split: tfds split, e.g. ``"train"``, ``"test"`` or ``"train[:10%]"``.
     data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
     limit: if set, only the first ``limit`` examples are decoded.
+    download: if the dataset is not in the data dir, download and prepare it
+      with tfds (``ensure_prepared``); if False, a missing dataset is an error.
 
   Returns:
     A ``Split`` with uint8 images ``[N, H, W, C]`` and int32 labels ``[N]``.
 
   Raises:
-    DataError: unknown or lazy dataset (use ``open_split``), data not found or
-      unreadable (the message names the dataset, the directory tried and how
-      to point to the data), or an image of the wrong shape.
+    DataError: unknown or lazy dataset (use ``open_split``); data not found or
+      not downloadable (the message names the dataset, the directory tried and
+      how to point to the data or download it); a shard file of the split
+      missing, truncated, corrupted or with another record count than its
+      metadata says (the message names the file and how to re-prepare the
+      dataset); or an image of the wrong shape.
   """
   if get_dataset_info(name).lazy:
     raise DataError(
@@ -253,6 +380,8 @@ def load_split(
         "batch with open_split / make_train_batch_fn / eval_batches."
     )
   _check_limit(limit)
+  if download:
+    ensure_prepared(name, data_dir, download=True)
   return _load_split_cached(name, split, resolve_data_dir(data_dir), limit)
 
 
@@ -261,6 +390,7 @@ def open_split(
     split: str,
     data_dir: str | None = None,
     limit: int | None = None,
+    download: bool = False,
 ) -> Split | LazySplit:
   """Opens a split of any dataset: decoded in memory, or lazy for ImageNet.
 
@@ -269,6 +399,7 @@ def open_split(
     split: tfds split name.
     data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
     limit: if set, only the first ``limit`` examples are used.
+    download: as ``load_split``.
 
   Returns:
     ``load_split(...)`` for in-memory datasets, a ``LazySplit`` (cached like
@@ -278,8 +409,10 @@ def open_split(
     DataError: as ``load_split``.
   """
   if not get_dataset_info(name).lazy:
-    return load_split(name, split, data_dir, limit)
+    return load_split(name, split, data_dir, limit, download)
   _check_limit(limit)
+  if download:
+    ensure_prepared(name, data_dir, download=True)
   return _open_lazy_cached(name, split, resolve_data_dir(data_dir), limit)
 
 
@@ -288,6 +421,7 @@ def open_labels(
     split: str,
     data_dir: str | None = None,
     limit: int | None = None,
+    download: bool = False,
 ) -> Split | LazySplit:
   """Opens a split for a process that needs only its labels.
 
@@ -296,7 +430,7 @@ def open_labels(
   are read but no image is decoded.
 
   Args:
-    name, split, data_dir, limit: as ``open_split``.
+    name, split, data_dir, limit, download: as ``open_split``.
 
   Returns:
     For in-memory datasets, a ``Split`` whose ``images`` is None and whose
@@ -307,8 +441,10 @@ def open_labels(
     DataError: as ``load_split``.
   """
   if get_dataset_info(name).lazy:
-    return open_split(name, split, data_dir, limit)
+    return open_split(name, split, data_dir, limit, download)
   _check_limit(limit)
+  if download:
+    ensure_prepared(name, data_dir, download=True)
   return _load_labels_cached(name, split, resolve_data_dir(data_dir), limit)
 
 
@@ -316,7 +452,7 @@ def read_labels(split: Split | LazySplit, indices: np.ndarray) -> np.ndarray:
   """int32 labels ``[len(indices)]`` of a split from ``open_split`` or
   ``open_labels``, without decoding images."""
   if isinstance(split, LazySplit):
-    records = split.source.__getitems__([int(i) for i in indices])
+    records = _read_records(split.source, indices, split.name)
     return np.array([r["label"] for r in records], np.int32)
   return split.labels[indices]
 
@@ -330,7 +466,7 @@ def _load_labels_cached(
   labels = np.empty((n,), np.int32)
   for start in range(0, n, _READ_CHUNK):
     stop = min(start + _READ_CHUNK, n)
-    for i, ex in enumerate(source.__getitems__(list(range(start, stop))), start):
+    for i, ex in enumerate(_read_records(source, range(start, stop), name), start):
       labels[i] = ex["label"]
   labels.flags.writeable = False
   return Split(images=None, labels=labels)
@@ -342,15 +478,24 @@ def _check_limit(limit: int | None) -> None:
 
 
 def _open_source(name: str, split: str, data_dir: str):
-  """The tfds data source of a split, images left encoded (bytes)."""
+  """The tfds data source of a split, images left encoded (bytes).
+
+  Checks that the dataset is prepared and that the split's shard files are
+  whole (``_check_shards``) before any record is read.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   info = get_dataset_info(name)
   dataset_dir = pathlib.Path(data_dir).expanduser() / info.tfds_name.split(":")[0]
   if not dataset_dir.is_dir():
-    raise _missing_data_error(name, data_dir, f"no folder {str(dataset_dir)!r}")
+    raise _missing_data_error(name, data_dir, f"no folder {str(dataset_dir)!r}",
+                              download_hint=True)
+  prepared, where = _is_prepared(name, info, data_dir)
+  if not prepared:
+    raise _missing_data_error(name, data_dir, f"no prepared copy at {where!r}",
+                              download_hint=True)
   try:
-    return tfds.data_source(
+    source = tfds.data_source(
         info.tfds_name,
         split=split,
         data_dir=data_dir,
@@ -360,6 +505,81 @@ def _open_source(name: str, split: str, data_dir: str):
   except Exception as e:  # pylint: disable=broad-except
     reason = f"tfds failed ({type(e).__name__}: {str(e).splitlines()[0]})"
     raise _missing_data_error(name, data_dir, reason) from None
+  _check_shards(name, info, split, data_dir, source)
+  return source
+
+
+def _check_shards(name: str, info: DatasetInfo, split: str, data_dir: str,
+                  source: Any) -> None:
+  """Raises DataError if a shard file of the split is not whole.
+
+  Each array_record file the split reads is opened: that reads its
+  postscript and footer (the record index, a few bytes per record), which a
+  truncated or partly copied file lacks, and gives its record count, compared
+  with the shard length in ``dataset_info.json``. No record is read.
+  """
+  try:
+    instructions = source.dataset_info.splits[split].file_instructions
+  except Exception:  # pylint: disable=broad-except
+    return  # tfds' internals changed: reads still fail with a DataError.
+  expected = {}
+  for fi in instructions:
+    expected[os.fspath(fi.filename)] = int(fi.examples_in_shard)
+  problems = _thread_pool().map(_shard_problem, expected, expected.values())
+  for path, problem in zip(expected, problems):
+    if problem:
+      raise DataError(
+          f"Dataset {name!r} in data dir {data_dir!r} is damaged: shard file "
+          f"{path!r} {problem}. Re-prepare the dataset: delete "
+          f"{os.path.dirname(path)!r}, then run `{_rebuild_command(info, data_dir)}` "
+          "or rerun with --config.download=True (or copy it again from a good "
+          "copy)."
+      )
+
+
+def _shard_problem(path: str, expected_records: int) -> str | None:
+  """What is wrong with one array_record shard file, or None if nothing."""
+  from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
+
+  if not os.path.isfile(path):
+    return "is missing"
+  size = os.path.getsize(path)
+  status, ok, num_records = "", False, 0
+  try:
+    reader = array_record_module.ArrayRecordReader(
+        path, "readahead_buffer_size:0", file_reader_buffer_size=32768)
+  except Exception as e:  # pylint: disable=broad-except
+    status = _one_line(e)
+  else:
+    ok = reader.ok()
+    num_records = reader.num_records() if ok else 0
+    try:
+      reader.close()  # raises the reader's error if it failed
+    except Exception as e:  # pylint: disable=broad-except
+      status = _one_line(e)
+  if not ok or status:
+    return (f"cannot be read, it is truncated or corrupted ({size} bytes on disk; "
+            f"{status or 'array_record reader failed'})")
+  if num_records != expected_records:
+    return (f"holds {num_records} records where the dataset's metadata "
+            f"(dataset_info.json) says {expected_records}")
+  return None
+
+
+def _read_records(source: Any, indices: Sequence[int], name: str) -> Sequence[Any]:
+  """``source.__getitems__(indices)``; a read failure becomes a DataError."""
+  try:
+    return source.__getitems__([int(i) for i in indices])
+  except (RuntimeError, OSError) as e:
+    where = getattr(getattr(source, "dataset_info", None), "data_dir", None)
+    where = f" in {str(where)!r}" if where else ""
+    raise DataError(
+        f"Dataset {name!r}{where} cannot be read, a shard file is corrupted "
+        f"({_one_line(e)}). Re-prepare the dataset: delete that folder, then run "
+        f"`tfds build {get_dataset_info(name).tfds_name} --file_format=array_record "
+        "--data_dir=...` or rerun with --config.download=True (or copy it again "
+        "from a good copy)."
+    ) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -384,7 +604,7 @@ def _load_split_cached(
   mode = {1: "L", 3: "RGB"}[info.image_shape[-1]]
   for start in range(0, n, _READ_CHUNK):
     stop = min(start + _READ_CHUNK, n)
-    for i, ex in enumerate(source.__getitems__(list(range(start, stop))), start):
+    for i, ex in enumerate(_read_records(source, range(start, stop), name), start):
       image = np.asarray(_decode(ex["image"], mode))
       image = image.reshape(image.shape[:2] + (-1,))
       if image.shape != info.image_shape:

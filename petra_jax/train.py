@@ -7,6 +7,7 @@ line naming the fix, never a JAX traceback.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -31,10 +32,11 @@ from petra_jax import data as data_lib
 from petra_jax import diagnostics
 from petra_jax import methods as methods_lib
 from petra_jax import metrics as metrics_lib
-from petra_jax import models, observers, optim
+from petra_jax import models, observers, optim, preemption
 from petra_jax import schedule as schedule_lib
 from petra_jax import timing
 from petra_jax import transport
+from petra_jax import workdir as workdir_lib
 from petra_jax.pipeline import Pipeline
 
 
@@ -267,6 +269,15 @@ def _to_process_0(pipe: Pipeline, values: np.ndarray):
   return None
 
 
+class Diverged(FloatingPointError):
+  """A NaN or Inf training loss; ``step`` is the first update it affects."""
+
+  def __init__(self, value, step: int):
+    super().__init__(f"train_loss is {value} at step {step}: training diverged; lower "
+                     "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+    self.step = step
+
+
 class _LossLog:
   """Collects per-micro-batch losses (device scalars) and writes train lines.
 
@@ -297,11 +308,10 @@ class _LossLog:
 
   def _write(self, step):
     value = float(np.mean(jax.device_get(self.window)))
+    first = step - len(self.window) // self.k + 1  # the window's first update
     self.window = []
     if not math.isfinite(value):
-      raise FloatingPointError(
-          f"train_loss is {value} at step {step}: training diverged; lower "
-          "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+      raise Diverged(value, first)
     self.last_loss = value
     self.writer.write(step, epoch=step / self.steps_per_epoch, train_loss=value,
                       learning_rate=float(self.schedule(step - 1)))
@@ -311,17 +321,17 @@ class _LossLog:
     if self.window:
       self._write(self.next_step)
 
-  def check_finite(self, k: int):
-    """Raises FloatingPointError if a pending loss is NaN/Inf (a host sync)."""
+  def check_finite(self):
+    """Raises :class:`Diverged` if a loss received but not yet written is
+    NaN/Inf (a host sync). After it, every update before ``next_step`` is
+    known finite."""
+    window = np.asarray(jax.device_get(self.window))
+    if window.size and not np.all(np.isfinite(window)):
+      bad = int(np.argmin(np.isfinite(window)))
+      raise Diverged(window[bad], self.next_step - len(window) // self.k + bad // self.k + 1)
     for m, loss in sorted(self.losses.items()):
       if not math.isfinite(float(loss)):
-        raise FloatingPointError(
-            f"train_loss is {float(loss)} at step {m // k + 1}: training diverged; lower "
-            "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
-    if self.window and not np.all(np.isfinite(jax.device_get(self.window))):
-      raise FloatingPointError(
-          f"train_loss is not finite before step {self.next_step}: training diverged; lower "
-          "--config.optim.learning_rate or raise --config.optim.warmup_epochs.")
+        raise Diverged(float(loss), m // self.k + 1)
 
   def state(self):
     """``(json, arrays)``: what a checkpoint needs to resume the log exactly."""
@@ -437,6 +447,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   validate_config(config, len(jax.local_devices()))
   _validate_multiprocess(config)
   info = data_lib.get_dataset_info(config.dataset)
+  if config.download:
+    _prepare_data(config)
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
   open_fn = (data_lib.open_split if transport.is_local(_devices(config)[0])
              else data_lib.open_labels)
@@ -482,6 +494,16 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              grad_quality=probes.get("grad_quality"), start=start)
 
 
+def _prepare_data(config) -> None:
+  """Downloads and prepares a missing data set (``config.download``): process
+  0 only, the others wait for it."""
+  if jax.process_index() == 0:
+    data_lib.ensure_prepared(config.dataset, config.data_dir or None, download=True)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices("petra_jax data prepared")
+
+
 def _steps_per_epoch(config, num_examples: int) -> int:
   full = num_examples // config.batch_size
   if config.steps_per_epoch > full:
@@ -504,7 +526,11 @@ def _log_diagnostics(run: Run, wait: bool = False) -> None:
 
 def save_checkpoint(run: Run) -> None:
   """Saves the whole pipeline at ``run.step`` (never a diverged state)."""
-  run.loss_log.check_finite(run.config.accumulation_steps)
+  run.loss_log.check_finite()
+  # Checkpoints up to the last update whose losses are all known finite are
+  # good; older good ones beyond keep_checkpoints can go. Newer ones still
+  # have micro-batches in flight whose loss may yet be NaN: kept until then.
+  run.checkpointer.prune(verified_through=run.loss_log.next_step)
   _log_diagnostics(run, wait=True)  # (not checkpointed)
   log_meta, log_arrays = run.loss_log.state()
   run.checkpointer.save(run.step, run.state, extra={
@@ -547,6 +573,7 @@ def finish(run: Run) -> dict:
   if run.checkpointer is not None:
     if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
       save_checkpoint(run)
+    run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
     run.checkpointer.wait()
     run.checkpointer.close()
   run.writer.close()
@@ -573,23 +600,67 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     FloatingPointError: a NaN or Inf training loss.
   """
   run = setup(config, workdir)
-  k = config.accumulation_steps
   bar = tqdm(total=run.total_steps * config.batch_size, initial=run.step * config.batch_size,
              unit="img", unit_scale=True, desc=config.method,
              disable=None if jax.process_index() == 0 else True, mininterval=2.0)
-  for t in range(run.state.tick, len(run.schedule)):
-    tick = run.schedule[t]
-    run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-    for out in outputs:
-      if out.loss is not None:  # (None off process 0)
-        run.loss_log.add(out.micro_batch, out.loss)
-    m = schedule_lib.fed(tick)
-    if m is not None and (m + 1) % k == 0:
-      run.step = (m + 1) // k
-      bar.update(config.batch_size)
-      on_update(run)
+  with preemption.StopOnSignal(announce=False) as stop, _discard_diverged(run):
+    for t in range(run.state.tick, len(run.schedule)):
+      tick = run.schedule[t]
+      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+      for out in outputs:
+        if out.loss is not None:  # (None off process 0)
+          run.loss_log.add(out.micro_batch, out.loss)
+      if _update_fed(run, tick):
+        bar.update(config.batch_size)
+        on_update(run)
+        if stop.requested and run.step < run.total_steps:
+          preempt(run, stop.signal_name)
   bar.close()
-  return finish(run)
+  with _discard_diverged(run):
+    return finish(run)
+
+
+@contextlib.contextmanager
+def _discard_diverged(run: Run):
+  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N
+  (they hold the diverging micro-batch in flight), so the newest one left
+  is good."""
+  try:
+    yield
+  except Diverged as e:
+    if run.checkpointer is not None:
+      run.checkpointer.discard_from(e.step)
+    raise
+
+
+def _update_fed(run: Run, tick) -> bool:
+  """Whether ``tick`` fed the last micro-batch of an update; sets ``run.step``."""
+  m = schedule_lib.fed(tick)
+  if m is None or (m + 1) % run.config.accumulation_steps:
+    return False
+  run.step = (m + 1) // run.config.accumulation_steps
+  return True
+
+
+def preempt(run: Run, signal_name: str) -> None:
+  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
+
+  The signal is acted on at the first update boundary after it (at most k
+  ticks); a run re-started with the same command resumes there with the
+  losses of an uninterrupted run. Multi-process runs exit without a
+  checkpoint (multi-process checkpoints are not supported yet).
+  """
+  if run.checkpointer is None:
+    _exit_now(f"preempted by {signal_name} at step {run.step}: no checkpoint (multi-process "
+              "checkpoints are not supported yet)", preemption.PREEMPTED_EXIT_CODE)
+  if run.checkpointer.latest_step() != run.step:
+    save_checkpoint(run)
+  run.checkpointer.wait()
+  run.checkpointer.close()
+  run.writer.close()
+  preemption.exit_preempted(
+      f"preempted by {signal_name} at step {run.step}: checkpoint saved in "
+      f"{run.checkpointer.directory}; re-run the same command to resume.")
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -605,11 +676,12 @@ def main(argv):
   except ConfigError as e:
     _exit_now(f"error: {e}")
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    with _workdir_lock(_WORKDIR.value):
+      train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except transport.PeerError as e:
     _exit_now(f"error: process {jax.process_index()}: {e}")
   except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FloatingPointError,
-          ValueError) as e:
+          ValueError, workdir_lib.WorkdirBusyError) as e:
     if distributed:
       _exit_now(f"error: process {jax.process_index()}: {e}")
     sys.exit(f"error: {e}")
@@ -622,12 +694,20 @@ def main(argv):
     _exit_now(f"error: process {jax.process_index()}: {type(e).__name__}: {e}")
 
 
-def _exit_now(message: str):
-  """Prints ``message`` and exits with status 1 at once, skipping
+def _workdir_lock(workdir: str):
+  """Held for the run's lifetime by process 0: a second run on the same
+  ``--workdir`` is refused (:class:`petra_jax.workdir.WorkdirLock`)."""
+  if jax.process_index() == 0:
+    return workdir_lib.WorkdirLock(workdir)
+  return contextlib.nullcontext()
+
+
+def _exit_now(message: str, status: int = 1):
+  """Prints ``message`` and exits with ``status`` at once, skipping
   ``jax.distributed``'s shutdown barrier (whose peers may be dead)."""
   print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
-  os._exit(1)
+  os._exit(status)
 
 
 def _parse_flags(argv):

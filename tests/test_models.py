@@ -58,14 +58,13 @@ def test_stage_counts_and_kinds(name, n_stages):
   stages = models.build_model(name, width=4)
   assert len(stages) == n_stages
   assert not stages[0].reversible and not stages[-1].reversible
-  is_rev = name.startswith("revnet")
-  assert models.MODEL_FAMILY[name] == ("revnet" if is_rev else "resnet")
-  assert models.MODEL_SPECS[name].reversible == is_rev
-  assert models.supports_reversible(stages) == is_rev
   # Reversible = blocks - downsampling blocks (3 in the basic RevNets, one per
-  # group in RevNet50).
+  # group in RevNet50); none in a ResNet.
   n_rev = sum(s.reversible for s in stages)
   assert n_rev == {"revnet18": 5, "revnet34": 13, "revnet50": 12}.get(name, 0)
+  assert models.supports_reversible(stages) == (n_rev > 0)
+  # The family the trainer reads (PETRA needs "revnet") is the built model's.
+  assert models.MODEL_FAMILY[name] == ("revnet" if n_rev else "resnet")
 
 
 def test_revnet18_cifar10_shapes_match_reference_table():
@@ -140,9 +139,12 @@ def test_resnet50_forward_gives_logits():
   assert bool(jnp.isfinite(x).all())
 
 
-def test_build_model_unknown_name():
-  with pytest.raises(ValueError, match="revnet50"):
+def test_build_model_unknown_name_names_the_choices_and_the_flag():
+  with pytest.raises(ValueError) as e:
     models.build_model("revnet101")
+  msg = str(e.value)
+  assert "'revnet101'" in msg and "--config.model.name" in msg
+  assert all(name in msg for name in REVNETS + ("resnet18", "resnet34", "resnet50"))
 
 
 def _cli(*args):
@@ -150,16 +152,48 @@ def _cli(*args):
                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_cli_json_matches_python_api():
-  out = _cli("revnet50", "--dataset=imagenet", "--width=64", "--json")
+def revnet18_cifar_params_by_hand(w, classes):
+  """Trainable parameters of each RevNet18 stage on 32x32 images, by hand.
+
+  Convs have no bias; each conv is followed by a BN (scale and bias, 2 per
+  channel). Stem: conv3x3 3 -> 2w. Group 0: two reversible F's, each two
+  conv3x3 w -> w. Groups g = 1..3 (c = w 2**g channels, c/2 in): a
+  downsampling block (conv3x3 c/2 -> c, conv3x3 c -> c, conv1x1 c/2 -> c)
+  and one reversible F (two conv3x3 c -> c). Head: Dense 2 * 8w -> classes.
+  """
+  def conv_bn(k, c_in, c_out):
+    return k * k * c_in * c_out + 2 * c_out
+
+  rev = lambda c: 2 * conv_bn(3, c, c)  # noqa: E731
+  counts = [conv_bn(3, 3, 2 * w), rev(w), rev(w)]
+  for g in (1, 2, 3):
+    c = w * 2**g
+    counts += [conv_bn(3, c // 2, c) + conv_bn(3, c, c) + conv_bn(1, c // 2, c), rev(c)]
+  return counts + [2 * 8 * w * classes + classes]
+
+
+def test_revnet18_hand_count_matches_reference_at_width_64():
+  # The hand count agrees with the authors' total (see above) at width 64.
+  assert sum(revnet18_cifar_params_by_hand(64, 10)) == 11_185_802 - 4_864
+
+
+def test_cli_json_gives_stage_params_and_shapes_by_hand():
+  # Width and classes other than the CLI's defaults (64, cifar10's 10), so
+  # that a flag the CLI dropped would show.
+  w, classes = 4, 100
+  out = _cli("revnet18", "--dataset=cifar100", f"--width={w}", "--json")
   assert out.returncode == 0, out.stderr
   got = json.loads(out.stdout)
-  assert got == _summarize("revnet50", "imagenet", 64)
-  assert set(got) == {"total_params", "stages"}
-  assert got["total_params"] == sum(r["params"] for r in got["stages"])
-  for r in got["stages"]:
-    assert set(r) == {"index", "name", "kind", "output_shape", "params"}
-    assert isinstance(r["params"], int) and r["kind"] in ("reversible", "non-reversible")
+  assert got == _summarize("revnet18", "cifar100", w)
+  want = revnet18_cifar_params_by_hand(w, classes)
+  assert [r["params"] for r in got["stages"]] == want
+  assert got["total_params"] == sum(want)
+  shapes = [[32, 32, w]] * 3 + [[32 >> g, 32 >> g, w << g] for g in (1, 2, 3) for _ in (0, 1)]
+  assert [r["output_shape"] for r in got["stages"]] == shapes + [[classes]]
+  assert [r["index"] for r in got["stages"]] == list(range(10))
+  rev = {1, 2, 4, 6, 8}
+  assert [r["kind"] for r in got["stages"]] == [
+      "reversible" if i in rev else "non-reversible" for i in range(10)]
 
 
 def test_cli_unknown_model():

@@ -256,14 +256,9 @@ def load_config_file(path):
   return module.get_config()
 
 
-def test_config_files_exist():
-  names = {p.stem for p in CONFIG_FILES}
-  assert {"cifar10", "cifar100", "imagenet32", "imagenet"} <= names
-
-
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
 def test_config_file_loads_with_trainer_fields(path):
-  from petra_jax import data, models, train
+  from petra_jax import data, train
 
   c = load_config_file(path)
   default = config_lib.get_config()
@@ -276,28 +271,78 @@ def test_config_file_loads_with_trainer_fields(path):
   for key in want:
     assert isinstance(got[key], type(want[key])) or isinstance(want[key], float), key
   train.validate_config(c, num_local_devices=max(c.num_devices, 1))
-  info = data.get_dataset_info(c.dataset)
-  assert models.DATASETS[c.dataset].num_classes == info.num_classes
-  assert models.DATASETS[c.dataset].image_shape == info.image_shape
+  data.get_dataset_info(c.dataset)
   optim.make_optimizer(c, 100)
   optim.learning_rate_schedule(c, 100)
-  assert path.read_text().lstrip().startswith('"""')
-  assert "Command::" in path.read_text()
 
 
-@pytest.mark.parametrize("name,dataset,k,epochs,decay,wd,acc", [
-    ("cifar100", "cifar100", 2, 300, (150, 225), 5e-4, "75.9"),
-    ("imagenet32", "imagenet32", 4, 90, (30, 60, 80), 1e-4, "54.6"),
-    ("imagenet", "imagenet", 4, 90, (30, 60, 80), 1e-4, "71.0"),
-])
-def test_paper_recipes(name, dataset, k, epochs, decay, wd, acc):
+# The paper's recipes (Sec. 4): micro-batch 64, k micro-batches per update,
+# SGD-Nesterov 0.9, base rate 0.1 * 64 k / 256, linear warm-up over 5 epochs,
+# rate x0.1 at each of the decay epochs, weight decay on kernels.
+PAPER_RECIPES = [
+    ("cifar10", "cifar10", 2, 300, (150, 225), 5e-4),
+    ("cifar100", "cifar100", 2, 300, (150, 225), 5e-4),
+    ("imagenet32", "imagenet32", 4, 90, (30, 60, 80), 1e-4),
+    ("imagenet", "imagenet", 4, 90, (30, 60, 80), 1e-4),
+]
+
+
+@pytest.mark.parametrize("name,dataset,k,epochs,decay,wd", PAPER_RECIPES)
+def test_paper_recipe_learning_rate_by_hand(name, dataset, k, epochs, decay, wd):
   c = load_config_file(CONFIG_DIR / f"{name}.py")
   assert (c.dataset, c.method, c.model.name, c.model.width) == (dataset, "petra", "revnet18", 64)
-  assert c.accumulation_steps == k and c.batch_size == 64 * k
-  assert c.num_epochs == epochs and tuple(c.optim.decay_epochs) == decay
-  assert c.optim.weight_decay == wd and c.optim.warmup_epochs == 5
-  assert (c.optim.name, c.optim.schedule, c.optim.momentum, c.optim.nesterov) == (
-      "sgd", "step", 0.9, True)
-  assert optim.base_learning_rate(c) == pytest.approx(0.1 * 64 * k / 256)
-  doc = (CONFIG_DIR / f"{name}.py").read_text()
-  assert acc in doc and "Not run here" in doc
+  assert c.batch_size // c.accumulation_steps == 64 and c.accumulation_steps == k
+  assert c.num_epochs == epochs
+  lr = 0.1 * 64 * k / 256
+  warmup = 5 * SPE
+
+  def by_hand(n):  # the paper's rate at update n
+    if n < warmup:
+      return lr * n / warmup
+    return lr * 0.1 ** sum(n >= e * SPE for e in decay)
+
+  s = optim.learning_rate_schedule(c, SPE)
+  points = [0, 1, warmup // 2, warmup - 1, warmup, epochs * SPE - 1]
+  for e in decay:
+    points += [e * SPE - 1, e * SPE]
+  for n in sorted(points):
+    np.testing.assert_allclose(s(n), by_hand(n), rtol=1e-5, atol=1e-12, err_msg=f"update {n}")
+
+
+@pytest.mark.parametrize("name,dataset,k,epochs,decay,wd", PAPER_RECIPES)
+def test_paper_recipe_optimizer_updates_by_hand(name, dataset, k, epochs, decay, wd):
+  # Three updates of k micro-batches each, one update per epoch: the rate is
+  # 0, lr/5, 2 lr/5 (warm-up). PyTorch's SGD(momentum=0.9, nesterov=True) on
+  # the mean of the k micro-batch gradients, L2 decay on kernels only. The
+  # gradients are small (|g| ~ 0.01) so that the decay term (wd |theta|) is
+  # a visible part of each update; updates are compared before they are
+  # added to the parameters, to keep float32 round-off out.
+  c = load_config_file(CONFIG_DIR / f"{name}.py")
+  lr, mu, steps_per_epoch = 0.1 * 64 * k / 256, 0.9, 1
+  rates = [lr * n / 5 for n in range(3)]
+  tx = optim.make_optimizer(c, steps_per_epoch)
+  params = tiny_params()
+  state = tx.init(params)
+  theta = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
+  buf = jax.tree.map(np.zeros_like, theta)
+  for update, rate in enumerate(rates):
+    micro = [jax.tree.map(lambda g: 0.01 * g, grads(update * k + i)) for i in range(k)]
+    for i, g in enumerate(micro):
+      updates, state = tx.update(g, state, params)
+      if i < k - 1:  # accumulating: nothing applied yet
+        assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
+    mean = jax.tree.map(lambda *gs: np.mean([np.asarray(x, np.float64) for x in gs], 0), *micro)
+
+    def torch_step(path, t, b, g, rate=rate):
+      d = g + (wd * t if is_kernel(path) else 0.0)
+      b[...] = mu * b + d
+      return -rate * (d + mu * b)
+
+    want = jax.tree_util.tree_map_with_path(torch_step, theta, buf, mean)
+    if update == 0:  # rate 0: no move, but the momentum buffer fills
+      assert all(float(jnp.abs(u).max()) == 0 for u in jax.tree.leaves(updates))
+    else:
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-12),
+                   updates, want)
+    params = optax.apply_updates(params, updates)
+    theta = jax.tree.map(lambda p: np.asarray(p, np.float64), params)

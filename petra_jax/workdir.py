@@ -1,0 +1,253 @@
+"""One run per workdir: a lock held for a training run's lifetime.
+
+Two runs writing into one workdir would interleave their ``metrics.jsonl``
+and overwrite each other's checkpoints. ``WorkdirLock`` makes the second one
+fail at start with one line naming the first (pid, host, start time)::
+
+  with workdir.WorkdirLock(workdir):    # raises WorkdirBusyError if in use
+    train(...)
+
+Mechanism: the lock file ``<workdir>/petra_jax.lock`` is locked with
+``fcntl.flock`` (exclusive, non-blocking) on a descriptor kept open for the
+run's lifetime, and holds a JSON record of the holder::
+
+  {"pid": 1234, "host": "node7", "started": "2025-01-02T03:04:05+00:00",
+   "proc_start": 123456, "argv": ["python", "-m", "petra_jax.train", ...]}
+
+* The kernel drops a flock when its process dies, however it dies (SIGKILL,
+  OOM kill, power loss of a client of a network filesystem once its lease
+  expires), so a dead run never blocks a new one. The record it leaves behind
+  makes that case visible: the new run takes the lock over and logs a warning
+  naming the dead holder.
+* The record is also checked on its own, for filesystems whose flock does
+  not work: a record naming a live process on this host (same pid and same
+  process start time, so a reused pid does not count) refuses the lock even
+  when flock succeeded. If the filesystem has no flock at all (``ENOLCK``,
+  ``ENOSYS``, ``EOPNOTSUPP``; e.g. Lustre mounted without ``flock``), the
+  record alone decides: same host, live process: refused; same host, dead
+  process: taken over; another host: refused, as its liveness is unknown (the
+  message says to delete the lock file if that run is over). Without flock,
+  two runs starting in the same instant can both win; flock has no such race.
+* Filesystems whose flock is local to each host (NFS mounted with
+  ``local_lock=flock``, Lustre's ``localflock``) do not protect against a run
+  on another host using the same shared workdir.
+* Releasing empties the file rather than deleting it (deleting a locked file
+  races with a process that has just opened it), so an empty
+  ``petra_jax.lock`` is a free lock. The descriptor is not inherited by
+  programs the run starts (``O_CLOEXEC``); a forked child without ``exec``
+  does share it and keeps the lock while it lives.
+
+In a multi-process (``jax.distributed``) run, only process 0 takes the lock:
+the processes of one run share its workdir.
+"""
+
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+from typing import Any
+
+LOCK_FILENAME = "petra_jax.lock"
+# Most bytes of a holder record read back (records are about 200 bytes).
+_MAX_RECORD_BYTES = 1 << 16
+# errno values meaning "this filesystem does not do flock".
+_NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+logger = logging.getLogger(__name__)
+
+
+class WorkdirBusyError(RuntimeError):
+  """The workdir is in use by another run; the message names it and the fix."""
+
+
+def read_holder(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """The holder record of a workdir's lock file, or None.
+
+  Args:
+    workdir: a run's directory.
+
+  Returns:
+    The record (``pid``: int, ``host``: str, ``started``: ISO 8601 UTC str,
+    ``proc_start``: int clock ticks after boot or None, ``argv``: list of str)
+    as last written, or None when there is no lock file, it is empty (free),
+    or it does not hold a record. A record does not mean the lock is held:
+    a run that died leaves its record behind.
+  """
+  try:
+    with open(os.path.join(os.fspath(workdir), LOCK_FILENAME), "rb") as f:
+      return _parse_record(f.read(_MAX_RECORD_BYTES))
+  except FileNotFoundError:
+    return None
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir, held from ``acquire`` to ``release``.
+
+  Use it as a context manager (``with WorkdirLock(workdir): ...``) or call
+  ``acquire`` / ``release``. See the module docstring for the mechanism.
+
+  Attributes:
+    workdir: the locked directory (``str``).
+    path: the lock file, ``<workdir>/petra_jax.lock``.
+  """
+
+  def __init__(self, workdir: str | os.PathLike):
+    """Args:
+      workdir: the run's directory; created by ``acquire`` if missing.
+    """
+    self.workdir = os.fspath(workdir)
+    self.path = os.path.join(self.workdir, LOCK_FILENAME)
+    self._fd: int | None = None
+
+  @property
+  def held(self) -> bool:
+    """Whether this object holds the lock."""
+    return self._fd is not None
+
+  def acquire(self) -> "WorkdirLock":
+    """Takes the lock and writes this process's record into the lock file.
+
+    A lock left by a run that is not running any more is taken over, with a
+    warning (``logging``) naming that run.
+
+    Returns:
+      ``self``.
+
+    Raises:
+      WorkdirBusyError: another run holds the workdir; the one-line message
+        names its pid, host and start time, the lock file, and the fixes.
+      RuntimeError: this object holds the lock already.
+      OSError: the workdir cannot be created or the lock file not written.
+    """
+    if self._fd is not None:
+      raise RuntimeError(f"WorkdirLock({self.workdir!r}) is held already.")
+    os.makedirs(self.workdir, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        flocked = True
+      except BlockingIOError:
+        holder = _parse_record(os.pread(fd, _MAX_RECORD_BYTES, 0))
+        raise self._busy(holder, flocked=True) from None
+      except OSError as e:
+        if e.errno not in _NO_FLOCK_ERRNOS:
+          raise
+        flocked = False
+        logger.warning("The filesystem of %s has no flock (%s); the lock relies "
+                       "on its holder record only.", self.path, e.strerror)
+      previous = _parse_record(os.pread(fd, _MAX_RECORD_BYTES, 0))
+      if previous is not None:
+        self._check_previous(previous, flocked)
+      record = json.dumps(_own_record()).encode() + b"\n"
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, record, 0)
+      os.fsync(fd)
+    except BaseException:
+      os.close(fd)  # also drops the flock
+      raise
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    """Empties the lock file and drops the lock; a no-op if not held."""
+    fd, self._fd = self._fd, None
+    if fd is None:
+      return
+    try:
+      os.ftruncate(fd, 0)
+    finally:
+      os.close(fd)  # drops the flock
+
+  def __enter__(self) -> "WorkdirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
+
+  def _check_previous(self, previous: dict[str, Any], flocked: bool) -> None:
+    """Raises WorkdirBusyError if the record left in the file is a live run;
+    otherwise logs that its lock is taken over."""
+    pid, host = previous.get("pid"), previous.get("host")
+    if host == socket.gethostname() and isinstance(pid, int):
+      if pid != os.getpid() and _is_running(pid, previous.get("proc_start")):
+        raise self._busy(previous, flocked=flocked)
+      reason = "that process is not running any more"
+    elif flocked:
+      reason = "its lock is free, so that run has ended"
+    else:
+      raise self._busy(previous, flocked=False)
+    logger.warning("Taking over the lock of workdir %s from %s: %s.",
+                   self.workdir, _describe(previous), reason)
+
+  def _busy(self, holder: dict[str, Any] | None, flocked: bool) -> WorkdirBusyError:
+    who = _describe(holder) if holder else "another run (its record is not written yet)"
+    note, fix = "", "Wait for that run to end or stop it, or pass another --workdir."
+    if holder and holder.get("host") == socket.gethostname() and isinstance(
+        holder.get("pid"), int) and not _is_running(holder["pid"], holder.get("proc_start")):
+      note = (" That process is not running any more, but a process it forked "
+              "still holds the lock.")
+      fix = "Stop that process, or pass another --workdir."
+    elif not flocked:
+      fix = (f"If that run is over, delete {self.path}; otherwise wait for it "
+             "to end, or pass another --workdir.")
+    return WorkdirBusyError(
+        f"Workdir {self.workdir} is in use by {who} (lock file {self.path}).{note} {fix}")
+
+
+def _describe(record: dict[str, Any]) -> str:
+  return (f"pid {record.get('pid', '?')} on host {record.get('host', '?')}, "
+          f"started {record.get('started', '?')}")
+
+
+def _parse_record(raw: bytes) -> dict[str, Any] | None:
+  try:
+    record = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def _own_record() -> dict[str, Any]:
+  pid = os.getpid()
+  return {
+      "pid": pid,
+      "host": socket.gethostname(),
+      "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "proc_start": _proc_stat(pid)[1],
+      "argv": [str(a) for a in sys.argv][:64],
+  }
+
+
+def _proc_stat(pid: int) -> tuple[str | None, int | None]:
+  """(state, start time in clock ticks after boot) of a process from
+  ``/proc/<pid>/stat``; (None, None) where unavailable (not Linux, gone)."""
+  try:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      stat = f.read().decode("utf-8", "replace")
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    return fields[0], int(fields[19])
+  except (OSError, ValueError, IndexError):
+    return None, None
+
+
+def _is_running(pid: int, proc_start: int | None) -> bool:
+  """Whether the process ``pid`` of this host that started at ``proc_start``
+  (None: unknown) is running: it exists, is not a zombie, and has not been
+  replaced by another process with a reused pid."""
+  if pid <= 0:
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # exists, owned by another user
+  state, start = _proc_stat(pid)
+  if state == "Z":
+    return False
+  return proc_start is None or start is None or start == proc_start
