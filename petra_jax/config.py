@@ -8,6 +8,7 @@ is ``batch_size=128, accumulation_steps=2``.
 
 import ml_collections
 
+from petra_jax import compensation
 from petra_jax.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 
@@ -58,6 +59,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.initialization_timeout_s = 120  # wait this long for every process to join
   c.distributed.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
   c.distributed.shutdown_timeout_s = 30   # wait this long for the others at exit
+
+  # Delay compensation of the delayed methods (petra, dsp, delayed,
+  # approximate_input), per stage from its delay tau_j (petra_jax.compensation):
+  # "none", "lr_scale", "pipemare", "spike", "weight_prediction",
+  # "nesterov_lookahead", or several joined with "+".
+  c.compensation = compensation.defaults()
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)

@@ -27,6 +27,7 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from petra_jax import checkpoint as checkpoint_lib
+from petra_jax import compensation
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import diagnostics
@@ -71,6 +72,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
+  try:
+    compensation.parse_name(config.compensation.name)
+  except ValueError as e:
+    raise ConfigError(f"{e} (--config.compensation.name=...)") from None
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
@@ -406,9 +411,15 @@ def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int
     probes["reconstruction"] = observers.ReconstructionProbe(config.reconstruction_error_every, k)
   if config.grad_quality_every:
     probes["grad_quality"] = observers.GradientProbe(config.grad_quality_every, k)
-  pipe = Pipeline(stages, optim.make_optimizer(config, steps_per_epoch), devices,
+  # Each stage's optimizer (and forward weights) compensate its own delay
+  # tau_j in the grouped pipeline; methods without delay get the plain ones.
+  delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
+  pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
+                                                        delays), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
-                  observers=list(probes.values()))
+                  observers=list(probes.values()),
+                  predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
+                                                           delays))
   return pipe, sizes, probes
 
 
@@ -471,7 +482,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     ckpt = checkpoint_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
             model=config.model.name, width=config.model.width, depth=config.model.depth,
-            method=config.method,
+            method=config.method, compensation=config.compensation.name,
             dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
             batch_size=config.batch_size, accumulation_steps=k, seed=config.seed))
     restored = ckpt.restore(state, pipe.devices)
