@@ -81,8 +81,11 @@ def study_config(args, method: str, k: int) -> config_lib.ml_collections.ConfigD
   return c
 
 
-def run(args, name: str, method: str, k: int) -> dict:
+def run(args, name: str, method: str, k: int, **overrides) -> dict:
   """Trains one row; returns its final metrics and its metrics curve.
+
+  Args:
+    overrides: config fields by dotted name, e.g. ``{"compensation.name": "spike"}``.
 
   Raises:
     train.ConfigError, data.DataError: as :func:`train.train_and_evaluate`.
@@ -90,7 +93,16 @@ def run(args, name: str, method: str, k: int) -> dict:
   workdir = os.path.join(args.workdir, name)
   if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     os.remove(os.path.join(workdir, "metrics.jsonl"))  # a study run starts afresh
-  result = train.train_and_evaluate(study_config(args, method, k), workdir)
+  config = study_config(args, method, k)
+  if method in methods_lib.DELAYED and getattr(args, "compensation", "none") != "none":
+    config.compensation.name = args.compensation
+  for key, value in overrides.items():
+    *path, last = key.split(".")
+    target = config
+    for part in path:
+      target = target[part]
+    target[last] = value
+  result = train.train_and_evaluate(config, workdir)
   records = metrics_lib.read_metrics(workdir)
   losses = [r["train_loss"] for r in records if "train_loss" in r]
   print(f"{name}: test_accuracy {result['test_accuracy']:.4f} ({result['wall_time']:.0f} s)",
@@ -173,10 +185,75 @@ def ksweep(args):
          "micro-batches, so the delay in updates of stage j is about tau_j / k.")
 
 
+STAGE_SPLITS = {10: (), 5: (1, 2, 2, 2, 3), 4: (1, 2, 2, 5)}  # RevNet18's 10 blocks
+
+
+def _at_wall_time(records: Sequence[dict], seconds: float) -> float:
+  """Test accuracy of the last evaluation at or before ``seconds`` (NaN if none)."""
+  done = [r["test_accuracy"] for r in records
+          if "test_accuracy" in r and r["wall_time"] <= seconds + 1e-9]
+  return done[-1] if done else float("nan")
+
+
+def _plot_accuracy(rows: Sequence[dict], path: str, title: str):
+  """Test accuracy against epochs and against seconds, one line per row."""
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for r in rows:
+    ev = [x for x in r["records"] if "test_accuracy" in x]
+    style = dict(marker="o", label=r["name"], linestyle="--" if r["method"] == "backprop" else "-")
+    axes[0].plot([x["epoch"] for x in ev], [100 * x["test_accuracy"] for x in ev], **style)
+    axes[1].plot([x["wall_time"] for x in ev], [100 * x["test_accuracy"] for x in ev], **style)
+  axes[0].set(xlabel="epochs", ylabel="test accuracy (%)", title="at equal epochs")
+  axes[1].set(xlabel="wall time (s, all stages on one device)", ylabel="test accuracy (%)",
+              title="at equal wall time")
+  for ax in axes:
+    ax.grid(alpha=0.3)
+  axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def compensation_study(args):
+  """Delay compensations against backprop (issue: PETRA at short budgets).
+
+  For each stage count and k: ``backprop`` once, then ``petra`` with every
+  compensation of ``--compensations``. Table: test accuracy at the end (equal
+  epochs) and backprop's accuracy at the row's wall time (equal wall time,
+  every stage on one device: a PETRA tick costs one device every stage's
+  work, so the wall-time comparison shows the single-device cost only).
+  """
+  rows = []
+  for k in args.ks:
+    base = run(args, f"backprop_k{k}", "backprop", k)
+    rows.append(dict(base, stages=1, compensation="-", gap=0.0, backprop_same_time=float("nan")))
+    for J in args.stages:
+      for comp in args.compensations:
+        r = run(args, f"petra_J{J}_k{k}_{comp}", "petra", k,
+                **{"model.stage_sizes": STAGE_SPLITS[J], "compensation.name": comp})
+        rows.append(dict(r, stages=J, compensation=comp,
+                         gap=100 * (base["test_accuracy"] - r["test_accuracy"]),
+                         backprop_same_time=_at_wall_time(base["records"], r["wall_time"])))
+  table = ["| run | stages J | k | compensation | test acc. (%) | gap to backprop, same epochs "
+           "(points) | backprop at the same wall time (%) | wall (s) |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    table.append(f"| `{r['name']}` | {r['stages']} | {r['k']} | {r['compensation']} | "
+                 f"{100 * r['test_accuracy']:.1f} | {r['gap']:+.1f} | "
+                 f"{100 * r['backprop_same_time']:.1f} | {r['wall_time']:.0f} |")
+  os.makedirs(args.out, exist_ok=True)
+  _write(args, "compensation", "Delay compensation for PETRA against backprop", table, rows,
+         "One seed: differences of about 1 point are within run-to-run noise. Gap = backprop "
+         "minus the row at the same number of epochs (positive: the row is worse).")
+  _plot_accuracy(rows, os.path.join(args.out, "compensation_accuracy.png"),
+                 "PETRA with delay compensation: test accuracy")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.studies", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("study", choices=("table4", "ksweep"))
+  p.add_argument("study", choices=("table4", "ksweep", "compensation"))
   p.add_argument("--width", type=int, default=8)
   p.add_argument("--epochs", type=int, default=1)
   p.add_argument("--steps-per-epoch", type=int, default=0, help="0 = the full split")
@@ -184,6 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--learning-rate", type=float, default=0.05)
   p.add_argument("--warmup-epochs", type=float, default=0.5)
   p.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 4, 8])
+  p.add_argument("--stages", type=lambda s: [int(j) for j in s.split(",")], default=[10, 4],
+                 help=f"compensation study: stage counts, of {sorted(STAGE_SPLITS)}")
+  p.add_argument("--compensations", type=lambda s: s.split(","),
+                 default=["none", "lr_scale", "spike", "weight_prediction", "nesterov_lookahead"],
+                 help="compensation study: config.compensation.name values")
+  p.add_argument("--compensation", default="none",
+                 help="table4 / ksweep: compensation of the delayed methods")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
@@ -194,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args.argv = argv
   args.workdir = args.workdir or os.path.join("runs", args.study)
   try:
-    {"table4": table4, "ksweep": ksweep}[args.study](args)
+    {"table4": table4, "ksweep": ksweep, "compensation": compensation_study}[args.study](args)
   except (train.ConfigError, data_lib.DataError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
