@@ -1,0 +1,84 @@
+"""The training CLI under a scheduler and a tired user: SIGTERM / Ctrl-C stop
+cleanly with a checkpoint and resume exactly; a busy workdir is refused."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from petra_jax import metrics, preemption
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 14
+
+
+def _args(data_dir, workdir, *extra):
+  return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py",
+          "--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",
+          f"--config.steps_per_epoch={STEPS}", "--config.num_epochs=1", "--config.log_every=1",
+          "--config.eval_every=0", "--config.eval_batch_size=1000",
+          f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
+
+
+def _losses(workdir):
+  return {r["step"]: r["train_loss"] for r in metrics.read_metrics(str(workdir))
+          if "train_loss" in r}
+
+
+def _start_and_signal(data_dir, workdir, sig, after_step=3):
+  """Starts a run, sends ``sig`` once step ``after_step`` is logged."""
+  proc = subprocess.Popen(_args(data_dir, workdir), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline and proc.poll() is None:
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and max(
+        _losses(workdir), default=0) >= after_step:
+      proc.send_signal(sig)
+      break
+    time.sleep(0.2)
+  out, err = proc.communicate(timeout=240)
+  return proc.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path, sig):
+  reference = subprocess.run(_args(cifar10_dir, tmp_path / "ref"), cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-2000:]
+  rc, err = _start_and_signal(cifar10_dir, tmp_path / "run", sig)
+  assert rc == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert "Traceback" not in err
+  lines = [line for line in err.splitlines() if line.startswith("preempted by")]
+  assert len(lines) == 1 and signal.Signals(sig).name in lines[0]
+  step = int(lines[0].split(" at step ")[1].split(":")[0])
+  assert 3 <= step < STEPS
+  saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()
+                 if p.name.isdigit())
+  assert saved[-1] == step
+  again = subprocess.run(_args(cifar10_dir, tmp_path / "run"), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")  # every step, exactly
+
+
+@pytest.mark.slow
+def test_second_run_on_a_busy_workdir_is_refused(cifar10_dir, tmp_path):
+  first = subprocess.Popen(_args(cifar10_dir, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.time() + 120
+    while not os.path.exists(tmp_path / "metrics.jsonl") and time.time() < deadline:
+      time.sleep(0.2)
+    second = subprocess.run(_args(cifar10_dir, tmp_path), cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 1
+    assert "Traceback" not in second.stderr
+    error = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and str(first.pid) in error[0], second.stderr[-1000:]
+  finally:
+    first.kill()
+    first.wait()
