@@ -43,26 +43,36 @@ def _start_and_signal(data_dir, workdir, sig, after_step=3):
   return proc.returncode, err
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path, sig):
-  reference = subprocess.run(_args(cifar10_dir, tmp_path / "ref"), cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
-  assert reference.returncode == 0, reference.stderr[-2000:]
-  rc, err = _start_and_signal(cifar10_dir, tmp_path / "run", sig)
+def _check_clean_stop(rc, err, workdir, sig):
+  """Exit 75, one line naming the signal and the step, a checkpoint there."""
   assert rc == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
   assert "Traceback" not in err
   lines = [line for line in err.splitlines() if line.startswith("preempted by")]
   assert len(lines) == 1 and signal.Signals(sig).name in lines[0]
   step = int(lines[0].split(" at step ")[1].split(":")[0])
   assert 3 <= step < STEPS
-  saved = sorted(int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir()
-                 if p.name.isdigit())
+  saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
   assert saved[-1] == step
+  return step
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path):
+  reference = subprocess.run(_args(cifar10_dir, tmp_path / "ref"), cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-2000:]
+  rc, err = _start_and_signal(cifar10_dir, tmp_path / "run", signal.SIGTERM)
+  _check_clean_stop(rc, err, tmp_path / "run", signal.SIGTERM)
   again = subprocess.run(_args(cifar10_dir, tmp_path / "run"), cwd=REPO, capture_output=True,
                          text=True, timeout=300)
   assert again.returncode == 0, again.stderr[-2000:]
   assert _losses(tmp_path / "run") == _losses(tmp_path / "ref")  # every step, exactly
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_the_same_clean_stop(cifar10_dir, tmp_path):
+  rc, err = _start_and_signal(cifar10_dir, tmp_path, signal.SIGINT)
+  _check_clean_stop(rc, err, tmp_path, signal.SIGINT)
 
 
 @pytest.mark.slow
