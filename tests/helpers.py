@@ -1,11 +1,13 @@
 """Shared helpers for tests: tiny models and an independent composed loss."""
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax import stage as stage_lib
 
 
 def random_batch(batch=8, size=16, num_classes=10, seed=0):
@@ -52,3 +54,22 @@ def run_ticks(pipe, state, num_micro_batches, batches, num_ticks=None):
   table = pipe.schedule(num_micro_batches)
   n = len(table) if num_ticks is None else num_ticks
   return pipe.run(state, (table[t] for t in range(n)), batches)
+
+
+def random_variables(stage, x, seed):
+  """Variables shaped like ``stage.init``'s, filled by numpy.
+
+  Fast: real init compiles jax.random's threefry once per kernel shape, which
+  takes seconds per stage on a small CPU. Kernels get He-normal values, 1-D
+  variables (BN scale, bias and statistics, dense bias) values in [0.5, 1.5].
+  """
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(functools.partial(stage.init, jax.random.key(0)), x)
+
+  def fill(a):
+    if len(a.shape) >= 2:
+      std = (2 / math.prod(a.shape[:-1])) ** 0.5
+      return jnp.asarray(rng.normal(0.0, std, a.shape), jnp.float32)
+    return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32)
+
+  return jax.tree.map(fill, shapes)

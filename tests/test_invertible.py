@@ -6,7 +6,6 @@ of its forward (paper Eq. 5); chaining reverse vjps through a whole
 revnet18_inv gives jax.grad of the composed model.
 """
 
-import functools
 import math
 
 import chex
@@ -16,23 +15,8 @@ import numpy as np
 import pytest
 
 from petra_jax import invertible, models
+from helpers import random_variables as _random_variables
 from petra_jax import stage as stage_lib
-
-
-def _random_variables(stage, x, seed):
-  """Variables shaped like ``stage.init``'s, filled by numpy (no threefry
-  compilation per kernel shape): He-normal kernels, 1-D variables (BN scale,
-  bias and statistics, dense bias) in [0.5, 1.5]."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(functools.partial(stage.init, jax.random.key(0)), x)
-
-  def fill(a):
-    if len(a.shape) >= 2:
-      std = (2 / math.prod(a.shape[:-1])) ** 0.5
-      return jnp.asarray(rng.normal(0.0, std, a.shape), jnp.float32)
-    return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32)
-
-  return jax.tree.map(fill, shapes)
 
 
 def _normal(seed, shape):

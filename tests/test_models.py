@@ -2,7 +2,6 @@
 
 import functools
 import json
-import math
 import pathlib
 import subprocess
 import sys
@@ -10,11 +9,11 @@ import sys
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from petra_jax import models
 from petra_jax import stage as stage_lib
+from helpers import random_variables as _random_variables
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 REVNETS = ("revnet18", "revnet34", "revnet50")
@@ -89,25 +88,6 @@ def test_dataset_fixes_stem_and_classes(name, dataset, size, classes):
   assert rows[0]["output_shape"] == [size, size, 4]
   assert rows[-2]["output_shape"] == [size // 8, size // 8, 4 * 8 * 4]
   assert rows[-1]["output_shape"] == [classes]
-
-
-def _random_variables(stage, x, seed):
-  """Variables shaped like ``stage.init``'s, filled by numpy.
-
-  Fast: real init compiles jax.random's threefry once per kernel shape, which
-  takes seconds per stage on a small CPU. Kernels get He-normal values, 1-D
-  variables (BN scale, bias and statistics, dense bias) values in [0.5, 1.5].
-  """
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(functools.partial(stage.init, jax.random.key(0)), x)
-
-  def fill(a):
-    if len(a.shape) >= 2:
-      std = (2 / math.prod(a.shape[:-1])) ** 0.5
-      return jnp.asarray(rng.normal(0.0, std, a.shape), jnp.float32)
-    return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32)
-
-  return jax.tree.map(fill, shapes)
 
 
 @pytest.mark.parametrize("name", REVNETS)

@@ -247,7 +247,6 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
   specs = pipe.message_specs(jax.ShapeDtypeStruct((batch_size, *image_shape), jnp.float32))
   labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
   buffers = stored_bytes(stage_bytes(stages, image_shape, batch_size), "petra")
-  J = len(stages)
   rows = []
   for j, s in enumerate(stages):
     st = state.train_states[j]
