@@ -75,6 +75,7 @@ def study_config(args, method: str, k: int) -> config_lib.ml_collections.ConfigD
   c.eval_every = 1
   c.log_every = args.log_every
   c.seed = args.seed
+  c.reconstruction_error_every = getattr(args, "reconstruction_error_every", 0)
   c.optim.learning_rate = args.learning_rate
   c.optim.schedule = "cosine"
   c.optim.warmup_epochs = args.warmup_epochs
@@ -195,6 +196,12 @@ def _at_wall_time(records: Sequence[dict], seconds: float) -> float:
   return done[-1] if done else float("nan")
 
 
+def _mean_reconstruction_error(records: Sequence[dict]) -> float:
+  """Mean of every ``reconstruction_error/stage_j`` logged (NaN if none)."""
+  errs = [v for r in records for key, v in r.items() if key.startswith("reconstruction_error/")]
+  return sum(errs) / len(errs) if errs else float("nan")
+
+
 def _plot_accuracy(rows: Sequence[dict], path: str, title: str):
   """Test accuracy against epochs and against seconds, one line per row."""
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -236,12 +243,13 @@ def compensation_study(args):
                          gap=100 * (base["test_accuracy"] - r["test_accuracy"]),
                          backprop_same_time=_at_wall_time(base["records"], r["wall_time"])))
   table = ["| run | stages J | k | compensation | test acc. (%) | gap to backprop, same epochs "
-           "(points) | backprop at the same wall time (%) | wall (s) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "(points) | backprop at the same wall time (%) | wall (s) | mean rel. "
+           "reconstruction error |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     table.append(f"| `{r['name']}` | {r['stages']} | {r['k']} | {r['compensation']} | "
                  f"{100 * r['test_accuracy']:.1f} | {r['gap']:+.1f} | "
-                 f"{100 * r['backprop_same_time']:.1f} | {r['wall_time']:.0f} |")
+                 f"{100 * r['backprop_same_time']:.1f} | {r['wall_time']:.0f} | "
+                 f"{_mean_reconstruction_error(r['records']):.2e} |")
   os.makedirs(args.out, exist_ok=True)
   _write(args, "compensation", "Delay compensation for PETRA against backprop", table, rows,
          "One seed: differences of about 1 point are within run-to-run noise. Gap = backprop "
@@ -268,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="compensation study: config.compensation.name values")
   p.add_argument("--compensation", default="none",
                  help="table4 / ksweep: compensation of the delayed methods")
+  p.add_argument("--reconstruction-error-every", type=int, default=0,
+                 help="updates between reconstruction-error probes (0: off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
