@@ -16,6 +16,10 @@ backward, on one device) takes 3.4-4.0 s, i.e. 16-19 images/s and about
 2700-3200 s per epoch, 9-11 days for 300 epochs (plain backprop: 2.3-3.0 s per
 micro-batch). Run it on accelerators, one stage per device, or use
 configs/cifar10_cpu.py.
+
+Delay compensation stays off here (``compensation.name="none"``): it was only
+measured at the CPU recipe's width and length (configs/cifar10_cpu.py,
+docs/compensation.md), not at the paper's scale.
 """
 
 from petra_jax import config as default
