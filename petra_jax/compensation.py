@@ -426,6 +426,29 @@ def _momentum_inner(config, steps_per_epoch: int, momentum: float, grad_scale: f
       optim.scale_by_larc(schedule, o.weight_decay, o.trust_coefficient, o.lars_eps), *core)
 
 
+def _check_momentum(o: ml_collections.ConfigDict, parts: tuple) -> None:
+  """ValueError if a momentum-based compensation lacks momentum SGD/LARS."""
+  if any(x in parts for x in ("spike", "weight_prediction", "nesterov_lookahead")):
+    if o.name not in ("sgd", "lars") or not o.momentum:
+      raise ValueError(f"Compensation {'+'.join(parts)!r} needs momentum SGD or LARS "
+                       f"(optim.name={o.name!r}, optim.momentum={o.momentum}).")
+  if "nesterov_lookahead" in parts and not o.nesterov:
+    raise ValueError("nesterov_lookahead needs optim.nesterov = True.")
+
+
+def _momentum_part(config, steps_per_epoch: int, parts: tuple, d: float, d_ref: float,
+                   lookahead_max: float):
+  """The momentum optimizer with spike compensation and/or look-ahead momentum."""
+  momentum, grad_scale = config.optim.momentum, 1.0
+  if "nesterov_lookahead" in parts:
+    momentum = lookahead_momentum(config.optim.momentum, lookahead_max, d, d_ref)
+    # (1 - gamma) discount, normalised by the base's (1 - m): each gradient's
+    # total contribution eta / (1 - m) is kept, and gamma = m is the base.
+    grad_scale = (1.0 - momentum) / (1.0 - config.optim.momentum)
+  return _momentum_inner(config, steps_per_epoch, momentum, grad_scale,
+                         d if "spike" in parts else 0.0)
+
+
 def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
                                name: Optional[str] = None, delay_ticks: float = 0,
                                accumulation_steps: Optional[int] = None,
@@ -464,25 +487,12 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
   base_config = _with_k(config, k) if k != config.accumulation_steps else config
   if parts == ("none",):
     return optim.make_optimizer(base_config, steps_per_epoch)
-  o = config.optim
-  if any(x in parts for x in ("spike", "weight_prediction", "nesterov_lookahead")):
-    if o.name not in ("sgd", "lars") or not o.momentum:
-      raise ValueError(f"Compensation {'+'.join(parts)!r} needs momentum SGD or LARS "
-                       f"(optim.name={o.name!r}, optim.momentum={o.momentum}).")
+  _check_momentum(config.optim, parts)
   d = delay_in_updates(delay_ticks, k)
   if any(x in parts for x in _MOMENTUM):
-    momentum, grad_scale = o.momentum, 1.0
-    if "nesterov_lookahead" in parts:
-      if not o.nesterov:
-        raise ValueError("nesterov_lookahead needs optim.nesterov = True.")
-      d_ref = p["lookahead_delay_ref"] or delay_in_updates(
-          delay_ticks if max_delay_ticks is None else max_delay_ticks, k)
-      momentum = lookahead_momentum(o.momentum, p["lookahead_momentum"], d, d_ref)
-      # (1 - gamma) discount, normalised by the base's (1 - m): each gradient's
-      # total contribution eta / (1 - m) is kept, and gamma = m is the base.
-      grad_scale = (1.0 - momentum) / (1.0 - o.momentum)
-    inner = _momentum_inner(config, steps_per_epoch, momentum, grad_scale,
-                            d if "spike" in parts else 0.0)
+    d_ref = p["lookahead_delay_ref"] or delay_in_updates(
+        delay_ticks if max_delay_ticks is None else max_delay_ticks, k)
+    inner = _momentum_part(config, steps_per_epoch, parts, d, d_ref, p["lookahead_momentum"])
   else:
     inner = optim.make_optimizer(_with_k(config, 1), steps_per_epoch)
   if "lr_scale" in parts or "pipemare" in parts:

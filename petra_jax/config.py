@@ -13,6 +13,60 @@ from petra_jax.methods import METHODS  # noqa: F401  (what each method keeps; it
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 
 
+def _model_config() -> ml_collections.ConfigDict:
+  """``config.model``: the network and its split into stages."""
+  c = ml_collections.ConfigDict()
+  c.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
+  c.width = 64          # channels per stream after the stem (paper: 64)
+  c.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
+  c.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
+  c.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
+  c.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
+                          # analysis) or "time" (forward + backward measured on the device at start)
+  c.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
+  return c
+
+
+def _distributed_config() -> ml_collections.ConfigDict:
+  """``config.distributed``: multi-process runs."""
+  # Multi-process runs (jax.distributed; launch/local.sh, launch/slurm.sh,
+  # launch/tpu_pod.sh): stages spread over every process's devices. Unset
+  # fields fall back to $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and
+  # $JAX_PROCESS_ID; with no coordinator and auto_detect False the run is
+  # single-process.
+  c = ml_collections.ConfigDict()
+  c.coordinator_address = ""  # "host:port" of process 0
+  c.num_processes = 0         # 0 = $JAX_NUM_PROCESSES
+  c.process_id = -1           # -1 = $JAX_PROCESS_ID
+  c.auto_detect = False       # let jax detect SLURM / TPU pod / MPI settings
+  c.initialization_timeout_s = 120  # wait this long for every process to join
+  c.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
+  c.shutdown_timeout_s = 30   # wait this long for the others at exit
+  return c
+
+
+def _optim_config() -> ml_collections.ConfigDict:
+  """``config.optim``: optimizer and learning-rate schedule."""
+  c = ml_collections.ConfigDict()
+  c.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)
+  c.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
+  c.momentum = 0.9       # sgd, lars
+  c.nesterov = True      # sgd, lars
+  c.weight_decay = 5e-4  # on conv and dense kernels only (adam: decoupled, times lr)
+  c.schedule = "step"    # "step", "cosine", "polynomial" or "constant"
+  c.warmup_epochs = 5.0  # linear warm-up from 0
+  c.decay_epochs = (150, 225)  # "step": multiply by decay_factor at these epochs
+  c.decay_factor = 0.1
+  c.end_learning_rate = 0.0  # "cosine", "polynomial": the rate at the last update
+  c.polynomial_power = 2.0   # "polynomial": exponent of the decay
+  c.trust_coefficient = 0.02  # lars: eta; trust ratio clipped at 1 (LARC)
+  c.lars_eps = 1e-8
+  c.adam_b1 = 0.9
+  c.adam_b2 = 0.999
+  c.adam_eps = 1e-8
+  return c
+
+
 def get_config() -> ml_collections.ConfigDict:
   """The default configuration: a small RevNet18 trained with PETRA."""
   c = ml_collections.ConfigDict()
@@ -21,15 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
   c.download = False          # prepare a missing data set with tfds (needs network); off: a typo never starts a download
 
-  c.model = ml_collections.ConfigDict()
-  c.model.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
-  c.model.width = 64          # channels per stream after the stem (paper: 64)
-  c.model.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
-  c.model.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
-  c.model.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
-  c.model.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
-                                # analysis) or "time" (forward + backward measured on the device at start)
-  c.model.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
+  c.model = _model_config()
 
   c.batch_size = 128          # images per optimizer update (k micro-batches)
   c.accumulation_steps = 2    # k: micro-batches averaged per update
@@ -46,19 +92,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
 
-  # Multi-process runs (jax.distributed; launch/local.sh, launch/slurm.sh,
-  # launch/tpu_pod.sh): stages spread over every process's devices. Unset
-  # fields fall back to $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and
-  # $JAX_PROCESS_ID; with no coordinator and auto_detect False the run is
-  # single-process.
-  c.distributed = ml_collections.ConfigDict()
-  c.distributed.coordinator_address = ""  # "host:port" of process 0
-  c.distributed.num_processes = 0         # 0 = $JAX_NUM_PROCESSES
-  c.distributed.process_id = -1           # -1 = $JAX_PROCESS_ID
-  c.distributed.auto_detect = False       # let jax detect SLURM / TPU pod / MPI settings
-  c.distributed.initialization_timeout_s = 120  # wait this long for every process to join
-  c.distributed.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
-  c.distributed.shutdown_timeout_s = 30   # wait this long for the others at exit
+  c.distributed = _distributed_config()
 
   # Delay compensation of the delayed methods (petra, dsp, delayed,
   # approximate_input), per stage from its delay tau_j (petra_jax.compensation):
@@ -66,23 +100,7 @@ def get_config() -> ml_collections.ConfigDict:
   # "nesterov_lookahead", or several joined with "+".
   c.compensation = compensation.defaults()
 
-  c.optim = ml_collections.ConfigDict()
-  c.optim.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)
-  c.optim.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
-  c.optim.momentum = 0.9       # sgd, lars
-  c.optim.nesterov = True      # sgd, lars
-  c.optim.weight_decay = 5e-4  # on conv and dense kernels only (adam: decoupled, times lr)
-  c.optim.schedule = "step"    # "step", "cosine", "polynomial" or "constant"
-  c.optim.warmup_epochs = 5.0  # linear warm-up from 0
-  c.optim.decay_epochs = (150, 225)  # "step": multiply by decay_factor at these epochs
-  c.optim.decay_factor = 0.1
-  c.optim.end_learning_rate = 0.0  # "cosine", "polynomial": the rate at the last update
-  c.optim.polynomial_power = 2.0   # "polynomial": exponent of the decay
-  c.optim.trust_coefficient = 0.02  # lars: eta; trust ratio clipped at 1 (LARC)
-  c.optim.lars_eps = 1e-8
-  c.optim.adam_b1 = 0.9
-  c.optim.adam_b2 = 0.999
-  c.optim.adam_eps = 1e-8
+  c.optim = _optim_config()
   return c
 
 

@@ -301,6 +301,19 @@ def ensure_prepared(
   if not download:
     raise _missing_data_error(name, data_dir, f"no prepared copy at {where!r}",
                               download_hint=True)
+  _download_and_prepare(name, info, data_dir)
+  prepared, where = _is_prepared(name, info, data_dir)
+  if not prepared:
+    raise DataError(
+        f"tfds' download_and_prepare of dataset {name!r} left no prepared copy "
+        f"at {where!r}. Prepare it with `{_rebuild_command(info, data_dir)}` "
+        "and point --config.data_dir (or TFDS_DATA_DIR) at that data dir."
+    )
+  return data_dir
+
+
+def _download_and_prepare(name: str, info: DatasetInfo, data_dir: str) -> None:
+  """tfds' ``download_and_prepare``; any failure as one :class:`DataError`."""
   try:
     _tfds_builder(info, data_dir).download_and_prepare()
   except Exception as e:  # pylint: disable=broad-except
@@ -315,14 +328,6 @@ def ensure_prepared(
         f"network access (or run `{_rebuild_command(info, data_dir)}` there and "
         "copy the data dir over)."
     ) from e
-  prepared, where = _is_prepared(name, info, data_dir)
-  if not prepared:
-    raise DataError(
-        f"tfds' download_and_prepare of dataset {name!r} left no prepared copy "
-        f"at {where!r}. Prepare it with `{_rebuild_command(info, data_dir)}` "
-        "and point --config.data_dir (or TFDS_DATA_DIR) at that data dir."
-    )
-  return data_dir
 
 
 def _is_prepared(name: str, info: DatasetInfo, data_dir: str) -> tuple[bool, str]:

@@ -54,6 +54,17 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
       ``accumulation_steps < 1``; a batch
       that does not split into k micro-batches, more devices than exist.
   """
+  _check_choices(config)
+  _check_batch(config)
+  _check_stages(config)
+  if config.num_devices > num_local_devices:
+    raise ConfigError(
+        f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
+        "use --config.num_devices=0 for all of them.")
+
+
+def _check_choices(config) -> None:
+  """Names that must be in a registry; methods the model supports."""
   for what, value, choices, flag in (
       ("method", config.method, tuple(methods_lib.METHODS), "method"),
       ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
@@ -76,6 +87,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     compensation.parse_name(config.compensation.name)
   except ValueError as e:
     raise ConfigError(f"{e} (--config.compensation.name=...)") from None
+
+
+def _check_batch(config) -> None:
+  """Batch, k micro-batches, gradient-quality probes."""
   k = config.accumulation_steps
   if k < 1:
     raise ConfigError(f"accumulation_steps must be >= 1, got {k}.")
@@ -90,6 +105,10 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       "method 'backprop' computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
+
+
+def _check_stages(config) -> None:
+  """Stage counts and sizes against the model's blocks."""
   try:
     num_blocks = len(models.build_model(config.model.name, width=1, depth=_depth(config)))
   except ValueError as e:  # e.g. a depth for a model whose block counts are fixed
@@ -108,11 +127,6 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   if num_stages == 1:
     raise ConfigError("model.num_stages=1: a pipeline needs at least 2 stages; use 0 for one "
                       "block per stage.")
-  if config.num_devices > num_local_devices:
-    raise ConfigError(
-        f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
-        "use --config.num_devices=0 for all of them.")
-
 
 def _depth(config):
   """``config.model.depth``, None for the model's own (0)."""

@@ -265,6 +265,26 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
 # The whole benchmark.
 # ----------------------------------------------------------------------------
 
+def _measure(stages, images, labels, iters: int, warmup: int, seed: int):
+  """``(ms_per_step, stage rows, recompute stage rows)``, sends included."""
+  devices = jax.devices()
+  tx = optax.sgd(1e-3, momentum=0.9)
+  pipes = {m: Pipeline(stages, tx, devices[:1], method=m) for m in ("backprop", "revprop", "petra")}
+  ms, state = step_times(pipes, images, labels, iters, warmup, seed)
+  rows, acts = stage_times(pipes["petra"], state, images, labels, iters, warmup)
+  flushed = Pipeline(stages, tx, devices[:1], method="1f1b")
+  rows_stored, _ = stage_times(flushed, flushed.init(seed, images), images, labels, iters,
+                               warmup)
+  if len(devices) > 1:
+    sends = transfer_times(pipes["petra"], acts, devices[0], devices[1], iters, warmup)
+  else:  # nowhere to send to: report compute only
+    sends = [{"send_forward": 0.0, "send_backward": 0.0} for _ in rows]
+  for row, stored, send in zip(rows, rows_stored, sends):
+    row.update(send)
+    stored.update(send)
+  return ms, rows, rows_stored
+
+
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, iters: int = 5, warmup: int = 1, seed: int = 0) -> dict:
   """Runs every measurement on ``jax.devices()[0]`` and returns the report.
@@ -288,26 +308,12 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     ``devices``.
   """
   devices = jax.devices()
-  tx = optax.sgd(1e-3, momentum=0.9)
-  pipes = {m: Pipeline(stages, tx, devices[:1], method=m) for m in ("backprop", "revprop", "petra")}
-  pipe = pipes["petra"]
   rng = np.random.default_rng(seed)
   images = jax.device_put(
       rng.normal(size=(batch_size, *input_shape)).astype(np.float32), devices[0])
   labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32),
                           devices[0])
-  ms, state = step_times(pipes, images, labels, iters, warmup, seed)
-  rows, acts = stage_times(pipe, state, images, labels, iters, warmup)
-  flushed = Pipeline(stages, tx, devices[:1], method="1f1b")
-  rows_stored, _ = stage_times(flushed, flushed.init(seed, images), images, labels, iters,
-                               warmup)
-  if len(devices) > 1:
-    sends = transfer_times(pipe, acts, devices[0], devices[1], iters, warmup)
-  else:  # nowhere to send to: report compute only
-    sends = [{"send_forward": 0.0, "send_backward": 0.0} for _ in rows]
-  for row, stored, send in zip(rows, rows_stored, sends):
-    row.update(send)
-    stored.update(send)
+  ms, rows, rows_stored = _measure(stages, images, labels, iters, warmup, seed)
   costs = stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])
   flops = models.block_flops(stages, (batch_size, *input_shape))
   fwd_send = [r["send_forward"] for r in rows]
