@@ -86,9 +86,9 @@ class StageState(flax.struct.PyTreeNode):
                         opt_state=opt_state, batch_stats=batch_stats)
 
 
-def _messages(where: str):
+def _messages(where: str, routed: bool = False):
   return dataclasses.field(default_factory=list if where == "per_stage" else dict,
-                           metadata={"messages": where})
+                           metadata={"messages": where, "routed": routed})
 
 
 @dataclasses.dataclass
@@ -99,8 +99,10 @@ class PipelineState:
   their ``messages`` metadata (``per_stage``: a list of such dicts, one per
   stage, on that stage's device; ``last_stage``: one dict on the last
   stage's device); checkpoints save them by that metadata. In a
-  multi-process run every process keeps every key, and only the owner of a
-  stage holds its payloads (None elsewhere).
+  multi-process run every process keeps every key of the ``routed`` fields
+  (the messages every process routes: ``inbox``, ``grad_inbox``), with the
+  payloads on the stage's owner only (None elsewhere); the other fields
+  (``buffers``, ``weight_stash``, ``labels``) exist on the owner only.
 
   Attributes:
     train_states: per stage, its :class:`StageState` on its device (None for
@@ -116,8 +118,8 @@ class PipelineState:
   """
   train_states: list
   tick: int = 0
-  inbox: list = _messages("per_stage")
-  grad_inbox: list = _messages("per_stage")
+  inbox: list = _messages("per_stage", routed=True)
+  grad_inbox: list = _messages("per_stage", routed=True)
   buffers: list = _messages("per_stage")
   weight_stash: list = _messages("per_stage")
   labels: dict = _messages("last_stage")
