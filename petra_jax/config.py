@@ -91,6 +91,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.diagnostics); 0 = off
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
+  c.checkpoint_drain = False  # drain the pipeline before each periodic checkpoint (reshardable; changes the updates)
 
   c.distributed = _distributed_config()
 

@@ -29,6 +29,7 @@ Stages are numbered ``j = 0 .. J-1``; the last stage's task is ``loss``
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from typing import Iterator, NamedTuple, Optional, Sequence
@@ -333,3 +334,47 @@ def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,
   J = 1 if kind == "sequential" else num_stages
   return {"simulated_ms_per_update": time / updates,
           "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Chained:
+  """Schedules run one after the other, each drained before the next starts.
+
+  Part ``i`` runs its own micro-batches ``0..M_i-1`` as micro-batches
+  ``offsets[i] + 0..M_i-1``; its last tick leaves no micro-batch in flight.
+  Indexable and iterable like :class:`Schedule` (lazily). One part at offset
+  0 is that schedule tick for tick.
+
+  Attributes:
+    parts: the schedules.
+    offsets: the first micro-batch of each part.
+  """
+  parts: tuple
+  offsets: tuple
+
+  @functools.cached_property
+  def _ends(self) -> tuple:
+    out, total = [], 0
+    for part in self.parts:
+      total += len(part)
+      out.append(total)
+    return tuple(out)
+
+  def ends(self) -> list[int]:
+    """The tick count after each part (cumulative): the pipeline is empty
+    after tick ``ends()[i] - 1``."""
+    return list(self._ends)
+
+  def __len__(self) -> int:
+    return self._ends[-1] if self._ends else 0
+
+  def __getitem__(self, t: int) -> Tick:
+    if not 0 <= t < len(self):
+      raise IndexError(f"tick {t} outside [0, {len(self)})")
+    i = bisect.bisect_right(self._ends, t)
+    start = self._ends[i - 1] if i else 0
+    return tuple(task._replace(micro_batch=task.micro_batch + self.offsets[i])
+                 for task in self.parts[i][t - start])
+
+  def __iter__(self) -> Iterator[Tick]:
+    return (self[t] for t in range(len(self)))

@@ -20,6 +20,7 @@ import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
 
 from absl import app, flags, logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -186,9 +187,6 @@ def _validate_multiprocess(config) -> None:
   if config.method == "backprop":
     raise ConfigError("method 'backprop' runs on one device; run it in a single process "
                       "(without launch/*.sh or jax.distributed).")
-  if config.checkpoint_every:
-    raise ConfigError("checkpointing is single-process for now: use "
-                      "--config.checkpoint_every=0 in multi-process runs.")
 
 
 def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
@@ -392,11 +390,11 @@ class Run:
   test: Any
   pipe: Pipeline
   state: Any
-  schedule: schedule_lib.Schedule
+  schedule: schedule_lib.Chained
   batches: Callable
   writer: Any
   loss_log: "_LossLog"
-  checkpointer: Optional[checkpoint_lib.Checkpointer]
+  checkpointer: checkpoint_lib.Checkpointer
   steps_per_epoch: int
   total_steps: int
   step: int = 0
@@ -405,6 +403,7 @@ class Run:
   grad_quality: Optional[observers.GradientProbe] = None
   start: float = dataclasses.field(default_factory=time.time)
   result: dict = dataclasses.field(default_factory=dict)
+  drain_points: dict = dataclasses.field(default_factory=dict)
 
 
 def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int):
@@ -491,32 +490,63 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
-  ckpt = restored = None
-  if not pipe.multiprocess:  # (checkpointing is single-process for now)
-    ckpt = checkpoint_lib.Checkpointer(
-        os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
-            model=config.model.name, width=config.model.width, depth=config.model.depth,
-            method=config.method, compensation=config.compensation.name,
-            dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
-            batch_size=config.batch_size, accumulation_steps=k, seed=config.seed))
-    restored = ckpt.restore(state, pipe.devices)
-  step, extra, extra_arrays = 0, {}, {}
+  ckpt = _checkpointer(config, workdir, pipe, sizes)
+  restored = ckpt.restore(state, pipe.devices)
+  step, extra, extra_arrays, start_step = 0, {}, {}, 0
   if restored is not None:
     step, state, extra, extra_arrays = restored
+    if not state.in_flight():  # drained: the stream restarts at this step
+      start_step, state.tick = step, 0
     logging.info("resumed from %s/%d", ckpt.directory, step)
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                     truncate_to=extra.get("metrics_offset"))
   loss_log = _LossLog(writer, k, config.log_every, steps_per_epoch,
                       optim.learning_rate_schedule(config, steps_per_epoch))
-  if restored is not None:
+  if restored is not None and jax.process_index() == 0:  # (the losses live on process 0)
     loss_log.restore(extra["loss_log"], extra_arrays)
-  return Run(config, workdir, info, train, test, pipe, state,
-             pipe.schedule(total_steps * k),
+  schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
+  return Run(config, workdir, info, train, test, pipe, state, schedule,
              _batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
              steps_per_epoch, total_steps, step=step,
              restored_step=None if restored is None else step,
              reconstruction=probes.get("reconstruction"),
-             grad_quality=probes.get("grad_quality"), start=start)
+             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points)
+
+
+def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
+  """This process's :class:`checkpoint.Checkpointer`; the fingerprint names
+  what a resumed run must share (the grouping may change: resharding)."""
+  return checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
+          model=config.model.name, width=config.model.width, depth=config.model.depth,
+          method=config.method, compensation=config.compensation.name,
+          dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
+          batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
+          seed=config.seed),
+      block_counts=[len(s.blocks) or 1 for s in pipe.stages])
+
+
+def _schedule(config, pipe: Pipeline, start_step: int, total_steps: int):
+  """The tick table from update ``start_step`` (0, or a drained checkpoint's)
+  to ``total_steps``, and ``{tick: step}`` after which to checkpoint a drained
+  pipeline.
+
+  Without ``checkpoint_drain`` one stream (or the method's schedule) runs
+  every update and drains once, at the end. With it the table drains every
+  ``checkpoint_every`` updates (:class:`schedule.Chained`): the stream stops
+  feeding until every in-flight micro-batch has finished, the checkpoint is
+  taken there (reshardable), and a new stream starts; the updates' gradients
+  then differ from an undrained run's (fewer stale ones).
+  """
+  k, every = config.accumulation_steps, config.checkpoint_every
+  bounds = [start_step]
+  if config.checkpoint_drain and every:
+    bounds += [s for s in range(start_step + 1, total_steps) if s % every == 0]
+  bounds.append(total_steps)
+  parts = [pipe.schedule((b - a) * k) for a, b in zip(bounds, bounds[1:])]
+  chained = schedule_lib.Chained(tuple(parts), tuple(a * k for a in bounds[:-1]))
+  points = dict(zip(chained.ends()[:-1], bounds[1:-1])) if config.checkpoint_drain else {}
+  return chained, points
 
 
 def _prepare_data(config) -> None:
@@ -550,16 +580,39 @@ def _log_diagnostics(run: Run, wait: bool = False) -> None:
 
 
 def save_checkpoint(run: Run) -> None:
-  """Saves the whole pipeline at ``run.step`` (never a diverged state)."""
-  run.loss_log.check_finite()
+  """Saves the whole pipeline at ``run.step`` (never a diverged state).
+
+  Multi-process: every process calls it at the same step and saves its part.
+  """
   # Checkpoints up to the last update whose losses are all known finite are
   # good; older good ones beyond keep_checkpoints can go. Newer ones still
   # have micro-batches in flight whose loss may yet be NaN: kept until then.
-  run.checkpointer.prune(verified_through=run.loss_log.next_step)
+  run.checkpointer.prune(verified_through=_verified_through(run))
   _log_diagnostics(run, wait=True)  # (not checkpointed)
   log_meta, log_arrays = run.loss_log.state()
   run.checkpointer.save(run.step, run.state, extra={
       "loss_log": log_meta, "metrics_offset": run.writer.offset()}, extra_arrays=log_arrays)
+
+
+def _verified_through(run: Run) -> int:
+  """The updates whose losses are all known finite (process 0's count, on
+  every process).
+
+  Raises:
+    Diverged: a received loss is NaN/Inf (on every process of the run).
+  """
+  try:
+    run.loss_log.check_finite()
+    verified = run.loss_log.next_step
+  except Diverged as e:
+    if not run.pipe.multiprocess:
+      raise
+    verified = -e.step  # (steps count from 1)
+  if run.pipe.multiprocess:
+    verified = int(multihost_utils.broadcast_one_to_all(np.int32(verified)))
+  if verified < 0:
+    raise Diverged(float("nan"), -verified)
+  return verified
 
 
 def evaluate_and_log(run: Run) -> None:
@@ -586,7 +639,7 @@ def on_update(run: Run) -> None:
   epoch_end = step % run.steps_per_epoch == 0
   if epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0:
     evaluate_and_log(run)
-  if c.checkpoint_every and step % c.checkpoint_every == 0 and run.checkpointer:
+  if c.checkpoint_every and step % c.checkpoint_every == 0 and not c.checkpoint_drain:
     save_checkpoint(run)
 
 
@@ -595,12 +648,11 @@ def finish(run: Run) -> dict:
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
   evaluate_and_log(run)
-  if run.checkpointer is not None:
-    if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
-      save_checkpoint(run)
-    run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
-    run.checkpointer.wait()
-    run.checkpointer.close()
+  if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
+    save_checkpoint(run)
+  run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
+  run.checkpointer.wait()
+  run.checkpointer.close()
   run.writer.close()
   return run.result
 
@@ -635,11 +687,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       for out in outputs:
         if out.loss is not None:  # (None off process 0)
           run.loss_log.add(out.micro_batch, out.loss)
+      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+        save_checkpoint(run)
       if _update_fed(run, tick):
         bar.update(config.batch_size)
         on_update(run)
-        if stop.requested and run.step < run.total_steps:
-          preempt(run, stop.signal_name)
+        if _stop_requested(run, stop) and run.step < run.total_steps:
+          preempt(run, stop.signal_name or "a signal to another process")
   bar.close()
   with _discard_diverged(run):
     return finish(run)
@@ -653,8 +707,7 @@ def _discard_diverged(run: Run):
   try:
     yield
   except Diverged as e:
-    if run.checkpointer is not None:
-      run.checkpointer.discard_from(e.step)
+    run.checkpointer.discard_from(e.step)
     raise
 
 
@@ -667,25 +720,35 @@ def _update_fed(run: Run, tick) -> bool:
   return True
 
 
+def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
+  """Whether to stop at this update: a signal here, or (multi-process) on
+  any process. Every process of the run gets the same answer at the same
+  update (a small collective at every update boundary), so all of them save
+  the same step."""
+  if not run.pipe.multiprocess:
+    return stop.requested
+  flags_ = multihost_utils.process_allgather(np.int32(stop.requested))
+  return bool(np.any(flags_))
+
+
 def preempt(run: Run, signal_name: str) -> None:
   """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
 
   The signal is acted on at the first update boundary after it (at most k
   ticks); a run re-started with the same command resumes there with the
-  losses of an uninterrupted run. Multi-process runs exit without a
-  checkpoint (multi-process checkpoints are not supported yet).
+  losses of an uninterrupted run. Multi-process: every process saves its
+  part of the same step and exits 75; process 0 prints the line.
   """
-  if run.checkpointer is None:
-    _exit_now(f"preempted by {signal_name} at step {run.step}: no checkpoint (multi-process "
-              "checkpoints are not supported yet)", preemption.PREEMPTED_EXIT_CODE)
   if run.checkpointer.latest_step() != run.step:
     save_checkpoint(run)
   run.checkpointer.wait()
   run.checkpointer.close()
   run.writer.close()
-  preemption.exit_preempted(
-      f"preempted by {signal_name} at step {run.step}: checkpoint saved in "
-      f"{run.checkpointer.directory}; re-run the same command to resume.")
+  message = (f"preempted by {signal_name} at step {run.step}: checkpoint saved in "
+             f"{run.checkpointer.directory}; re-run the same command to resume.")
+  if run.pipe.multiprocess:  # skip jax.distributed's shutdown barrier
+    _exit_now(message if jax.process_index() == 0 else "", preemption.PREEMPTED_EXIT_CODE)
+  preemption.exit_preempted(message)
 
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
@@ -730,7 +793,8 @@ def _workdir_lock(workdir: str):
 def _exit_now(message: str, status: int = 1):
   """Prints ``message`` and exits with ``status`` at once, skipping
   ``jax.distributed``'s shutdown barrier (whose peers may be dead)."""
-  print(message, file=sys.stderr, flush=True)
+  if message:
+    print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(status)
 
