@@ -187,6 +187,30 @@ def merge_blocks(blocks: Sequence[dict], template):
   return template.replace(**treedef.unflatten(merged))
 
 
+def _opt_paths(opt_state) -> list[str]:
+  """Each optimizer-state leaf's path without tuple positions (``["mini_step",
+  "inner_opt_state/trace/conv/kernel", ...]``): the same for two chains that
+  differ only by stateless transformations, such as a delay compensation's
+  at delay 0 and at delay 6."""
+  return ["/".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path
+                   if not isinstance(k, jax.tree_util.SequenceKey))
+          for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+
+
+def _flat_opt(block: dict) -> dict:
+  """A block tree with its optimizer state as its leaves, ``{"00000": leaf}``
+  (how a checkpoint stores it: it then fits any chain with the same
+  :func:`_opt_paths`)."""
+  leaves = jax.tree.leaves(block["opt_state"])
+  return dict(block, opt_state={f"{i:05d}": x for i, x in enumerate(leaves)})
+
+
+def _unflat_opt(block: dict, like: dict) -> dict:
+  """The inverse of :func:`_flat_opt`, into ``like``'s optimizer structure."""
+  leaves = [block["opt_state"][k] for k in sorted(block["opt_state"])]
+  return dict(block, opt_state=jax.tree.structure(like["opt_state"]).unflatten(leaves))
+
+
 # ----------------------------------------------------------------------------
 # In-flight messages: per stage, only the payloads this process holds.
 # ----------------------------------------------------------------------------
@@ -339,6 +363,17 @@ class Checkpointer:
     self.manager = _manager(own)
     self._others: dict[int, ocp.CheckpointManager] = {}
 
+  @staticmethod
+  def _blocks(state: PipelineState, counts) -> dict:
+    """``{"007": block tree}`` of this process's stages (:func:`split_stage`)."""
+    out = {}
+    for j, st in enumerate(state.train_states):
+      if st is not None:
+        first = sum(counts[:j])
+        for i, block in enumerate(split_stage(st, counts[j])):
+          out[f"{first + i:03d}"] = block
+    return out
+
   def _counts(self, state: PipelineState) -> list[int]:
     if self.block_counts is not None:
       return self.block_counts
@@ -382,20 +417,18 @@ class Checkpointer:
       extra_arrays: caller arrays keyed by int (see :func:`flatten_in_flight`).
     """
     counts = self._counts(state)
+    blocks = self._blocks(state, counts)
     arrays, entries = flatten_in_flight(state, extra_arrays or {})
-    arrays["blocks"] = {}
-    for j, st in enumerate(state.train_states):
-      if st is not None:
-        first = sum(counts[:j])
-        for i, block in enumerate(split_stage(st, counts[j])):
-          arrays["blocks"][f"{first + i:03d}"] = block
+    arrays["blocks"] = {b: _flat_opt(v) for b, v in blocks.items()}
     meta = {"fingerprint": self.fingerprint, "tick": state.tick,
             "drained": state.in_flight() == 0, "process": jax.process_index(),
             "num_processes": jax.process_count(), "block_counts": counts,
             "blocks": sorted(arrays["blocks"]), "in_flight": entries["in_flight"],
+            "opt_paths": {b: _opt_paths(v["opt_state"]) for b, v in blocks.items()},
             "extra_entries": entries["extra"], "extra": extra}
+    # As numpy: orbax refuses host-local jax.Arrays in a multi-process run.
     self.manager.save(step, args=ocp.args.Composite(
-        arrays=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta)))
+        arrays=ocp.args.PyTreeSave(jax.device_get(arrays)), meta=ocp.args.JsonSave(meta)))
 
   def restore(self, template: PipelineState, devices: list) -> Optional[tuple]:
     """Restores the newest complete, valid checkpoint (every process).
@@ -424,8 +457,11 @@ class Checkpointer:
       if metas is not None:
         self._check_fingerprint(metas[0]["fingerprint"], step)
         self._check_layout(metas[0], template, step)
+        self._check_optimizer_fit(metas, template, step)
       try:
         result = None if metas is None else self._restore_arrays(step, metas, template, devices)
+      except CheckpointError:
+        raise
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("checkpoint %s/%d is corrupt or partial (%s: %s); trying an older "
                         "one.", self.directory, step, type(e).__name__, str(e)[:200])
@@ -483,6 +519,21 @@ class Checkpointer:
           "(the last one of a run, or one taken with --config.checkpoint_drain=True).")
     logging.info("resharding checkpoint %d: stages of %s blocks -> %s", step, saved, counts)
 
+  def _check_optimizer_fit(self, metas, template: PipelineState, step: int):
+    """Each block's saved optimizer state must fit its stage's optimizer now
+    (the same leaf paths; a compensation's hyper-parameters may change with
+    the stage's delay, its state may not)."""
+    saved = {b: paths for m in metas for b, paths in m["opt_paths"].items()}
+    for b, block in self._blocks(template, self._counts(template)).items():
+      now = _opt_paths(block["opt_state"])
+      if saved[b] != now:
+        missing = sorted(set(saved[b]) ^ set(now))[:3]
+        raise CheckpointError(
+            f"checkpoint {self.directory}/{step}: block {int(b)}'s optimizer state "
+            f"({len(saved[b])} arrays) does not fit its stage's optimizer now ({len(now)}; "
+            f"differ: {missing}); resume with the checkpoint's stage grouping "
+            f"(model.stage_sizes={tuple(metas[0]['block_counts'])}).")
+
   def _delete_newer(self, step: int) -> None:
     """Deletes this process's steps after ``step`` (not committed by every
     process, or unreadable): the resumed run writes them again."""
@@ -504,7 +555,7 @@ class Checkpointer:
       abstract = jax.tree.map(lambda x, d=devices[j]: _abstract(x.shape, x.dtype, d), st)
       first = sum(counts[:j])
       for i, block in enumerate(split_stage(abstract, counts[j])):
-        requests[block_owner[first + i]]["blocks"][f"{first + i:03d}"] = block
+        requests[block_owner[first + i]]["blocks"][f"{first + i:03d}"] = _flat_opt(block)
       if j in stage_owner and not metas[0]["drained"]:
         q = stage_owner[j]
         requests[q]["in_flight"][str(j)] = _entries_abstract(metas[q]["in_flight"][str(j)],
@@ -520,12 +571,13 @@ class Checkpointer:
     for q, request in self._requests(metas, template, devices).items():
       if not any(request.values()):
         continue
+      as_numpy = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray), request)
       restored = self._reader(q).restore(step, args=ocp.args.Composite(
-          arrays=ocp.args.PyTreeRestore(
-              item=request, restore_args=ocp.checkpoint_utils.construct_restore_args(request),
-              partial_restore=True)))["arrays"]
+          arrays=ocp.args.PyTreeRestore(item=request, restore_args=as_numpy,
+                                        partial_restore=True)))["arrays"]
       for key, value in restored.items():
-        out[key].update(value)
+        out[key].update(jax.tree.map(lambda a, x: jax.device_put(a, x.sharding), value,
+                                     request[key]))
     return out
 
   def _restore_arrays(self, step, metas, template: PipelineState, devices):
@@ -535,7 +587,8 @@ class Checkpointer:
     for j, st in enumerate(template.train_states):
       first = sum(counts[:j])
       states.append(None if st is None else merge_blocks(
-          [arrays["blocks"][f"{first + i:03d}"] for i in range(counts[j])], st))
+          [_unflat_opt(arrays["blocks"][f"{first + i:03d}"], like)
+           for i, like in enumerate(split_stage(st, counts[j]))], st))
     state = PipelineState.empty(states, tick=metas[0]["tick"])
     if not metas[0]["drained"]:
       self._refill(state, metas, arrays["in_flight"])

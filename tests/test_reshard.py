@@ -1,0 +1,132 @@
+"""Resharding: per-block checkpoints resume with another stage grouping.
+
+A checkpoint stores every block's parameters, statistics and optimizer
+state; a drained one (no micro-batch in flight) restores into any grouping
+of the same blocks. The checks compare with the arrays saved on disk, read
+with orbax directly (not through the restore under test).
+"""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+from petra_jax import checkpoint, compensation, models, pipeline, train
+from helpers import random_batch
+from test_train import tiny_config
+
+FP = {"model": "revnet18", "width": 4, "method": "petra", "dataset": "cifar10"}
+
+
+def _grouped_pipeline(sizes, ticks=0, c=None):
+  """revnet18 (width 4) in stages of ``sizes`` blocks (None: one block per
+  stage), Nesterov look-ahead + k=2, after ``ticks`` ticks of a stream."""
+  c = c or tiny_config("unused", **{"accumulation_steps": 2, "batch_size": 16,
+                                    "compensation.name": "nesterov_lookahead",
+                                    "optim.nesterov": True})
+  stages = models.build_model("revnet18", width=4)
+  if sizes:
+    stages = models.group_stages(stages, sizes)
+  J = len(stages)
+  pipe = pipeline.Pipeline(stages, compensation.stage_optimizers(c, 10, J), jax.devices()[:1],
+                           accumulation_steps=2)
+  state = pipe.init(0, random_batch()[0])
+  if ticks:
+    table = pipe.schedule(40)
+    state, _ = pipe.run(state, (table[t] for t in range(ticks)), lambda m: random_batch(seed=m))
+  return pipe, state
+
+
+def test_split_then_merge_gives_the_stage_state_back():
+  _, state = _grouped_pipeline([1, 2, 2, 5], ticks=9)
+  for st in state.train_states:
+    n = checkpoint.stage_block_count(st)
+    blocks = checkpoint.split_stage(st, n)
+    assert len(blocks) == n
+    merged = checkpoint.merge_blocks(blocks, st)
+    assert jax.tree.structure(merged) == jax.tree.structure(st)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged),
+                                                     jax.tree.leaves(st)))
+  # (every block of a group gets the group's parameters under block_i)
+  assert checkpoint.stage_block_count(state.train_states[3]) == 5
+
+
+def test_undrained_checkpoint_is_not_resharded(tmp_path):
+  pipe, state = _grouped_pipeline(None, ticks=13)
+  assert state.in_flight() > 0
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP)
+  ckpt.save(6, state, extra={})
+  ckpt.wait()
+  pipe4, template = _grouped_pipeline([1, 2, 2, 5])
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"micro-batches in flight .* 10 stages .*stage_sizes"):
+    checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP).restore(template,
+                                                                            pipe4.devices)
+
+
+@pytest.mark.parametrize("field,value", [("method", "dsp"), ("dataset", "cifar100"),
+                                         ("model", "revnet34")])
+def test_checkpoint_of_another_run_is_refused_with_what_differs(tmp_path, field, value):
+  pipe, state = _grouped_pipeline(None)
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP)
+  ckpt.save(1, state, extra={})
+  ckpt.wait()
+  other = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=dict(FP, **{field: value}))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=f"{field}: checkpoint {FP[field]!r} vs config {value!r}"):
+    other.restore(state, pipe.devices)
+
+
+def test_reshard_to_more_stages_than_blocks_says_so():
+  c = tiny_config("unused", **{"model.num_stages": 11, "model.stage_sizes": ()})
+  with pytest.raises(train.ConfigError, match="num_stages=11 but revnet18 has only 10 blocks"):
+    train.validate_config(c, 1)
+
+
+def _saved_blocks(workdir, step):
+  """The per-block arrays of checkpoint ``step`` as saved (numpy)."""
+  path = os.path.join(workdir, "checkpoints", str(step), "arrays")
+  return ocp.PyTreeCheckpointer().restore(path)["blocks"]
+
+
+def test_drained_checkpoint_resumes_with_four_stages(cifar10_dir, tmp_path):
+  # 10 stages, a drained checkpoint every 2 updates; the one at 2 resumes
+  # with 4 stages: every block's arrays equal those saved, training goes on.
+  wd = str(tmp_path)
+  base = {"model.stage_sizes": (), "model.num_stages": 0, "batch_size": 16,
+          "accumulation_steps": 2, "steps_per_epoch": 4, "checkpoint_every": 2,
+          "checkpoint_drain": True, "eval_every": 0,
+          "compensation.name": "nesterov_lookahead+weight_prediction",
+          "optim.nesterov": True}
+  train.train_and_evaluate(tiny_config(cifar10_dir, **base), wd)
+  shutil.rmtree(os.path.join(wd, "checkpoints", "4"))  # resume from the mid-run one
+  saved = _saved_blocks(wd, 2)
+  assert sorted(saved) == [f"{b:03d}" for b in range(10)]
+
+  c4 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 4, "checkpoint_drain": False}))
+  run = train.setup(c4, wd)
+  assert run.restored_step == 2 and run.pipe.num_stages == 4
+  assert train.schedule_lib.fed(run.schedule[0]) == 4  # the stream restarts at update 2
+  b = 0
+  for st in run.state.train_states:
+    n = checkpoint.stage_block_count(st)
+    for i in range(n):
+      got_p = st.params[f"block_{i}"] if n > 1 else st.params
+      got_s = st.batch_stats[f"block_{i}"] if n > 1 else st.batch_stats
+      for got, want in ((got_p, saved[f"{b:03d}"]["params"]),
+                        (got_s, saved[f"{b:03d}"]["batch_stats"])):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(got),
+                                                         jax.tree.leaves(want)))
+      assert int(st.micro_batches) == int(saved[f"{b:03d}"]["micro_batches"]) == 4
+      b += 1
+  assert b == 10
+  run.checkpointer.close()
+  train.train_and_evaluate(c4, wd)
+  losses = {r["step"]: r["train_loss"] for r in train.metrics_lib.read_metrics(wd)
+            if "train_loss" in r}
+  assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))
