@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from petra_jax import orbax_local
 from petra_jax.pipeline import PipelineState, message_fields
 
 
@@ -283,16 +283,11 @@ def process_dir(directory: str, process: int) -> str:
   return directory if process == 0 else os.path.join(directory, f"process_{process}")
 
 
-def _manager(path: str, max_to_keep=None) -> ocp.CheckpointManager:
+def _manager(path: str) -> ocp.CheckpointManager:
   """An orbax manager over one process's directory, run by this process
-  alone (no barrier with the other processes: the commit is ours)."""
-  p = jax.process_index()
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, create=False,
-      multiprocessing_options=ocp.options.MultiprocessingOptions(
-          primary_host=p, active_processes={p},
-          barrier_sync_key_prefix=f"petra_p{p}_{zlib.crc32(path.encode())}"))
-  return ocp.CheckpointManager(path, options=options, item_names=("arrays", "meta"))
+  alone (:mod:`petra_jax.orbax_local`; the commit across processes is ours)."""
+  return ocp.CheckpointManager(path, options=orbax_local.manager_options(path),
+                               item_handlers=orbax_local.item_handlers(path))
 
 
 def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
@@ -451,6 +446,7 @@ class Checkpointer:
     """
     steps = sorted(self._reader(0).all_steps(), reverse=True)
     if not steps:
+      self._delete_newer(-1)  # parts of steps process 0 never completed
       return None
     for step in steps:
       metas = self._complete_metas(step)

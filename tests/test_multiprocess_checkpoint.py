@@ -1,0 +1,171 @@
+"""Multi-process checkpoints (launch/local.sh 2 + petra_jax.train, tiny RevNet18).
+
+Against one uninterrupted single-process run of the same config (the losses
+of 1 and 2 processes are bit-identical, tests/test_multiprocess.py):
+
+* process 1 killed (SIGKILL) once a checkpoint exists, the launcher restarts
+  the job (``LOCAL_RESTARTS=1``), which resumes: the same per-step losses;
+* SIGTERM to the launcher: every process checkpoints the same step, one
+  ``preempted`` line, exit 75; re-running resumes with the same losses;
+* the single-process run's last (drained) checkpoint of 10 stages resumes in
+  2 processes with 4 stages and trains on, with the losses of the same
+  resharded resume in one process.
+
+Select them with ``-k multiprocess``.
+"""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from petra_jax import metrics
+from conftest import REPO_ROOT
+
+LAUNCH = str(REPO_ROOT / "launch" / "local.sh")
+TIMEOUT_S = 300
+STEPS = 8
+
+
+def _args(data_dir, workdir, *extra):
+  return ["--config=configs/cifar10_cpu.py", "--config.model.width=4",
+          "--config.model.stage_sizes=()", "--config.batch_size=16",
+          "--config.accumulation_steps=2", f"--config.steps_per_epoch={STEPS}",
+          "--config.num_epochs=1", "--config.log_every=1", "--config.checkpoint_every=2",
+          "--config.eval_every=0", "--config.eval_batch_size=2000",
+          f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  e = dict(os.environ)
+  e.pop("XLA_FLAGS", None)  # conftest's 4 virtual devices are not for these processes
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "PETRA_MODULE"):
+    e.pop(k, None)
+  e.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", LOCAL_GRACE_S="30")
+  return e
+
+
+def _start(cmd, env, log: pathlib.Path):
+  """Starts ``cmd`` in its own session, output to ``log`` (a pipe could fill)."""
+  return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log.open("w"),
+                          stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc, log: pathlib.Path):
+  """``(returncode, output)``; kills the session on timeout."""
+  try:
+    proc.wait(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    pytest.fail(f"did not finish in {TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
+  return proc.returncode, log.read_text()
+
+
+def _run(cmd, env, log):
+  return _finish(_start(cmd, env, log), log)
+
+
+def _losses(workdir):
+  return {r["step"]: r["train_loss"] for r in metrics.read_metrics(str(workdir))
+          if "train_loss" in r}
+
+
+def _wait_for(condition, proc, what):
+  deadline = time.time() + TIMEOUT_S
+  while time.time() < deadline and proc.poll() is None and not condition():
+    time.sleep(0.1)
+  assert condition(), f"{what} never happened"
+
+
+def _pid_of_process(tag: str, process: int) -> int:
+  """The pid of the training process ``process`` of the job tagged ``tag``."""
+  for d in pathlib.Path("/proc").iterdir():
+    try:
+      environ = (d / "environ").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+      continue
+    if (f"PETRA_TEST_TAG={tag}".encode() in environ
+        and f"JAX_PROCESS_ID={process}".encode() in environ
+        and b"petra_jax.train" in (d / "cmdline").read_bytes()):
+      return int(d.name)
+  raise AssertionError(f"process {process} of job {tag} not found")
+
+
+@pytest.fixture(scope="module")
+def reference(env, cifar10_dir, tmp_path_factory):
+  """One uninterrupted single-process run: its workdir."""
+  wd = tmp_path_factory.mktemp("reference")
+  rc, out = _run([sys.executable, "-m", "petra_jax.train", *_args(cifar10_dir, wd)], env,
+                 wd.parent / "reference.log")
+  assert rc == 0, out[-3000:]
+  assert sorted(_losses(wd)) == list(range(1, STEPS + 1))
+  return wd
+
+
+def test_multiprocess_sigkill_restart_resumes_with_the_same_losses(env, cifar10_dir, reference,
+                                                                   tmp_path):
+  tag = uuid.uuid4().hex
+  wd, log = tmp_path / "w", tmp_path / "log"
+  proc = _start([LAUNCH, "2", *_args(cifar10_dir, wd)],
+                dict(env, LOCAL_RESTARTS="1", PETRA_TEST_TAG=tag), log)
+  _wait_for(lambda: all((d / "2").exists() for d in (wd / "checkpoints",
+                                                        wd / "checkpoints" / "process_1")),
+            proc, "checkpoint 2 (both processes)")
+  os.kill(_pid_of_process(tag, 1), signal.SIGKILL)
+  rc, out = _finish(proc, log)
+  assert rc == 0, out[-3000:]
+  assert "launch/local.sh: process 1 was killed by signal 9" in out, out[-3000:]
+  assert "launch/local.sh: restarting the job (1 of 1)" in out, out[-3000:]
+  assert "resumed from" in out and "checkpoints/2" in out, out[-3000:]
+  assert _losses(wd) == _losses(reference)
+
+
+def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10_dir,
+                                                                    reference, tmp_path):
+  wd, log = tmp_path / "w", tmp_path / "log"
+  cmd = [LAUNCH, "2", *_args(cifar10_dir, wd)]
+  proc = _start(cmd, env, log)
+  _wait_for(lambda: (wd / "metrics.jsonl").exists() and max(_losses(wd), default=0) >= 2,
+            proc, "step 2 logged")
+  proc.send_signal(signal.SIGTERM)  # the launcher passes it on
+  rc, out = _finish(proc, log)
+  assert rc == 75, out[-3000:]
+  lines = [l for l in out.splitlines() if "preempted by SIGTERM at step" in l]
+  assert len(lines) == 1 and lines[0].startswith("[process 0] "), out[-3000:]
+  step = int(lines[0].split(" at step ")[1].split(":")[0])
+  assert 2 <= step < STEPS
+  for d in (wd / "checkpoints", wd / "checkpoints" / "process_1"):
+    assert max(int(p.name) for p in d.iterdir() if p.name.isdigit()) == step
+  assert "launch/local.sh: preempted (exit 75)" in out, out[-3000:]
+  assert "Traceback" not in out
+  rc, out = _run(cmd, env, tmp_path / "log2")
+  assert rc == 0, out[-3000:]
+  assert _losses(wd) == _losses(reference)
+
+
+def test_multiprocess_resumes_a_drained_checkpoint_with_four_stages(env, cifar10_dir, reference,
+                                                                    tmp_path):
+  # The reference's last checkpoint (step 8, 10 stages, drained) trains on
+  # for a second epoch with 4 stages: in 2 processes as in one.
+  more = ["--config.model.num_stages=4", "--config.num_epochs=2"]
+  one, two = tmp_path / "one", tmp_path / "two"
+  for wd in (one, two):
+    shutil.copytree(reference, wd)
+  rc, out = _run([sys.executable, "-m", "petra_jax.train", *_args(cifar10_dir, one, *more)],
+                 env, tmp_path / "log1")
+  assert rc == 0, out[-3000:]
+  rc, out = _run([LAUNCH, "2", *_args(cifar10_dir, two, *more)], env, tmp_path / "log2")
+  assert rc == 0, out[-3000:]
+  assert "resharding checkpoint 8: stages of [1, 1, 1, 1, 1, 1, 1, 1, 1, 1] blocks" in out
+  losses = _losses(two)
+  assert sorted(losses) == list(range(1, 2 * STEPS + 1))
+  assert {s: losses[s] for s in range(1, STEPS + 1)} == _losses(reference)
+  assert losses == _losses(one)
