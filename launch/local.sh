@@ -85,7 +85,7 @@ wait_all() {
     done_pid=""
     wait -n -p done_pid "${running[@]}"
     rc=$?
-    [[ -z "$done_pid" ]] && continue  # (a trapped signal interrupted the wait)
+    [[ -z "${done_pid:-}" ]] && continue  # (a trapped signal interrupted the wait)
     i=${index[$done_pid]}
     status[$i]=$rc
     running=("${running[@]/$done_pid/}")
