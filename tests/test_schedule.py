@@ -154,3 +154,16 @@ def test_bad_schedules_raise():
   with pytest.raises(ValueError, match="do not split into updates of k=4"):
     Schedule("gpipe", 3, 6, 4)
   assert collections.Counter(len(t) for t in Schedule("sequential", 1, 3)) == {1: 3}
+
+
+def test_chained_schedules_drain_between_parts():
+  # One part at offset 0 is the schedule itself; two parts run the second
+  # part's micro-batches (shifted) only after the first part has drained.
+  one = schedule.Schedule("stream", 4, 6, 2)
+  assert list(schedule.Chained((one,), (0,))) == list(one)
+  two = schedule.Chained((one, schedule.Schedule("stream", 4, 4, 2)), (0, 6))
+  assert len(two) == len(one) + 4 + schedule.drain_ticks(4) == two.ends()[-1]
+  first = [t.micro_batch for tick in list(two)[:two.ends()[0]] for t in tick]
+  rest = [t.micro_batch for tick in list(two)[two.ends()[0]:] for t in tick]
+  assert set(first) == set(range(6)) and set(rest) == set(range(6, 10))
+  assert schedule.fed(two[two.ends()[0]]) == 6
