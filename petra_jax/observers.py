@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax import diagnostics, transport
+from petra_jax import diagnostics, quantize, transport
 from petra_jax.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
 from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
 
@@ -132,7 +132,8 @@ class GradientProbe(Observer):
                  result: TaskResult) -> None:
     j, m = task.stage, task.micro_batch
     if task.kind == FORWARD and j == 0 and m in self._probes:  # the micro-batch, as fed
-      self._probes[m].images, self._probes[m].labels = state.buffers[0][m], state.labels[m]
+      self._probes[m].images = quantize.dequantize(state.buffers[0][m])  # (buffer format)
+      self._probes[m].labels = state.labels[m]
     elif task.kind == BACKWARD and j == 0 and m in self._probes:
       self._finish(pipe, state, m)
 
