@@ -96,7 +96,8 @@ def run(data_dir: str, die_after: int) -> dict:
 
 
 def _grad_quality(probe) -> dict:
-  """``{micro_batch: {name: [float.hex per stage]}}`` (empty off stage 0's process)."""
+  """``{micro_batch: {name: [float.hex per stage]}}`` (empty off stage 0's
+  process)."""
   return {str(m): {name: [float(v).hex() for v in jax.device_get(values)]
                    for name, values in quality.items()}
           for m, quality in probe.pop_results(wait=True)}
