@@ -24,15 +24,28 @@ lets a process use both cores (measured: 1.7 cores busy); the affinity does
 not (``ps -L -o psr`` shows each process's threads on its own core).
 
 Reported (``--json``): ``images_per_s`` of the three runs, ``measured_speedup``
-(multi-process PETRA over single-process PETRA), ``simulated_speedup`` (the
-schedule's prediction for ``N`` devices each as fast as the single process:
-:func:`petra_jax.benchmarks.throughput.simulated_speedup` of the per-process
-compute measured in the single process and the measured transfers),
-``efficiency`` = measured / simulated, and under ``limits`` what explains the
-gap: each process's compute on one thread against ``N`` threads
-(``thread_slowdown``), the cross-process transfer per tick, the host loop's
-time per tick on process 0, the load balance, and the tick the schedule
-predicts from the one-thread costs and the transfers.
+(multi-process PETRA over single-process PETRA), ``speedup_vs_backprop``,
+``simulated_speedup`` (the schedule's prediction for ``N`` devices each as fast
+as the single process: :func:`petra_jax.benchmarks.throughput.simulated_speedup`
+of the per-process compute measured in the single process, with the measured
+transfers), ``efficiency`` = measured / simulated, and under ``limits`` what
+explains the gap:
+
+* ``group_ms_1thread`` and ``thread_slowdown``: each process's compute per
+  tick on its one core (timed in the workers), and its sum over the same on
+  the single process's ``N`` cores: the intra-op parallelism a process loses;
+* ``load_balance``: the slowest process's one-core compute over the mean;
+* ``transfer``: per process boundary, the bytes of one tick's messages and
+  the median round trip (ms) of sending them (:mod:`petra_jax.transport`);
+* ``host_cpu_ms_per_tick``: CPU time of process 0's host loop per tick
+  (dispatching its stages' steps and transfers; on one core it competes with
+  the compute), and ``host_ms_per_tick`` its wall time in ``run_tick``
+  (which also waits whenever XLA's queue of in-flight computations is full);
+* ``predicted_ms_per_tick``: the schedule's tick from the one-core compute and
+  the transfers, against ``measured_ms_per_tick``; what is left between them
+  is the host loop and the processes waiting on each other.
+
+Each figure is the median over ``--rounds`` (and ``--repeats``).
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional, Sequence
 
@@ -333,26 +347,38 @@ def _run_child(cmd: list[str], env: dict, timeout_s: float) -> dict:
   return json.loads(lines[0].split(_RESULT, 1)[1])
 
 
-def _child_env(extra_xla_flags: str = "") -> dict:
+def _child_env() -> dict:
+  """This environment for CPU children that import this checkout."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)
-  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {extra_xla_flags}".strip()
+  env.setdefault("XLA_FLAGS", "")
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   return env
 
 
 def measure(args) -> tuple[dict, dict]:
-  """``(single, multi)``: the single-process run, then the multi-process one."""
+  """``(single, multi)``: the single-process run, then the multi-process one,
+  ``args.repeats`` times in alternation; each figure is the median over the
+  repeats (integers, e.g. byte counts, are the same in every repeat)."""
   module = ["-m", "petra_jax.benchmarks.scaling"]
-  single = _run_child([sys.executable, *module, "--role=single", *_child_args(args)],
-                      _child_env(), args.timeout)
-  env = _child_env(_EIGEN_FLAG)
-  env.update(PYTHON=sys.executable, PETRA_MODULE="petra_jax.benchmarks.scaling",
-             LOCAL_DEVICES="1")
-  multi = _run_child([os.path.join(_REPO, "launch", "local.sh"), str(args.processes),
-                      "--role=worker", *_child_args(args)], env, args.timeout)
-  return single, multi
+  env = _child_env()
+  env.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="petra_jax_scaling_"))
+  multi_env = dict(env, XLA_FLAGS=f"{env['XLA_FLAGS']} {_EIGEN_FLAG}", PYTHON=sys.executable,
+                   PETRA_MODULE="petra_jax.benchmarks.scaling", LOCAL_DEVICES="1")
+  singles, multis = [], []
+  for _ in range(args.repeats):
+    singles.append(_run_child([sys.executable, *module, "--role=single", *_child_args(args)],
+                              env, args.timeout))
+    multis.append(_run_child([os.path.join(_REPO, "launch", "local.sh"), str(args.processes),
+                              "--role=worker", *_child_args(args)], multi_env, args.timeout))
+  return _median(singles), _median(multis)
+
+
+def _median(results: list) -> dict:
+  """Leaf by leaf median of JSON results of the same structure (ints: the first)."""
+  return jax.tree.map(lambda *xs: xs[0] if isinstance(xs[0], int) else statistics.median(xs),
+                      *results)
 
 
 def report(args, single: dict, multi: dict) -> dict:
@@ -449,6 +475,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--rounds", type=int, default=3, help="timed rounds (the median is reported)")
   p.add_argument("--iters", type=int, default=20, help="steps (ticks) per timed round")
   p.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="alternate the single- and multi-process runs this many times (medians)")
   p.add_argument("--image-size", type=int, default=None, help="override the image side")
   p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
   p.add_argument("--json", action="store_true", help="print JSON")
@@ -464,8 +492,9 @@ def _check(args) -> None:
   if not 2 <= args.processes <= num_stages:
     sys.exit(f"error: --processes={args.processes}: use 2 to {num_stages} (the number of "
              "stages; --stage-sizes sets it).")
-  if min(args.rounds, args.iters, args.batch_size) < 1 or args.warmup < 0:
-    sys.exit("error: --rounds, --iters and --batch-size must be >= 1, --warmup >= 0.")
+  if min(args.rounds, args.iters, args.batch_size, args.repeats) < 1 or args.warmup < 0:
+    sys.exit("error: --rounds, --iters, --repeats and --batch-size must be >= 1, "
+             "--warmup >= 0.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
