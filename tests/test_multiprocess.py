@@ -118,10 +118,12 @@ def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir
 @pytest.mark.slow
 def test_multiprocess_train_writes_the_single_process_grad_quality(worker_env, cifar10_dir,
                                                                    tmp_path):
-  # The CLI: 4 stages [0 1 | 2 3] over 2 processes, with the CPU recipe's
-  # weight prediction (a forward's weights differ from the current ones).
+  # The CLI with the CPU recipe's weight prediction (a forward's weights
+  # differ from the current ones) on a 4-block RevNet of width 4 (stem, 2
+  # reversible blocks, head), one block per stage: [0 1 | 2 3] over 2 processes.
   env = {k: v for k, v in worker_env.items() if k != "PETRA_MODULE"}
-  args = ["--config=configs/cifar10_cpu.py", "--config.model.width=4",
+  args = ["--config=configs/cifar10_cpu.py", "--config.model.name=revnet_fixed",
+          "--config.model.depth=2", "--config.model.stage_sizes=()", "--config.model.width=4",
           "--config.steps_per_epoch=4", "--config.num_epochs=1",
           "--config.grad_quality_every=2", "--config.log_every=1",
           f"--config.data_dir={cifar10_dir}"]
