@@ -486,9 +486,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def _check(args) -> None:
-  """Raises SystemExit with one line naming the fix for a bad argument."""
-  num_stages = len(_sizes(args)) or len(models.build_model(
-      args.model, width=1, depth=args.depth or None))
+  """Exits with one line naming the fix for a bad argument."""
+  try:
+    num_blocks = len(models.build_model(args.model, width=1, depth=args.depth or None))
+  except ValueError as e:  # e.g. a depth for a model whose block counts are fixed
+    sys.exit(f"error: {e}")
+  try:
+    sizes = _sizes(args)
+  except ValueError:
+    sys.exit(f"error: --stage-sizes={args.stage_sizes}: give comma-separated block counts, "
+             "e.g. 1,2,2,5.")
+  if sizes and (sum(sizes) != num_blocks or min(sizes) < 1 or len(sizes) < 2):
+    sys.exit(f"error: --stage-sizes={args.stage_sizes}: give at least 2 positive block counts "
+             f"summing to {args.model}'s {num_blocks} blocks ('' for one block per stage).")
+  num_stages = len(sizes) or num_blocks
   if not 2 <= args.processes <= num_stages:
     sys.exit(f"error: --processes={args.processes}: use 2 to {num_stages} (the number of "
              "stages; --stage-sizes sets it).")
