@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax import diagnostics, transport
+from petra_jax import diagnostics, quantize, transport
 from petra_jax.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
 from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
 
@@ -135,7 +135,7 @@ class GradientProbe(Observer):
     if m not in self._probes or j != 0:
       return
     if task.kind == FORWARD and pipe.local[0]:  # the micro-batch, as fed
-      self._probes[m].images = state.buffers[0][m]
+      self._probes[m].images = quantize.dequantize(state.buffers[0][m])  # (buffer format)
     elif task.kind == BACKWARD:
       probe = self._probes.pop(m)
       if pipe.local[0]:

@@ -225,6 +225,45 @@ def test_timeline_png(tmp_path):
   assert (tmp_path / "timeline.png").stat().st_size > 1000
 
 
+def test_bytes_per_tick_by_hand_and_live_in_every_format():
+  # _tiny_revnet, batch 4 of 8x8 images, float32: stream activations are
+  # 2 x [4, 8, 8, 2] = 4096 B before the downsampling, 2 x [4, 4, 4, 4] =
+  # 2048 B after. Forward: stem, rev0, down, rev1 each send their output:
+  # 4096 + 4096 + 2048 + 2048. Backward: rev0 -> stem delta (4096), down ->
+  # rev0 (x~, delta) (2 x 4096), rev1 -> down delta (2048), head -> rev1
+  # (x~, delta) (2 x 2048).
+  assert memory.bytes_per_tick(memory.stage_bytes(_tiny_revnet(), IMAGE, 4)) == (
+      12288 + 18432)
+  rows = {r["format"]: r for r in memory.quantization(
+      lambda w: _tiny_revnet(), IMAGE, 4, live={"width": 2, "batch_size": 4,
+                                                "image_shape": IMAGE})}
+  assert rows["bfloat16"]["tick_ratio"] == rows["float16"]["tick_ratio"] == 2.0
+  assert rows["int8"]["tick_ratio"] >= 3.5 and rows["int8"]["stored_ratio"] >= 3.5
+  for r in rows.values():  # what the devices hold equals the shapes' count
+    assert r["live"]["bytes_per_tick"] == r["live"]["analytic_bytes_per_tick"]
+    assert r["live"]["petra_stored_bytes"] == r["live"]["analytic_petra_stored_bytes"]
+
+
+def test_table3_extended_rows():
+  d = data.DATASETS["cifar10"]
+  build = lambda name: models.build_model(name, width=4)  # noqa: E731
+  sizes = memory.stage_bytes(build("revnet18"), d.image_shape, 8)
+  inv = memory.stage_bytes(build("revnet18_inv"), d.image_shape, 8)
+  int8 = memory.stage_bytes(build("revnet18"), d.image_shape, 8,
+                            formats=memory.quantize_lib.MessageFormats(buffer="int8"))
+  rows = memory.table3_extended(sizes, {"int8": int8}, inv)
+  assert [r["method"] for r in rows] == list(memory.TABLE3_METHODS) + ["petra"] * 2
+  petra, inv_row, int8_row = rows[3], rows[4], rows[5]
+  assert inv_row["model"] == "_inv" and int8_row["buffer_format"] == "int8"
+  # Only stem and head buffer in the _inv model (stem's input excluded: the head's);
+  # int8 buffers: a quarter of PETRA's buffers plus the scales.
+  model_gb = sum(r["param_bytes"] for r in sizes) / memory.GB
+  petra_buffers = petra["memory_gb"] - model_gb
+  int8_buffers = int8_row["memory_gb"] - model_gb
+  assert 3.5 < petra_buffers / int8_buffers <= 4.0
+  assert inv_row["memory_gb"] < petra["memory_gb"]
+
+
 # --- scaling (multi-process PETRA against one process) ---------------------------
 
 SCALING_TINY = ["--processes=2", "--model=revnet_fixed", "--depth=2", "--width=2",

@@ -94,6 +94,21 @@ def test_multiprocess_losses_equal_single_process(num_processes, single_process,
   assert balance == ["[1, 4]"] * num_processes, out[-3000:]
 
 
+def test_int8_messages_cross_processes_as_int8(worker_env, cifar10_dir):
+  # The int8 messages travel as int8 (plus float32 scales) through the
+  # cross-process transfer, and the run equals the single-process int8 run.
+  runs = {}
+  for n in (1, 2):
+    cmd = ([sys.executable, "-m", "tests.multiprocess_worker"] if n == 1 else [LAUNCH, "2"])
+    rc, out = _run(cmd + [f"--data_dir={cifar10_dir}", "--quantize=int8"], worker_env)
+    assert rc == 0, out[-3000:]
+    runs[n] = (_result(out), out)
+  assert runs[2][0]["losses"] == runs[1][0]["losses"]
+  received = re.findall(r"\[process (\d)\] RECEIVED (\[.*\])", runs[2][1])
+  assert sorted(received) == [("0", "['float32', 'int8']"), ("1", "['float32', 'int8']")], \
+      runs[2][1][-3000:]
+
+
 def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir):
   # Process 1 dies at tick 6, once the pair's transfers are set up: the next
   # transfer fails at once (gloo). A peer that dies before a pair's first
