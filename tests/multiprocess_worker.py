@@ -7,8 +7,10 @@ Usage (one process; several with ``launch/local.sh`` and
 
 A 5-stage RevNet of width 4 (stem, two reversible blocks, a downsampling
 block, head) trains with PETRA on 8 micro-batches of 8 real CIFAR-10 images,
-then is evaluated on 40 test images with ``train.evaluate``. Process 0 prints
-``RESULT {"losses": [...], "test": {...}}`` (losses as ``float.hex``, exact).
+then is evaluated on 40 test images with ``train.evaluate``. A
+:class:`petra_jax.observers.GradientProbe` measures the gradient quality of
+micro-batches 0, 3 and 6. Process 0 prints ``RESULT {"losses": [...], "test":
+{...}, "grad_quality": {...}}`` (losses and figures as ``float.hex``, exact).
 ``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
 ``--quantize=FMT`` sends forward and backward messages in ``FMT``; every
 process then prints ``RECEIVED [dtypes]``: the dtypes of the message leaves
@@ -34,11 +36,12 @@ import optax
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import models, quantize, schedule, train, transport
+from petra_jax import models, observers, quantize, schedule, train, transport
 from petra_jax.pipeline import Pipeline
 from petra_jax.stage import Stage
 
 WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
+PROBE_EVERY = 3  # micro-batches 0, 3, 6
 
 
 def tiny_revnet(width: int = WIDTH) -> list:
@@ -78,7 +81,8 @@ def run(data_dir: str, die_after: int, fmt: str = "none") -> dict:
   train.initialize_distributed(config)  # from $JAX_* when launched by local.sh
   print(f"BALANCE {check_balance()}", flush=True)
   devices = jax.devices()
-  pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices,
+  probe = observers.GradientProbe(PROBE_EVERY)
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices, observers=[probe],
                   formats=quantize.MessageFormats(forward=fmt, backward=fmt))
   info = data_lib.get_dataset_info("cifar10")
   open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
@@ -109,7 +113,15 @@ def run(data_dir: str, die_after: int, fmt: str = "none") -> dict:
     print(f"RECEIVED {sorted(received)}", flush=True)
   test = train.evaluate(pipe, state, test_split, info, batch_size=16)
   return {"losses": [float(losses[m]).hex() for m in sorted(losses)], "test": test,
-          "num_processes": jax.process_count()}
+          "grad_quality": _grad_quality(probe), "num_processes": jax.process_count()}
+
+
+def _grad_quality(probe) -> dict:
+  """``{micro_batch: {name: [float.hex per stage]}}`` (empty off stage 0's
+  process)."""
+  return {str(m): {name: [float(v).hex() for v in jax.device_get(values)]
+                   for name, values in quality.items()}
+          for m, quality in probe.pop_results(wait=True)}
 
 
 def main():
