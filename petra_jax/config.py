@@ -45,6 +45,19 @@ def _distributed_config() -> ml_collections.ConfigDict:
   return c
 
 
+def _quantize_config() -> ml_collections.ConfigDict:
+  """``config.quantize``: formats of messages and buffers (petra_jax.quantize)."""
+  # Each one of "none", "bfloat16", "float16", "int8" (signed int8 with a
+  # float32 scale). Where the authors' --quantize-forward-com,
+  # --quantize-backward-com and --quantize-buffer apply theirs.
+  c = ml_collections.ConfigDict()
+  c.forward = "none"      # activations sent to the next stage
+  c.backward = "none"     # (x~, delta) sent to the previous stage
+  c.buffer = "none"       # inputs kept by non-reversible stages ("none": as received)
+  c.per_channel = False   # int8: one scale per channel (last axis) instead of per tensor
+  return c
+
+
 def _optim_config() -> ml_collections.ConfigDict:
   """``config.optim``: optimizer and learning-rate schedule."""
   c = ml_collections.ConfigDict()
@@ -100,6 +113,14 @@ def get_config() -> ml_collections.ConfigDict:
   # "none", "lr_scale", "pipemare", "spike", "weight_prediction",
   # "nesterov_lookahead", or several joined with "+".
   c.compensation = compensation.defaults()
+
+  # Precision (petra_jax.stage.Precision): convolutions, BatchNorm and
+  # activations in `dtype`; parameters, optimizer state and gradient
+  # accumulation always float32. `stream_dtype`: the activations between
+  # blocks and stages (messages, buffers, the coupling's additions); "" = dtype.
+  c.dtype = "float32"         # "float32" or "bfloat16"
+  c.stream_dtype = ""         # "", "float32" or "bfloat16"
+  c.quantize = _quantize_config()
 
   c.optim = _optim_config()
   return c

@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax import diagnostics, transport
+from petra_jax import diagnostics, quantize, transport
 from petra_jax.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
 from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
 
@@ -74,11 +74,15 @@ class ReconstructionProbe(Observer):
 
 @dataclasses.dataclass
 class _Probe:
+  """What one probed micro-batch gathered so far (per stage: None until known,
+  and on a multi-process run None for the stages of other processes, except on
+  stage 0's process, which receives them all)."""
   images: jax.Array
   labels: jax.Array
   forward_params: list
   backward_params: list
   grads: list
+  batch_stats: list
 
 
 class GradientProbe(Observer):
@@ -92,10 +96,15 @@ class GradientProbe(Observer):
   end-to-end gradients (two ``jax.grad`` of the composed model on stage 0's
   device). Cost per probe: about two passes of the whole model plus one more
   backward per stage, and three copies of the parameters while in flight.
-  Needs every stage in this process.
 
-  Raises:
-    ValueError: (at the first probe) a stage on another process.
+  Multi-process (``jax.distributed``): every process runs the probe; a stage
+  owned by a process other than stage 0's sends its forward and backward
+  weights, its gradient and its BatchNorm statistics (the last stage also the
+  labels) to stage 0's device at its backward, through
+  :func:`petra_jax.transport.transfer` (every process calls the probe at the
+  same task, so the transfers pair up). Stage 0's process then computes the
+  same figures, with the same jitted function on the same values, as a
+  single process; the others have no results.
   """
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
@@ -105,11 +114,8 @@ class GradientProbe(Observer):
     self.results: list = []  # (micro_batch, {name: float32[J]})
 
   def _start(self, pipe: Pipeline, m: int):
-    if not all(pipe.local):
-      raise ValueError("grad_quality_every needs every stage's device in this process "
-                       "(it composes all stages on one device).")
     J = pipe.num_stages
-    self._probes[m] = _Probe(None, None, [None] * J, [None] * J, [None] * J)
+    self._probes[m] = _Probe(None, None, [None] * J, [None] * J, [None] * J, [None] * J)
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
@@ -118,42 +124,95 @@ class GradientProbe(Observer):
     probe = self._probes.get(m)
     if probe is None or task.kind == BACKPROP:
       return
-    params = _copy(state.train_states[j].params)
-    if task.kind == FORWARD:  # the weights the forward uses (predicted, if so)
-      probe.forward_params[j] = _copy(pipe.steps.forward_params(j, state.train_states[j]))
-    elif task.kind == LOSS:
-      probe.forward_params[j] = params
-    if task.kind in (BACKWARD, LOSS):
-      probe.backward_params[j] = params
-      probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *_peek_backward_args(
-          pipe, state, j, m))
+    if pipe.local[j]:
+      _record(pipe, state, task, probe)
+    if task.kind in (BACKWARD, LOSS) and pipe.local[j] != pipe.local[0]:
+      _gather(pipe, state, probe, j)
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
                  result: TaskResult) -> None:
     j, m = task.stage, task.micro_batch
-    if task.kind == FORWARD and j == 0 and m in self._probes:  # the micro-batch, as fed
-      self._probes[m].images, self._probes[m].labels = state.buffers[0][m], state.labels[m]
-    elif task.kind == BACKWARD and j == 0 and m in self._probes:
-      self._finish(pipe, state, m)
+    if m not in self._probes or j != 0:
+      return
+    if task.kind == FORWARD and pipe.local[0]:  # the micro-batch, as fed
+      self._probes[m].images = quantize.dequantize(state.buffers[0][m])  # (buffer format)
+    elif task.kind == BACKWARD:
+      probe = self._probes.pop(m)
+      if pipe.local[0]:
+        self._finish(pipe, state, m, probe)
 
-  def _finish(self, pipe: Pipeline, state: PipelineState, m: int):
-    probe = self._probes.pop(m)
+  def _finish(self, pipe: Pipeline, state: PipelineState, m: int, probe: _Probe):
     if self._quality is None:
       self._quality = jax.jit(functools.partial(diagnostics.grad_quality, pipe.stages))
-    stats = [s.batch_stats for s in state.train_states]
+    stats = [s.batch_stats if pipe.local[j] else probe.batch_stats[j]
+             for j, s in enumerate(state.train_states)]
     args = transport.send((probe.grads, probe.forward_params, probe.backward_params, stats,
                            probe.images, probe.labels), pipe.devices[0])
     self.results.append((m, self._quality(*args)))
 
   def pop_results(self, wait: bool = False) -> list:
     """``(micro_batch, {name: float32[J]})`` whose figures are computed
-    (all of them with ``wait``); the others stay for the next call."""
+    (all of them with ``wait``); the others stay for the next call. Always
+    empty on a process that does not own stage 0."""
     ready, pending = [], []
     for m, quality in self.results:
       done = wait or all(v.is_ready() for v in quality.values())
       (ready if done else pending).append((m, quality))
     self.results = pending
     return ready
+
+
+def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> None:
+  """Copies what this process's stage ``task.stage`` knows of the probe:
+  its forward's weights at a forward, its weights and gradient at its
+  backward (before the backward donates them), the labels at the loss."""
+  j, m = task.stage, task.micro_batch
+  params = _copy(state.train_states[j].params)
+  if task.kind == FORWARD:  # the weights the forward uses (predicted, if so)
+    probe.forward_params[j] = _copy(pipe.steps.forward_params(j, state.train_states[j]))
+  elif task.kind == LOSS:
+    probe.forward_params[j] = params
+  if task.kind in (BACKWARD, LOSS):
+    probe.backward_params[j] = params
+    probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *_peek_backward_args(
+        pipe, state, j, m))
+    if task.kind == LOSS:
+      probe.labels = state.labels[m]
+
+
+def _gather(pipe: Pipeline, state: PipelineState, probe: _Probe, j: int) -> None:
+  """Stage ``j``'s part of the probe, from its process to stage 0's device.
+
+  Called on both processes (the owner of stage ``j`` sends, the owner of
+  stage 0 receives) at stage ``j``'s backward; the receiver fills ``probe``.
+  """
+  src, dst = pipe.devices[j], pipe.devices[0]
+  last = j == pipe.num_stages - 1
+  spec = _part_spec(pipe, j, probe.images) if pipe.local[0] else None
+  if pipe.local[j]:
+    labels = jnp.asarray(probe.labels, jnp.int32) if last else None
+    part = (probe.forward_params[j], probe.backward_params[j], probe.grads[j],
+            state.train_states[j].batch_stats, labels)
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), part)
+    transport.transfer(part, src, dst, spec)
+    return
+  fwd, bwd, grads, stats, labels = transport.transfer(None, src, dst, spec)
+  probe.forward_params[j], probe.backward_params[j] = fwd, bwd
+  probe.grads[j], probe.batch_stats[j] = grads, stats
+  if last:
+    probe.labels = labels
+
+
+def _part_spec(pipe: Pipeline, j: int, images: jax.Array) -> tuple:
+  """Shapes of :func:`_gather`'s message from stage ``j``: ``(forward
+  params, backward params, gradient, statistics, labels int32[B] or None)``,
+  from stage ``j``'s variables (``jax.eval_shape`` of its init)."""
+  x = pipe.message_specs(images)[j]
+  variables = jax.eval_shape(pipe.stages[j].init, jax.random.key(0, impl="rbg"), x)
+  params, stats = variables["params"], variables["batch_stats"]
+  labels = (jax.ShapeDtypeStruct(images.shape[:1], jnp.int32)
+            if j == pipe.num_stages - 1 else None)
+  return params, params, params, stats, labels
 
 
 def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) -> tuple:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from petra_jax import methods as methods_lib
+from petra_jax import quantize as quantize_lib
 from petra_jax import schedule as schedule_lib
 from petra_jax import transport
 from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
@@ -191,7 +192,10 @@ class Observer:
 
 def forward_step(stage: Stage, state: StageState, x, params=None):
   """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1),
-  or with ``params`` (e.g. weights predicted ahead by a delay compensation)."""
+  or with ``params`` (e.g. weights predicted ahead by a delay compensation).
+  ``x`` may be a quantised message (:mod:`petra_jax.quantize`): it is
+  dequantised first."""
+  x = quantize_lib.dequantize(x)
   return forward(stage, state.params if params is None else params, state.batch_stats, x)
 
 
@@ -199,8 +203,10 @@ def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
   """Reconstruction and vjp of a reversible stage (Eq. 5, rows 2-4), no update.
 
   With ``vjp_params`` (stashed forward weights) the vjp is taken with them
-  (Table 4's "approximate input"). Returns ``(x~, dx, grads, batch_stats)``.
+  (Table 4's "approximate input"). ``y``, ``dy`` may be quantised messages.
+  Returns ``(x~, dx, grads, batch_stats)``.
   """
+  y, dy = quantize_lib.dequantize((y, dy))
   if vjp_params is None:
     return reverse_vjp(stage, state.params, state.batch_stats, y, dy)
   return reverse_vjp_stashed(stage, state.params, vjp_params, state.batch_stats, y, dy)
@@ -208,13 +214,17 @@ def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
 
 def recompute_grads(stage: Stage, input_grad: bool, state: StageState, x, dy, vjp_params=None):
   """Recomputation from the buffered input and vjp, no update; with
-  ``vjp_params`` (``delayed``) at the stashed weights. ``(dx, grads, stats)``."""
+  ``vjp_params`` (``delayed``) at the stashed weights; ``x``, ``dy`` may be
+  quantised. ``(dx, grads, stats)``."""
+  x, dy = quantize_lib.dequantize((x, dy))
   params = state.params if vjp_params is None else vjp_params
   return recompute_vjp(stage, params, state.batch_stats, x, dy, input_grad=input_grad)
 
 
 def loss_grads(stage: Stage, state: StageState, x, labels):
-  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``."""
+  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``
+  (``x`` may be a quantised message)."""
+  x = quantize_lib.dequantize(x)
   return loss_vjp(stage, state.params, state.batch_stats, x, labels)
 
 
@@ -262,7 +272,10 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
 
 
 def relative_error(x_tilde, x) -> jax.Array:
-  """``||x~ - x|| / ||x||`` over all leaves (float32 scalar)."""
+  """``||x~ - x|| / ||x||`` over all leaves (float32 scalar), in float32;
+  quantised inputs are dequantised first."""
+  x_tilde, x = jax.tree.map(lambda a: a.astype(jnp.float32),
+                            quantize_lib.dequantize((x_tilde, x)))
   num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(x_tilde), jax.tree.leaves(x)))
   den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(x))
   return jnp.sqrt(num / den)
@@ -300,11 +313,16 @@ class StageSteps:
       prediction, :mod:`petra_jax.compensation`). Backwards always use the
       current weights (a reconstructing stage rebuilds its input with them,
       Eq. 5) or, for methods that stash weights, the ones the forward used.
+    donate_messages: whether a reconstructing backward donates its ``(y,
+      dy)`` (useless when they arrive quantised: int8 or 16-bit buffers
+      cannot hold the float32 results).
   """
 
   def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
-               predictors: Optional[Sequence[Optional[Callable]]] = None):
+               predictors: Optional[Sequence[Optional[Callable]]] = None,
+               donate_messages: bool = True):
     self.stages, self.method = list(stages), method
+    self.donate_messages = donate_messages
     self._predict = [None if p is None else jax.jit(p)
                      for p in (predictors or [None] * len(stages))]
     self.num_stages = len(stages)
@@ -332,7 +350,8 @@ class StageSteps:
   def _donated(self, j: int):
     """A reconstructing backward donates its state and ``(y, dy)``; the
     others their state (a buffered input may be a probe's too)."""
-    return (0, 1, 2) if self.reconstructs[j] and j < self.num_stages - 1 else 0
+    messages = self.donate_messages and self.reconstructs[j] and j < self.num_stages - 1
+    return (0, 1, 2) if messages else 0
 
   def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
                     stashed=None) -> tuple:
@@ -425,6 +444,9 @@ class Pipeline:
     observers: :class:`Observer`\\ s called around every task (diagnostics).
     predictors: per stage, the weights its forward uses (see
       :class:`StageSteps`); default: the current ones.
+    formats: the format of forward messages, backward messages and input
+      buffers (:class:`petra_jax.quantize.MessageFormats`); default: all
+      float, as computed.
 
   Attributes:
     steps: the stages' jitted steps and backward rule (:class:`StageSteps`).
@@ -439,7 +461,8 @@ class Pipeline:
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
                bn_stats: str = "backward", observers: Sequence[Observer] = (),
-               predictors: Optional[Sequence[Optional[Callable]]] = None):
+               predictors: Optional[Sequence[Optional[Callable]]] = None,
+               formats: Optional[quantize_lib.MessageFormats] = None):
     self.method = methods_lib.get(method)
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
@@ -456,12 +479,17 @@ class Pipeline:
     # its own devices; messages to or from the others go through transport.
     self.local = [transport.is_local(d) for d in self.devices]
     self.multiprocess = not all(self.local)
-    self.steps = StageSteps(stages, self.method, bn_stats, predictors)
+    self.formats = formats or quantize_lib.MessageFormats()
+    self.steps = StageSteps(stages, self.method, bn_stats, predictors,
+                            donate_messages=self.formats.backward == "none")
     self.reconstructs = self.steps.reconstructs
     self.observers = list(observers)
     self._spec_cache: dict = {}
     self._specs = [None] * (J + 1)  # message shapes; set by init()
     self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
+    self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
+                      for kind in quantize_lib.KINDS}
+    self._encoded_specs: dict = {}
     self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
                    LOSS: self._loss_task, BACKPROP: self._backprop_task}
     self._run_task = self._run_observed if self.observers else self._run_plain
@@ -614,8 +642,9 @@ class Pipeline:
       if self.method.stashes_weights:  # copied: the backward donates the live ones
         state.weight_stash[j][m] = self._copy(params)
       if not self.reconstructs[j]:
-        state.buffers[j][m] = x
-    state.inbox[j + 1][m] = self._move(y, j, j + 1, self._specs[j + 1])
+        state.buffers[j][m] = self._encode("buffer", x)
+      y = self._encode("forward", y)
+    state.inbox[j + 1][m] = self._move(y, j, j + 1, self._spec("forward", j + 1))
     return TaskResult()
 
   def _backward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
@@ -690,9 +719,28 @@ class Pipeline:
   def _send_back(self, j: int, x, dx):
     """``(y_{j-1} or None, delta_j)`` to stage ``j-1``: its output (this
     stage's input ``x``, reconstructed or buffered) only if it reconstructs."""
-    x = x if self.reconstructs[j - 1] else None
-    spec = (self._specs[j] if self.reconstructs[j - 1] else None, self._specs[j])
-    return self._move((x, dx), j, j - 1, spec)
+    x = self._encode("backward", x) if self.reconstructs[j - 1] else None
+    spec = (self._spec("backward", j) if self.reconstructs[j - 1] else None,
+            self._spec("backward", j))
+    return self._move((x, self._encode("backward", dx)), j, j - 1, spec)
+
+  def _encode(self, kind: str, x):
+    """Payload ``x`` in the format of ``kind`` (forward, backward or buffer;
+    :class:`petra_jax.quantize.MessageFormats`), on its device; ``x`` itself
+    when nothing is quantised (and for a ``"none"`` buffer)."""
+    if x is None or not self.formats.active or (kind == "buffer"
+                                                  and self.formats.buffer == "none"):
+      return x
+    return self._encoders[kind](x)
+
+  def _spec(self, kind: str, j: int):
+    """Shapes of stage ``j``'s input as a ``kind`` message (multi-process
+    receivers allocate them); None in a single-process run."""
+    if self._specs[j] is None or not self.formats.active:
+      return self._specs[j]
+    if (kind, j) not in self._encoded_specs:
+      self._encoded_specs[(kind, j)] = self.formats.spec(kind, self._specs[j])
+    return self._encoded_specs[(kind, j)]
 
   def _move(self, x, src: int, dst: int, spec):
     """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.

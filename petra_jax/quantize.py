@@ -59,6 +59,8 @@ through unchanged, like the non-tensor entries in the authors' code.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Optional
 
 import flax.struct
@@ -289,3 +291,78 @@ def nbytes(tree: PyTree) -> int:
     else:
       total += np.asarray(leaf).nbytes
   return total
+
+
+def convert(x: PyTree, fmt: str, *, per_channel: bool = False) -> PyTree:
+  """``x`` (quantised or not) in format ``fmt``.
+
+  ``"none"`` dequantises (full precision; a float ``x`` is returned itself);
+  a message already in ``fmt`` is returned itself, so converting twice adds
+  no error; otherwise ``quantize(dequantize(x), fmt)``. Jittable.
+
+  Raises:
+    ValueError: unknown ``fmt``.
+  """
+  check_format(fmt)
+  if fmt == "none":
+    return dequantize(x)
+  leaves = jax.tree.leaves(x, is_leaf=_is_quantized)
+  if leaves and all(not _is_float(l) or (_is_quantized(l) and l.fmt == fmt) for l in leaves):
+    return x
+  return quantize(dequantize(x), fmt, per_channel=per_channel)
+
+
+#: The payloads the engine can quantise (the authors' ``--quantize-forward-com``,
+#: ``--quantize-backward-com`` and ``--quantize-buffer``).
+KINDS = ("forward", "backward", "buffer")
+
+
+@dataclasses.dataclass(frozen=True)
+class MessageFormats:
+  """The format of each payload kind the engine moves or keeps.
+
+  * ``forward``: the activation ``x_{j+1}`` stage ``j`` sends to stage ``j+1``;
+    the receiver runs its forward on the dequantised message (so the error
+    enters the forward, and a reconstructing stage later rebuilds the
+    dequantised input, not the sender's float one).
+  * ``backward``: the pair ``(x~_j or None, delta_j)`` sent to stage ``j-1``:
+    the input it reconstructs from and the cotangent it takes the vjp of.
+  * ``buffer``: the input a non-reversible stage keeps for its backward
+    recomputation. ``"none"`` keeps the message as received (the exact input
+    of the forward, in the forward message's format).
+
+  These are where the authors' code applies its quantisers
+  (``async_torch/layers/compression.py``). Parameters, optimizer states and
+  gradient accumulation are never quantised.
+
+  Attributes:
+    forward, backward, buffer: each one of :data:`FORMATS`.
+    per_channel: int8 scales per channel (last axis) instead of per tensor.
+
+  Raises:
+    ValueError: an unknown format.
+  """
+  forward: str = "none"
+  backward: str = "none"
+  buffer: str = "none"
+  per_channel: bool = False
+
+  def __post_init__(self):
+    for kind in KINDS:
+      check_format(getattr(self, kind))
+
+  @property
+  def active(self) -> bool:
+    """Whether any payload kind is quantised."""
+    return any(getattr(self, kind) != "none" for kind in KINDS)
+
+  def encode(self, kind: str, x: PyTree) -> PyTree:
+    """``x`` in the format of payload ``kind`` (:func:`convert`; jittable)."""
+    return convert(x, getattr(self, kind), per_channel=self.per_channel)
+
+  def spec(self, kind: str, spec: PyTree) -> PyTree:
+    """The ``jax.ShapeDtypeStruct`` pytree of ``encode(kind, x)`` for ``x`` of
+    shapes ``spec`` (what a receiving process allocates)."""
+    if spec is None:
+      return None
+    return jax.eval_shape(functools.partial(self.encode, kind), spec)

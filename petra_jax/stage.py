@@ -26,6 +26,14 @@ such a stage may carry, after the two streams, arrays set aside by ``P``
 A non-reversible stage (stem, downsampling, head) recomputes its forward from
 a buffered input (:func:`recompute_vjp`, Alg. 1 l. 15-17).
 
+Mixed precision (:class:`Precision`): a stage may compute in ``bfloat16``
+(convolutions, BatchNorm, activations) while its parameters, optimizer state
+and gradients stay ``float32``; the streams between stages are in
+``Precision.streams``. A ``float32`` stream with ``bfloat16`` compute keeps the
+coupling's addition ``x2 + F(x1)`` and its inverse ``y1 - F(y2)`` in float32, so
+the reconstruction is as exact as in float32 (``F`` is deterministic: the
+same ``y2`` gives the same ``F(y2)``).
+
 BatchNorm always normalises with the current batch's statistics in training
 (forward and reconstruction alike). Every function returns the BatchNorm
 running statistics its evaluation would produce; the engine decides which
@@ -43,6 +51,47 @@ import jax
 import optax
 
 PyTree = Any
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+  """Mixed-precision policy of a stage (Micikevicius et al., 2018, with
+  bfloat16: no loss scaling is needed).
+
+  Attributes:
+    compute: dtype of the convolutions, BatchNorm and activations inside a
+      block; parameters are cast to it on use, so their gradients and every
+      optimizer state stay float32. BatchNorm statistics are reduced and kept
+      in float32 (Flax's ``force_float32_reductions``).
+    streams: dtype of the activations between blocks and stages (the
+      coupling's streams, messages and buffers); a block's output is cast to
+      it. Logits are cast to float32 before the loss.
+
+  Raises:
+    ValueError: a dtype outside :data:`DTYPES`.
+  """
+  compute: str = "float32"
+  streams: str = "float32"
+
+  def __post_init__(self):
+    for d in (self.compute, self.streams):
+      if d not in DTYPES:
+        raise ValueError(f"unknown dtype {d!r}; choose one of {DTYPES}")
+
+  @property
+  def is_float32(self) -> bool:
+    return self.compute == self.streams == "float32"
+
+
+FLOAT32 = Precision()
+
+
+def _cast(tree, dtype: str):
+  """Floating leaves of ``tree`` cast to ``dtype`` (others unchanged)."""
+  def cast(a):
+    return a.astype(dtype) if jax.numpy.issubdtype(a.dtype, jax.numpy.floating) else a
+  return jax.tree.map(cast, tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,12 +111,15 @@ class Stage:
     pre: for a reversible single-block stage, an optional :class:`Reshuffle`
       applied to the input before the coupling (e.g. invertible
       downsampling); None for the plain coupling of Fig. 2.
+    precision: the block's :class:`Precision` (a group's blocks carry
+      their own; :func:`with_precision`).
   """
   name: str
   module: nn.Module | None
   reversible: bool
   blocks: tuple["Stage", ...] = ()
   pre: "Reshuffle | None" = None
+  precision: Precision = FLOAT32
 
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
@@ -161,7 +213,28 @@ def _block_vars(params, batch_stats, i):
   return params[f"block_{i}"], batch_stats[f"block_{i}"]
 
 
-def _apply(module, params, batch_stats, x, train):
+def with_precision(stages: Sequence[Stage], precision: Precision) -> list[Stage]:
+  """``stages`` with every block computing under ``precision``."""
+  def one(s: Stage) -> Stage:
+    return dataclasses.replace(s, precision=precision,
+                               blocks=tuple(one(b) for b in s.blocks))
+  return [one(s) for s in stages]
+
+
+def _apply(stage: Stage, params, batch_stats, x, train):
+  """``stage.module.apply`` -> ``(output, new_batch_stats)``, under the
+  stage's :class:`Precision` (parameters and input cast to ``compute``, the
+  output to ``streams``)."""
+  module, precision = stage.module, stage.precision
+  if not precision.is_float32:
+    params, x = _cast(params, precision.compute), _cast(x, precision.compute)
+  out, stats = _apply_module(module, params, batch_stats, x, train)
+  if not precision.is_float32:
+    out = _cast(out, precision.streams)
+  return out, stats
+
+
+def _apply_module(module, params, batch_stats, x, train):
   """``module.apply`` -> ``(output, new_batch_stats)``."""
   variables = {"params": params}
   if batch_stats:
@@ -192,9 +265,9 @@ def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
                                            train=train)
     return x, new_stats
   if not stage.reversible:
-    return _apply(stage.module, params, batch_stats, x, train)
+    return _apply(stage, params, batch_stats, x, train)
   x1, x2, *carried = _reshuffle(stage, x)
-  f, new_stats = _apply(stage.module, params, batch_stats, x1, train)
+  f, new_stats = _apply(stage, params, batch_stats, x1, train)
   return (x2 + f, x1, *carried), new_stats
 
 
@@ -214,7 +287,7 @@ def inverse(stage: Stage, params, batch_stats, y):
       y = inverse(stage.blocks[i], *_block_vars(params, batch_stats, i), y)
     return y
   y1, y2, *carried = y
-  f, _ = _apply(stage.module, params, batch_stats, y2, True)
+  f, _ = _apply(stage, params, batch_stats, y2, True)
   return _unshuffle(stage, (y2, y1 - f, *carried))
 
 
@@ -255,7 +328,7 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
   dy1, dy2, *dcarried = dy
 
   def residual(p, x1):
-    return _apply(stage.module, p, batch_stats, x1, True)
+    return _apply(stage, p, batch_stats, x1, True)
 
   f, f_vjp, new_stats = jax.vjp(residual, params, y2, has_aux=True)
   dparams, dx1 = f_vjp(dy1)
@@ -282,10 +355,10 @@ def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
     return y, dy, grads, stats
   y1, y2, *carried = y
   dy1, dy2, *dcarried = dy
-  f_now, _ = _apply(stage.module, params, batch_stats, y2, True)
+  f_now, _ = _apply(stage, params, batch_stats, y2, True)
   x_tilde = _unshuffle(stage, (y2, y1 - f_now, *carried))
   _, vjp, new_stats = jax.vjp(
-      lambda p, x1: _apply(stage.module, p, batch_stats, x1, True), vjp_params, y2,
+      lambda p, x1: _apply(stage, p, batch_stats, x1, True), vjp_params, y2,
       has_aux=True)
   dparams, dx1 = vjp(dy1)
   return x_tilde, _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats
@@ -316,8 +389,10 @@ def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool 
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy: ``logits [B, K]``, ``labels int32 [B]``."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  """Mean softmax cross-entropy: ``logits [B, K]`` (computed in float32),
+  ``labels int32 [B]``."""
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jax.numpy.float32), labels).mean()
 
 
 def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequence,

@@ -70,24 +70,43 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   for j in range(J - 1):
     acts.append(pipe.steps.forward(j, state.train_states[j], acts[j])[0])
   rows = []
-  for j, stage in enumerate(pipe.stages):
-    box = {"args": None}
-    fwd = median_ms(lambda: pipe.steps.forward(j, state.train_states[j], acts[j]), iters, warmup)
-
-    def setup():  # fresh copies: a backward may donate its arguments
-      y = acts[j + 1] if j < J - 1 else None
-      box["args"] = _copy(pipe.steps.backward_args(
-          j, x=acts[j], y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
-          labels=labels, stashed=state.train_states[j].params))
-      return box["args"]
-
-    def bwd():
-      out = pipe.steps.backward(j, state.train_states[j], *box["args"])
-      state.train_states[j] = out[0]
-      return out
-    rows.append({"name": stage.name, "reversible": stage.reversible, "forward": fwd,
-                 "backward": median_ms(bwd, iters, warmup, setup=setup)})
+  for j in range(J):
+    y = acts[j + 1] if j < J - 1 else None
+    rows.append(one_stage_times(pipe, state, j, acts[j], y, labels, iters, warmup))
   return rows, acts
+
+
+def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
+                    warmup: int = 1) -> dict:
+  """Median ms of stage ``j``'s jitted forward and backward on given inputs.
+
+  Args:
+    pipe, state: a pipeline whose stage ``j`` runs in this process, and its
+      state (``state.train_states[j]`` is advanced by the backward steps,
+      which donate it).
+    j: the stage.
+    x: its input pytree (on its device); y: its output (None for the last
+      stage), whose cotangent is taken as ones; labels: ``int32[B]`` (used by
+      the last stage).
+
+  Returns:
+    ``{"name", "reversible", "forward": ms, "backward": ms}``.
+  """
+  stage, box = pipe.stages[j], {"args": None}
+  fwd = median_ms(lambda: pipe.steps.forward(j, state.train_states[j], x), iters, warmup)
+
+  def setup():  # fresh copies: a backward may donate its arguments
+    box["args"] = _copy(pipe.steps.backward_args(
+        j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
+        labels=labels, stashed=state.train_states[j].params))
+    return box["args"]
+
+  def bwd():
+    out = pipe.steps.backward(j, state.train_states[j], *box["args"])
+    state.train_states[j] = out[0]
+    return out
+  return {"name": stage.name, "reversible": stage.reversible, "forward": fwd,
+          "backward": median_ms(bwd, iters, warmup, setup=setup)}
 
 
 def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:

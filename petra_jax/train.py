@@ -35,7 +35,9 @@ from petra_jax import diagnostics
 from petra_jax import methods as methods_lib
 from petra_jax import metrics as metrics_lib
 from petra_jax import models, observers, optim, preemption
+from petra_jax import quantize as quantize_lib
 from petra_jax import schedule as schedule_lib
+from petra_jax import stage as stage_lib
 from petra_jax import timing
 from petra_jax import transport
 from petra_jax import workdir as workdir_lib
@@ -88,6 +90,31 @@ def _check_choices(config) -> None:
     compensation.parse_name(config.compensation.name)
   except ValueError as e:
     raise ConfigError(f"{e} (--config.compensation.name=...)") from None
+  _check_numerics(config)
+
+
+def _check_numerics(config) -> None:
+  """``dtype``, ``stream_dtype`` and the ``quantize`` formats."""
+  for flag, value, choices in (
+      ("dtype", config.dtype, stage_lib.DTYPES),
+      ("stream_dtype", config.stream_dtype, ("",) + stage_lib.DTYPES),
+      *((f"quantize.{k}", config.quantize[k], quantize_lib.FORMATS)
+        for k in quantize_lib.KINDS)):
+    if value not in choices:
+      raise ConfigError(f"Unknown {flag} {value!r}; choose one of {tuple(choices)} "
+                        f"(--config.{flag}=...).")
+
+
+def precision(config) -> stage_lib.Precision:
+  """The stages' :class:`~petra_jax.stage.Precision` from ``config.dtype``
+  and ``config.stream_dtype``."""
+  return stage_lib.Precision(config.dtype, config.stream_dtype or config.dtype)
+
+
+def message_formats(config) -> quantize_lib.MessageFormats:
+  """The engine's :class:`~petra_jax.quantize.MessageFormats` from ``config.quantize``."""
+  q = config.quantize
+  return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel)
 
 
 def _check_batch(config) -> None:
@@ -411,6 +438,7 @@ def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int
   k = config.accumulation_steps
   stages = models.build_model(config.model.name, width=config.model.width, depth=_depth(config),
                               num_classes=info.num_classes, imagenet_stem=info.imagenet_stem)
+  stages = stage_lib.with_precision(stages, precision(config))
   sizes = _stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
                        os.path.join(workdir, "checkpoints"))
   if sizes:
@@ -432,7 +460,8 @@ def _build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
-                                                           delays))
+                                                           delays),
+                  formats=message_formats(config))
   return pipe, sizes, probes
 
 

@@ -3,13 +3,18 @@
 Usage (one process; several with ``launch/local.sh`` and
 ``PETRA_MODULE=tests.multiprocess_worker``)::
 
-  python -m tests.multiprocess_worker --data_dir=DIR [--die_after=T]
+  python -m tests.multiprocess_worker --data_dir=DIR [--die_after=T] [--quantize=FMT]
 
 A 5-stage RevNet of width 4 (stem, two reversible blocks, a downsampling
 block, head) trains with PETRA on 8 micro-batches of 8 real CIFAR-10 images,
-then is evaluated on 40 test images with ``train.evaluate``. Process 0 prints
-``RESULT {"losses": [...], "test": {...}}`` (losses as ``float.hex``, exact).
+then is evaluated on 40 test images with ``train.evaluate``. A
+:class:`petra_jax.observers.GradientProbe` measures the gradient quality of
+micro-batches 0, 3 and 6. Process 0 prints ``RESULT {"losses": [...], "test":
+{...}, "grad_quality": {...}}`` (losses and figures as ``float.hex``, exact).
 ``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
+``--quantize=FMT`` sends forward and backward messages in ``FMT``; every
+process then prints ``RECEIVED [dtypes]``: the dtypes of the message leaves
+that arrived at its stages from the other process.
 
 Every process also prints ``BALANCE [sizes]``: the 2-stage grouping that
 ``train._stage_sizes`` picks with ``model.balance_by="time"`` when each
@@ -31,11 +36,12 @@ import optax
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import models, schedule, train, transport
+from petra_jax import models, observers, quantize, schedule, train, transport
 from petra_jax.pipeline import Pipeline
 from petra_jax.stage import Stage
 
 WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
+PROBE_EVERY = 3  # micro-batches 0, 3, 6
 
 
 def tiny_revnet(width: int = WIDTH) -> list:
@@ -56,12 +62,28 @@ def check_balance() -> list:
   return train._stage_sizes(c, tiny_revnet(), (MICRO_BATCH, 32, 32, 3), 10, "")  # pylint: disable=protected-access
 
 
-def run(data_dir: str, die_after: int) -> dict:
+def _received_dtypes(pipe, state) -> set:
+  """Dtypes of the leaves of messages waiting at this process's stages that
+  came from a stage of another process."""
+  out = set()
+  for j in range(pipe.num_stages):
+    if not pipe.local[j]:
+      continue
+    if j > 0 and not pipe.local[j - 1]:
+      out |= {str(l.dtype) for p in state.inbox[j].values() for l in jax.tree.leaves(p)}
+    if j + 1 < pipe.num_stages and not pipe.local[j + 1]:
+      out |= {str(l.dtype) for p in state.grad_inbox[j].values() for l in jax.tree.leaves(p)}
+  return out
+
+
+def run(data_dir: str, die_after: int, fmt: str = "none") -> dict:
   config = config_lib.get_config()
   train.initialize_distributed(config)  # from $JAX_* when launched by local.sh
   print(f"BALANCE {check_balance()}", flush=True)
   devices = jax.devices()
-  pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices)
+  probe = observers.GradientProbe(PROBE_EVERY)
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices, observers=[probe],
+                  formats=quantize.MessageFormats(forward=fmt, backward=fmt))
   info = data_lib.get_dataset_info("cifar10")
   open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
   n_train = MICRO_BATCH * NUM_MICRO_BATCHES
@@ -70,7 +92,7 @@ def run(data_dir: str, die_after: int) -> dict:
   state = pipe.init(0, jnp.zeros((MICRO_BATCH,) + info.image_shape))
   batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
   key = jax.random.key(1)
-  losses = {}
+  losses, received = {}, set()
 
   def batches(m):
     idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
@@ -86,18 +108,30 @@ def run(data_dir: str, die_after: int) -> dict:
       os.kill(os.getpid(), signal.SIGKILL)
     state, outs = pipe.run_tick(state, tick, batches)
     losses.update({o.micro_batch: o.loss for o in outs if o.loss is not None})
+    received |= _received_dtypes(pipe, state)
+  if fmt != "none":
+    print(f"RECEIVED {sorted(received)}", flush=True)
   test = train.evaluate(pipe, state, test_split, info, batch_size=16)
   return {"losses": [float(losses[m]).hex() for m in sorted(losses)], "test": test,
-          "num_processes": jax.process_count()}
+          "grad_quality": _grad_quality(probe), "num_processes": jax.process_count()}
+
+
+def _grad_quality(probe) -> dict:
+  """``{micro_batch: {name: [float.hex per stage]}}`` (empty off stage 0's
+  process)."""
+  return {str(m): {name: [float(v).hex() for v in jax.device_get(values)]
+                   for name, values in quality.items()}
+          for m, quality in probe.pop_results(wait=True)}
 
 
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--die_after", type=int, default=0)
+  parser.add_argument("--quantize", default="none", choices=quantize.FORMATS)
   args = parser.parse_args()
   try:
-    result = run(args.data_dir, args.die_after)
+    result = run(args.data_dir, args.die_after, args.quantize)
   except transport.PeerError as e:
     train._exit_now(f"error: process {jax.process_index()}: {e}")  # pylint: disable=protected-access
   if jax.process_index() == 0:

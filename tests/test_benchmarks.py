@@ -2,6 +2,9 @@
 
 import itertools
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +12,9 @@ import pytest
 from petra_jax import data, models, schedule
 from petra_jax.benchmarks import memory, throughput, timeline
 from petra_jax.stage import Stage
+from conftest import REPO_ROOT
+
+REPO = str(REPO_ROOT)
 
 IMAGE = (8, 8, 3)
 
@@ -217,3 +223,103 @@ def test_timeline_png(tmp_path):
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_bytes_per_tick_by_hand_and_live_in_every_format():
+  # _tiny_revnet, batch 4 of 8x8 images, float32: stream activations are
+  # 2 x [4, 8, 8, 2] = 4096 B before the downsampling, 2 x [4, 4, 4, 4] =
+  # 2048 B after. Forward: stem, rev0, down, rev1 each send their output:
+  # 4096 + 4096 + 2048 + 2048. Backward: rev0 -> stem delta (4096), down ->
+  # rev0 (x~, delta) (2 x 4096), rev1 -> down delta (2048), head -> rev1
+  # (x~, delta) (2 x 2048).
+  assert memory.bytes_per_tick(memory.stage_bytes(_tiny_revnet(), IMAGE, 4)) == (
+      12288 + 18432)
+  rows = {r["format"]: r for r in memory.quantization(
+      lambda w: _tiny_revnet(), IMAGE, 4, live={"width": 2, "batch_size": 4,
+                                                "image_shape": IMAGE})}
+  assert rows["bfloat16"]["tick_ratio"] == rows["float16"]["tick_ratio"] == 2.0
+  assert rows["int8"]["tick_ratio"] >= 3.5 and rows["int8"]["stored_ratio"] >= 3.5
+  for r in rows.values():  # what the devices hold equals the shapes' count
+    assert r["live"]["bytes_per_tick"] == r["live"]["analytic_bytes_per_tick"]
+    assert r["live"]["petra_stored_bytes"] == r["live"]["analytic_petra_stored_bytes"]
+
+
+def test_table3_extended_rows():
+  d = data.DATASETS["cifar10"]
+  build = lambda name: models.build_model(name, width=4)  # noqa: E731
+  sizes = memory.stage_bytes(build("revnet18"), d.image_shape, 8)
+  inv = memory.stage_bytes(build("revnet18_inv"), d.image_shape, 8)
+  int8 = memory.stage_bytes(build("revnet18"), d.image_shape, 8,
+                            formats=memory.quantize_lib.MessageFormats(buffer="int8"))
+  rows = memory.table3_extended(sizes, {"int8": int8}, inv)
+  assert [r["method"] for r in rows] == list(memory.TABLE3_METHODS) + ["petra"] * 2
+  petra, inv_row, int8_row = rows[3], rows[4], rows[5]
+  assert inv_row["model"] == "_inv" and int8_row["buffer_format"] == "int8"
+  # Only stem and head buffer in the _inv model (stem's input excluded: the head's);
+  # int8 buffers: a quarter of PETRA's buffers plus the scales.
+  model_gb = sum(r["param_bytes"] for r in sizes) / memory.GB
+  petra_buffers = petra["memory_gb"] - model_gb
+  int8_buffers = int8_row["memory_gb"] - model_gb
+  assert 3.5 < petra_buffers / int8_buffers <= 4.0
+  assert inv_row["memory_gb"] < petra["memory_gb"]
+
+
+# --- scaling (multi-process PETRA against one process) ---------------------------
+
+SCALING_TINY = ["--processes=2", "--model=revnet_fixed", "--depth=2", "--width=2",
+                "--stage-sizes=", "--image-size=8", "--batch-size=4", "--rounds=1",
+                "--iters=2", "--warmup=1"]
+
+
+def _scaling(args, timeout=240):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # conftest's 4 virtual devices are not for these processes
+  return subprocess.run([sys.executable, "-m", "petra_jax.benchmarks.scaling", *args],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_scaling_command_reports_consistent_figures():
+  """The plumbing on a 4-stage RevNet of width 2: two processes, two stages
+  each. No timing is checked, only the report's fields and their relations,
+  recomputed here from the reported numbers."""
+  run = _scaling(SCALING_TINY + ["--json"])
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+  r = json.loads(run.stdout.strip().splitlines()[-1])
+  ips, lim = r["images_per_s"], r["limits"]
+  assert set(ips) == {"backprop", "petra_single_process", "petra_multiprocess"}
+  assert all(isinstance(v, float) and v > 0 for v in ips.values())
+  assert r["processes"] == 2 and r["num_stages"] == 4
+  assert r["stage_process"] == [0, 0, 1, 1]  # stage j on process j*N//J
+  assert r["measured_speedup"] == pytest.approx(
+      ips["petra_multiprocess"] / ips["petra_single_process"])
+  assert r["speedup_vs_backprop"] == pytest.approx(ips["petra_multiprocess"] / ips["backprop"])
+  assert r["efficiency"] == pytest.approx(r["measured_speedup"] / r["simulated_speedup"])
+  assert lim["measured_ms_per_tick"] == pytest.approx(1e3 * 4 / ips["petra_multiprocess"])
+  # One boundary, after the reversible stage 1: (x~, delta) back, twice the
+  # forward's bytes; a forward message is 4 images of 8x8, 2 streams of 2 channels.
+  (t,) = lim["transfer"]
+  assert t["boundary"] == 2 and t["round_trip_ms"] > 0
+  assert t["bytes_forward"] == 4 * 8 * 8 * 2 * 2 * 4
+  assert t["bytes_backward"] == 2 * t["bytes_forward"]
+  # PETRA's steady tick on one device per process: the slowest process's
+  # compute plus its sends (the round trip split by bytes).
+  sends = [t["round_trip_ms"] / 3, 2 * t["round_trip_ms"] / 3]
+  groups = [sum(lim["stage_ms_single_process"][:2]), sum(lim["stage_ms_single_process"][2:])]
+  assert lim["group_ms_single_process"] == pytest.approx(groups)
+  tick = max(g + s for g, s in zip(groups, sends))
+  assert r["simulated_speedup"] == pytest.approx(sum(groups) / tick, rel=1e-6)
+  one = lim["group_ms_1thread"]
+  assert len(one) == 2 and all(v > 0 for v in one)
+  assert lim["predicted_ms_per_tick"] == pytest.approx(max(g + s for g, s in zip(one, sends)))
+  assert lim["thread_slowdown"] == pytest.approx(sum(one) / sum(groups))
+  assert lim["load_balance"] == pytest.approx(max(one) / (sum(one) / 2))
+  assert 0 <= lim["host_cpu_ms_per_tick"] and 0 < lim["host_ms_per_tick"]
+
+
+def test_scaling_bad_process_count_is_one_clear_error():
+  run = _scaling(["--processes=5", "--model=revnet_fixed", "--depth=2", "--stage-sizes="],
+                 timeout=120)
+  assert run.returncode != 0
+  assert "Traceback" not in run.stderr
+  assert run.stderr.strip() == ("error: --processes=5: use 2 to 4 (the number of stages; "
+                                "--stage-sizes sets it).")

@@ -6,7 +6,8 @@ Each test starts ``launch/local.sh N`` running ``tests/multiprocess_worker.py``
 contiguous blocks, so every kind of message crosses a process boundary: 2
 processes split [0 1 2 | 3 4], 4 processes [0 1 | 2 | 3 | 4] (activations,
 ``(x~, delta)`` to a reversible stage, ``(None, delta)`` to a non-reversible
-one, the loss and the evaluation sums). The runs share a persistent
+one, the loss, the evaluation sums and the gradient probes' weights and
+gradients). The runs share a persistent
 compilation cache, so only the first one compiles the stages. About 100 s
 together on a loaded 2-core machine. Select them with ``-k multiprocess``.
 """
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
+from petra_jax import diagnostics
 
 LAUNCH = str(REPO_ROOT / "launch" / "local.sh")
 TIMEOUT_S = 240  # per run; a hang fails the test instead of blocking the suite
@@ -80,9 +82,31 @@ def test_multiprocess_losses_equal_single_process(num_processes, single_process,
   # route of the messages differs.
   assert result["losses"] == single_process["losses"]
   assert result["test"] == single_process["test"]
+  # Gradient quality (App. B): every stage's weights and gradient gathered to
+  # process 0 give the single process's figures, bit for bit.
+  quality = single_process["grad_quality"]
+  assert sorted(quality, key=int) == ["0", "3", "6"]
+  assert all(set(q) == set(diagnostics.METRICS) and all(len(v) == 5 for v in q.values())
+             for q in quality.values())
+  assert result["grad_quality"] == quality
   # Time-balanced stage grouping: every process takes process 0's timings.
   balance = re.findall(r"BALANCE (\[.*\])", out)
   assert balance == ["[1, 4]"] * num_processes, out[-3000:]
+
+
+def test_int8_messages_cross_processes_as_int8(worker_env, cifar10_dir):
+  # The int8 messages travel as int8 (plus float32 scales) through the
+  # cross-process transfer, and the run equals the single-process int8 run.
+  runs = {}
+  for n in (1, 2):
+    cmd = ([sys.executable, "-m", "tests.multiprocess_worker"] if n == 1 else [LAUNCH, "2"])
+    rc, out = _run(cmd + [f"--data_dir={cifar10_dir}", "--quantize=int8"], worker_env)
+    assert rc == 0, out[-3000:]
+    runs[n] = (_result(out), out)
+  assert runs[2][0]["losses"] == runs[1][0]["losses"]
+  received = re.findall(r"\[process (\d)\] RECEIVED (\[.*\])", runs[2][1])
+  assert sorted(received) == [("0", "['float32', 'int8']"), ("1", "['float32', 'int8']")], \
+      runs[2][1][-3000:]
 
 
 def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir):
@@ -104,3 +128,33 @@ def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir
   assert "launch/local.sh: process 1 was killed by signal 9 (status 137), first to fail" in out, \
       out[-3000:]
   assert "launch/local.sh: process 0 of 2 failed" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_multiprocess_train_writes_the_single_process_grad_quality(worker_env, cifar10_dir,
+                                                                   tmp_path):
+  # The CLI with the CPU recipe's weight prediction (a forward's weights
+  # differ from the current ones) on a 4-block RevNet of width 4 (stem, 2
+  # reversible blocks, head), one block per stage: [0 1 | 2 3] over 2 processes.
+  env = {k: v for k, v in worker_env.items() if k != "PETRA_MODULE"}
+  args = ["--config=configs/cifar10_cpu.py", "--config.model.name=revnet_fixed",
+          "--config.model.depth=2", "--config.model.stage_sizes=()", "--config.model.width=4",
+          "--config.steps_per_epoch=4", "--config.num_epochs=1",
+          "--config.grad_quality_every=2", "--config.log_every=1",
+          f"--config.data_dir={cifar10_dir}"]
+  rc, out = _run([sys.executable, "-m", "petra_jax.train", *args,
+                  f"--workdir={tmp_path / 'one'}"], env)
+  assert rc == 0, out[-3000:]
+  rc, out = _run([LAUNCH, "2", *args, f"--workdir={tmp_path / 'two'}"], env)
+  assert rc == 0, out[-3000:]
+
+  def grad_quality(workdir):
+    with open(workdir / "metrics.jsonl") as f:
+      records = [json.loads(line) for line in f]
+    return [r for r in records if any(k.startswith(diagnostics.PREFIX) for k in r)]
+
+  one = grad_quality(tmp_path / "one")
+  # k = 2: micro-batches 0 and 4 are probed, at steps 1 and 3; 4 stages.
+  assert [r["step"] for r in one] == [1, 3]
+  assert all(len(r) == 2 + 4 * len(diagnostics.METRICS) for r in one), one[0].keys()
+  assert grad_quality(tmp_path / "two") == one  # bit for bit

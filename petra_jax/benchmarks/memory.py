@@ -48,7 +48,7 @@ import functools
 import json
 import math
 import sys
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 import jax
@@ -57,6 +57,7 @@ import numpy as np
 import optax
 
 from petra_jax import methods as methods_lib
+from petra_jax import quantize as quantize_lib
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models, schedule
 from petra_jax import stage as stage_lib
@@ -83,34 +84,61 @@ def _nbytes(tree) -> int:
                  for x in jax.tree.leaves(tree)))
 
 
+def _buffered(x, j: int, formats: quantize_lib.MessageFormats):
+  """Shapes of what stage ``j`` buffers for input ``x``: the buffer format,
+  or (``"none"``) the message as received (images at stage 0)."""
+  if formats.buffer != "none":
+    return formats.spec("buffer", x)
+  return formats.spec("forward", x) if j > 0 else x
+
+
 def stage_bytes(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
-                dtype=jnp.float32) -> list[dict]:
-  """Per-stage input and parameter bytes, from shapes only (no compute).
+                dtype=jnp.float32,
+                formats: Optional[quantize_lib.MessageFormats] = None) -> list[dict]:
+  """Per-stage input, message and parameter bytes, from shapes only (no compute).
 
   Args:
     stages: a model from :func:`petra_jax.models.build_model`.
     image_shape: ``(H, W, C)`` of one input image.
     batch_size: micro-batch size.
+    dtype: the images' dtype.
+    formats: the quantisation of messages and buffers (default: none).
 
   Returns:
     One dict per stage: ``name``, ``reversible``, ``delay`` (``tau_j``),
-    ``input_bytes`` (its whole input activation, both streams),
-    ``input_x1_bytes`` (the first stream of a two-stream input, else the
-    whole input) and ``param_bytes``.
+    ``input_bytes`` (its whole input activation, both streams, as buffered
+    under ``formats``), ``input_x1_bytes`` (the first stream of a
+    two-stream input, else the whole input), ``param_bytes``,
+    ``forward_message_bytes`` (its output sent to stage ``j+1``; 0 for the
+    last stage) and ``backward_message_bytes`` (``(x~, delta)`` sent to
+    stage ``j-1`` under PETRA, ``x~`` only when that stage is reversible;
+    0 for stage 0).
   """
+  formats = formats or quantize_lib.MessageFormats()
   x = jax.ShapeDtypeStruct((batch_size, *image_shape), dtype)
   rows = []
   for j, (s, (variables, y)) in enumerate(zip(stages, stage_lib.trace(stages, x))):
+    buf, back = _buffered(x, j, formats), formats.spec("backward", x)
     rows.append({
         "name": s.name,
         "reversible": s.reversible,
         "delay": schedule.delay(j, len(stages)),
-        "input_bytes": _nbytes(x),
-        "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
+        "input_bytes": _nbytes(buf),
+        "input_x1_bytes": _nbytes(buf[0] if isinstance(buf, tuple) else buf),
         "param_bytes": _nbytes(variables["params"]),
+        "forward_message_bytes": _nbytes(formats.spec("forward", y)) if j < len(stages) - 1
+                                 else 0,
+        "backward_message_bytes": (_nbytes(back) * (2 if stages[j - 1].reversible else 1)
+                                   if j > 0 else 0),
     })
     x = y
   return rows
+
+
+def bytes_per_tick(sizes: Sequence[dict]) -> int:
+  """Bytes every stage sends in one steady-state PETRA tick: each stage one
+  forward message and one backward message (:func:`stage_bytes` rows)."""
+  return sum(r["forward_message_bytes"] + r["backward_message_bytes"] for r in sizes)
 
 
 def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
@@ -176,8 +204,80 @@ def table3(sizes: Sequence[dict], rev_stash: str = "x1") -> list[dict]:
   return rows
 
 
+def table3_extended(sizes: Sequence[dict], quantized: dict[str, Sequence[dict]],
+                    reversible_sizes: Optional[Sequence[dict]] = None,
+                    rev_stash: str = "x1") -> list[dict]:
+  """Table 3's model with PETRA's rows beyond the paper.
+
+  Args:
+    sizes: :func:`stage_bytes` of the model, float buffers.
+    quantized: buffer format -> :func:`stage_bytes` with that buffer format.
+    reversible_sizes: :func:`stage_bytes` of the model's all-reversible
+      (``_inv``) variant, if it has one.
+    rev_stash: as :func:`table3`.
+
+  Returns:
+    :func:`table3`'s four rows, then ``petra`` with each quantised buffer
+    and ``petra`` on the ``_inv`` model (then each quantised buffer), each
+    with ``model``, ``buffer_format`` and ``saving_pct`` against the first
+    (``delayed``, float) row.
+  """
+  rows = [dict(r, model="", buffer_format="none") for r in table3(sizes, rev_stash)]
+  base = rows[0]["memory_gb"]
+  extra = [("", fmt, rows_) for fmt, rows_ in quantized.items()]
+  if reversible_sizes is not None:
+    extra.insert(0, ("_inv", "none", reversible_sizes))
+  for model, fmt, rows_ in extra:
+    total = (sum(r["param_bytes"] for r in rows_)
+             + sum(stored_bytes(rows_, "petra", rev_stash=rev_stash, first_input=False)))
+    rows.append({"method": "petra", "model": model, "buffer_format": fmt,
+                 "input_buffer": False, "param_buffer": False, "memory_gb": total / GB,
+                 "saving_pct": 100.0 * (1.0 - total / GB / base)})
+  return rows
+
+
+def quantization(build: Callable, image_shape, batch_size: int, live: Optional[dict] = None,
+                 num_classes: int = 10) -> list[dict]:
+  """Bytes sent per tick and PETRA's stored bytes in every format.
+
+  Args:
+    build: ``width -> stages``.
+    image_shape, batch_size: as :func:`stage_bytes`, at ``live["width"]``
+      when measured live, else at the report's width (``build(None)``).
+    live: ``{"width", "batch_size", "image_shape"}`` to also run each format
+      live (:func:`measure_live`) at that small size.
+
+  Returns:
+    One row per format of :data:`petra_jax.quantize.FORMATS` (forward,
+    backward and buffer all in it): ``format``, ``bytes_per_tick``,
+    ``petra_stored_bytes`` and the ratios ``tick_ratio`` and
+    ``stored_ratio`` (float32 over this format); with ``live``, ``live``:
+    the same two measured on the devices and their analytic values there.
+  """
+  rows = []
+  for fmt in quantize_lib.FORMATS:
+    formats = quantize_lib.MessageFormats(fmt, fmt, fmt)
+    sizes = stage_bytes(build(None), image_shape, batch_size, formats=formats)
+    row = {"format": fmt, "bytes_per_tick": bytes_per_tick(sizes),
+           "petra_stored_bytes": sum(stored_bytes(sizes, "petra"))}
+    if live:
+      stages, shape = build(live["width"]), live["image_shape"]
+      measured = measure_live(stages, shape, live["batch_size"], num_classes, formats=formats)
+      at = stage_bytes(stages, shape, live["batch_size"], formats=formats)
+      row["live"] = {"bytes_per_tick": measured["bytes_per_tick"],
+                     "analytic_bytes_per_tick": bytes_per_tick(at),
+                     "petra_stored_bytes": sum(measured["petra"]),
+                     "analytic_petra_stored_bytes": sum(stored_bytes(at, "petra"))}
+    rows.append(row)
+  for r in rows:
+    r["tick_ratio"] = rows[0]["bytes_per_tick"] / r["bytes_per_tick"]
+    r["stored_ratio"] = rows[0]["petra_stored_bytes"] / max(r["petra_stored_bytes"], 1)
+  return rows
+
+
 def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
-                 num_classes: int = 10, seed: int = 0) -> dict:
+                 num_classes: int = 10, seed: int = 0,
+                 formats: Optional[quantize_lib.MessageFormats] = None) -> dict:
   """Runs PETRA to steady state and reads what each stage holds.
 
   Feeds ``2(J-1) + 1`` micro-batches (one per tick) on one device; after the
@@ -185,13 +285,15 @@ def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size
   its backward.
 
   Returns:
-    ``{"petra": [bytes per stage], "delayed": [...], "sizes": [...]}``:
-    ``petra`` sums ``nbytes`` over ``state.buffers[j]``; ``delayed`` is what
-    stashing every stage's input and parameters ``tau_j`` times would hold,
-    with the sizes read from the live arrays (``sizes``, as
-    :func:`stage_bytes`).
+    ``{"petra": [bytes per stage], "delayed": [...], "sizes": [...],
+    "bytes_per_tick": int}``: ``petra`` sums ``nbytes`` over
+    ``state.buffers[j]``; ``delayed`` is what stashing every stage's input
+    and parameters ``tau_j`` times would hold, with the sizes read from the
+    live arrays (``sizes``, as :func:`stage_bytes`); ``bytes_per_tick``
+    sums the messages sent on the last tick (each then waits in its
+    receiver's inbox), as held on the devices under ``formats``.
   """
-  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1])
+  pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], formats=formats)
   rng = np.random.default_rng(seed)
   images = jnp.asarray(rng.normal(size=(batch_size, *image_shape)), jnp.float32)
   labels = jnp.asarray(rng.integers(0, num_classes, batch_size), jnp.int32)
@@ -209,7 +311,9 @@ def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size
                   "input_bytes": _nbytes(x),
                   "input_x1_bytes": _nbytes(x[0] if isinstance(x, tuple) else x),
                   "param_bytes": _nbytes(state.train_states[j].params)})
-  return {"petra": petra, "delayed": stored_bytes(sizes, "delayed"), "sizes": sizes}
+  sent = sum(_nbytes(p) for box in state.inbox[1:] + state.grad_inbox for p in box.values())
+  return {"petra": petra, "delayed": stored_bytes(sizes, "delayed"), "sizes": sizes,
+          "bytes_per_tick": sent}
 
 
 def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
@@ -296,6 +400,7 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
       "table3": table3(sizes, rev_stash),
       "table3_rev_stash": rev_stash,
       "table3_both_streams": table3(sizes, "both"),
+      "table3_extended": _table3_extended(model, d, width, batch_size, sizes, rev_stash),
   }
   if with_device_memory:
     out["device_memory"] = device_memory(build(width=width), d.image_shape, batch_size,
@@ -309,7 +414,26 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
     out["live"] = {"width": live_width, "batch_size": live_batch, "image_shape": list(shape),
                    "measured_bytes_per_stage": {k: measured[k] for k in ("petra", "delayed")},
                    "analytic_bytes_per_stage": analytic, "max_rel_err": err}
+  live = (None if not live_width else
+          {"width": live_width, "batch_size": live_batch, "image_shape": shape})
+  out["quantization"] = quantization(lambda w: build(width=w or width), d.image_shape,
+                                     batch_size, live, d.num_classes)
   return out
+
+
+def _table3_extended(model: str, d, width: int, batch_size: int, sizes, rev_stash: str):
+  """:func:`table3_extended` for ``model`` on data set ``d``
+  (:data:`petra_jax.data.DATASETS` entry): quantised buffers, and its
+  ``_inv`` variant if there is one."""
+  def build(name):
+    return models.build_model(name, width=width, num_classes=d.num_classes,
+                              imagenet_stem=d.imagenet_stem)
+  quantized = {fmt: stage_bytes(build(model), d.image_shape, batch_size,
+                                formats=quantize_lib.MessageFormats(buffer=fmt))
+               for fmt in quantize_lib.FORMATS[1:]}
+  inv = (stage_bytes(build(f"{model}_inv"), d.image_shape, batch_size)
+         if f"{model}_inv" in models.MODEL_SPECS else None)
+  return table3_extended(sizes, quantized, inv, rev_stash)
 
 
 def _print(r: dict, methods: Sequence[str]) -> None:
@@ -347,6 +471,21 @@ def _print(r: dict, methods: Sequence[str]) -> None:
       print(f"  input {'Y' if row['input_buffer'] else 'N'} params "
             f"{'Y' if row['param_buffer'] else 'N'}: {row['memory_gb']:6.2f} GB, saving "
             f"{row['saving_pct']:5.1f} %" + (f"   (paper: {gb} GB, {pct} %)" if paper else ""))
+  print("Table 3 model, beyond the paper (PETRA; saving against the first row):")
+  for row in r["table3_extended"][len(PAPER_TABLE3):]:
+    print(f"  {r['model'] + row['model']:<14} buffers {row['buffer_format']:<9}"
+          f"{row['memory_gb']:6.2f} GB, saving {row['saving_pct']:5.1f} %")
+  print("Quantised messages and buffers (forward, backward and buffer in one format):")
+  for q in r["quantization"]:
+    line = (f"  {q['format']:<9} {q['bytes_per_tick'] / MIB:8.2f} MiB sent per tick "
+            f"(/{q['tick_ratio']:.2f}), PETRA stores {q['petra_stored_bytes'] / MIB:8.2f} MiB "
+            f"(/{q['stored_ratio']:.2f})")
+    if "live" in q:
+      lv = q["live"]
+      line += (f"; live at width {r['live']['width']}: {lv['bytes_per_tick']} B/tick "
+               f"(analytic {lv['analytic_bytes_per_tick']}), {lv['petra_stored_bytes']} B "
+               f"stored (analytic {lv['analytic_petra_stored_bytes']})")
+    print(line)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
