@@ -50,10 +50,12 @@ import os
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from petra_jax import orbax_local
+from petra_jax import quantize as quantize_lib
 from petra_jax.pipeline import PipelineState, message_fields
 
 
@@ -67,6 +69,9 @@ def _encode(payload, leaves: list):
   arrays to ``leaves``."""
   if payload is None:
     return None
+  if isinstance(payload, quantize_lib.Quantized):  # a quantised message or buffer
+    return {"quantized": [payload.fmt, payload.dtype],
+            "values": [_encode(payload.values, leaves), _encode(payload.scale, leaves)]}
   if isinstance(payload, (tuple, list)):
     return [_encode(p, leaves) for p in payload]
   if isinstance(payload, dict):  # e.g. stashed parameters
@@ -80,6 +85,10 @@ def _decode(spec, leaves):
     return None
   if isinstance(spec, list):
     return tuple(_decode(s, leaves) for s in spec)
+  if isinstance(spec, dict) and "quantized" in spec:
+    values, scale = (_decode(v, leaves) for v in spec["values"])
+    fmt, dtype = spec["quantized"]
+    return quantize_lib.Quantized(values=values, scale=scale, fmt=fmt, dtype=dtype)
   if isinstance(spec, dict):
     return {k: _decode(v, leaves) for k, v in zip(spec["keys"], spec["values"])}
   return next(leaves)
@@ -257,7 +266,7 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
 
 
 def _abstract(shape, dtype, device):
-  return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype),
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype),
                               sharding=jax.sharding.SingleDeviceSharding(device))
 
 

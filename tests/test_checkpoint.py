@@ -136,3 +136,29 @@ def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
   assert losses(b) == losses(a)
   assert [r for r in b if "test_accuracy" in r][-1]["test_accuracy"] == \
       [r for r in a if "test_accuracy" in r][-1]["test_accuracy"]
+
+
+def test_quantised_messages_in_flight_restore_bit_exactly(tmp_path):
+  # int8 activations and buffers, bfloat16 (x~, delta): Quantized payloads.
+  from petra_jax import quantize
+
+  def build():
+    stages = models.build_model("revnet18", width=4)
+    pipe = pipeline.Pipeline(stages, optax.sgd(0.05, momentum=0.9), jax.devices()[:1],
+                             formats=quantize.MessageFormats("int8", "bfloat16", "int8"))
+    return pipe, pipe.init(0, random_batch()[0])
+
+  pipe, state = build()
+  state, _ = _run(pipe, state, range(13))
+  is_q = lambda x: isinstance(x, quantize.Quantized)  # noqa: E731
+  assert any(is_q(x) for box in state.inbox + state.buffers
+             for x in jax.tree.leaves(list(box.values()), is_leaf=is_q))
+  ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint=FP)
+  ckpt.save(13, state, extra={})
+  ckpt.wait()
+  _, expected = _run(pipe, state, range(13, 25))
+  pipe2, template = build()
+  _, restored, _, _ = ckpt.restore(template, pipe2.devices)
+  _, got = _run(pipe2, restored, range(13, 25))
+  assert len(got) == 12
+  np.testing.assert_array_equal(got, expected)
