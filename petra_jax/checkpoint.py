@@ -561,10 +561,10 @@ class Checkpointer:
       first = sum(counts[:j])
       for i, block in enumerate(split_stage(abstract, counts[j])):
         requests[block_owner[first + i]]["blocks"][f"{first + i:03d}"] = _flat_opt(block)
-      if j in stage_owner and not metas[0]["drained"]:
-        q = stage_owner[j]
-        requests[q]["in_flight"][str(j)] = _entries_abstract(metas[q]["in_flight"][str(j)],
-                                                             devices[j])
+      q = stage_owner.get(j)
+      wanted = {} if q is None else _entries_abstract(metas[q]["in_flight"][str(j)], devices[j])
+      if wanted:  # (orbax restores no empty subtree)
+        requests[q]["in_flight"][str(j)] = wanted
     if jax.process_index() == 0:
       requests[0]["extra"] = _entries_abstract(metas[0]["extra_entries"], devices[0])
     return {q: {k: v for k, v in r.items() if v} for q, r in requests.items()}
@@ -612,7 +612,7 @@ class Checkpointer:
       for j, entries in meta["in_flight"].items():
         j = int(j)
         if state.train_states[j] is not None:
-          for slot, key, payload in _unflatten(entries, in_flight[str(j)]):
+          for slot, key, payload in _unflatten(entries, in_flight.get(str(j), {})):
             boxes[(slot, j)][key] = payload
         else:
           for e in entries:
