@@ -551,7 +551,9 @@ def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib
           method=config.method, compensation=config.compensation.name,
           dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
-          seed=config.seed),
+          seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,
+          quantize=[config.quantize[k] for k in quantize_lib.KINDS]
+          + [config.quantize.per_channel]),
       block_counts=[len(s.blocks) or 1 for s in pipe.stages])
 
 
