@@ -55,6 +55,7 @@ def _quantize_config() -> ml_collections.ConfigDict:
   c.backward = "none"     # (x~, delta) sent to the previous stage
   c.buffer = "none"       # inputs kept by non-reversible stages ("none": as received)
   c.per_channel = False   # int8: one scale per channel (last axis) instead of per tensor
+  c.stochastic = False    # int8: stochastic (unbiased) rounding instead of round to nearest
   return c
 
 

@@ -489,6 +489,7 @@ class Pipeline:
     self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
     self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
                       for kind in quantize_lib.KINDS}
+    self._message_key = jax.random.key(2)  # set from the seed by init()
     self._encoded_specs: dict = {}
     self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
                    LOSS: self._loss_task, BACKPROP: self._backprop_task}
@@ -546,6 +547,7 @@ class Pipeline:
       return states
 
     states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
+    self._message_key = jax.random.key(seed + 2)
     states = [transport.send(s, d) if s is not None else None
               for s, d in zip(states, self.devices)]
     if self.multiprocess:
@@ -642,8 +644,8 @@ class Pipeline:
       if self.method.stashes_weights:  # copied: the backward donates the live ones
         state.weight_stash[j][m] = self._copy(params)
       if not self.reconstructs[j]:
-        state.buffers[j][m] = self._encode("buffer", x)
-      y = self._encode("forward", y)
+        state.buffers[j][m] = self._encode("buffer", x, j, m)
+      y = self._encode("forward", y, j, m)
     state.inbox[j + 1][m] = self._move(y, j, j + 1, self._spec("forward", j + 1))
     return TaskResult()
 
@@ -667,7 +669,7 @@ class Pipeline:
     else:
       dx = None
     if j > 0:
-      state.grad_inbox[j - 1][m] = self._send_back(j, x, dx)
+      state.grad_inbox[j - 1][m] = self._send_back(j, m, x, dx)
     return TaskResult(x_tilde=x_tilde)
 
   def _loss_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
@@ -677,7 +679,7 @@ class Pipeline:
     if self.local[j]:
       labels = _take(state.labels, m, "labels", j)
       state.train_states[j], dx, loss = self.steps.backward(j, state.train_states[j], x, labels)
-    state.grad_inbox[j - 1][m] = self._send_back(j, x, dx)
+    state.grad_inbox[j - 1][m] = self._send_back(j, m, x, dx)
     if self.multiprocess:  # metrics are written by process 0
       loss = self._move(loss, j, 0, _LOSS_SPEC)
     return TaskResult(loss=loss)
@@ -716,22 +718,32 @@ class Pipeline:
 
   # -- messages ----------------------------------------------------------------
 
-  def _send_back(self, j: int, x, dx):
-    """``(y_{j-1} or None, delta_j)`` to stage ``j-1``: its output (this
-    stage's input ``x``, reconstructed or buffered) only if it reconstructs."""
-    x = self._encode("backward", x) if self.reconstructs[j - 1] else None
+  def _send_back(self, j: int, m: int, x, dx):
+    """``(y_{j-1} or None, delta_j)`` of micro-batch ``m`` to stage ``j-1``:
+    its output (this stage's input ``x``, reconstructed or buffered) only if
+    it reconstructs."""
+    payload = self._encode("backward", (x if self.reconstructs[j - 1] else None, dx), j, m)
     spec = (self._spec("backward", j) if self.reconstructs[j - 1] else None,
             self._spec("backward", j))
-    return self._move((x, self._encode("backward", dx)), j, j - 1, spec)
+    return self._move(payload, j, j - 1, spec)
 
-  def _encode(self, kind: str, x):
-    """Payload ``x`` in the format of ``kind`` (forward, backward or buffer;
-    :class:`petra_jax.quantize.MessageFormats`), on its device; ``x`` itself
-    when nothing is quantised (and for a ``"none"`` buffer)."""
-    if x is None or not self.formats.active or (kind == "buffer"
-                                                  and self.formats.buffer == "none"):
+  def _encode(self, kind: str, x, j: int, m: int):
+    """Payload ``x`` of stage ``j``, micro-batch ``m``, in the format of
+    ``kind`` (forward, backward or buffer; :class:`petra_jax.quantize.MessageFormats`),
+    on its device; ``x`` itself when nothing is quantised (and for a
+    ``"none"`` buffer). Stochastic int8 draws from :meth:`message_key`."""
+    if (x is None or not self.formats.active or not self.local[j]
+        or (kind == "buffer" and self.formats.buffer == "none")):
       return x
-    return self._encoders[kind](x)
+    key = self.message_key(kind, j, m) if self.formats.stochastic_for(kind) else None
+    return self._encoders[kind](x, key)
+
+  def message_key(self, kind: str, j: int, m: int) -> jax.Array:
+    """The PRNG key of the ``kind`` payload stage ``j`` sends or keeps for
+    micro-batch ``m`` (stochastic int8): ``fold_in(fold_in(key(seed + 2), m),
+    3 j + kind index)``, a function of the run's seed and the schedule only."""
+    index = quantize_lib.KINDS.index(kind)
+    return jax.random.fold_in(jax.random.fold_in(self._message_key, m), 3 * j + index)
 
   def _spec(self, kind: str, j: int):
     """Shapes of stage ``j``'s input as a ``kind`` message (multi-process

@@ -293,12 +293,14 @@ def nbytes(tree: PyTree) -> int:
   return total
 
 
-def convert(x: PyTree, fmt: str, *, per_channel: bool = False) -> PyTree:
+def convert(x: PyTree, fmt: str, *, per_channel: bool = False,
+            key: Optional[jax.Array] = None) -> PyTree:
   """``x`` (quantised or not) in format ``fmt``.
 
   ``"none"`` dequantises (full precision; a float ``x`` is returned itself);
   a message already in ``fmt`` is returned itself, so converting twice adds
-  no error; otherwise ``quantize(dequantize(x), fmt)``. Jittable.
+  no error; otherwise ``quantize(dequantize(x), fmt)``, with stochastic
+  rounding when ``key`` is given (int8). Jittable.
 
   Raises:
     ValueError: unknown ``fmt``.
@@ -309,7 +311,7 @@ def convert(x: PyTree, fmt: str, *, per_channel: bool = False) -> PyTree:
   leaves = jax.tree.leaves(x, is_leaf=_is_quantized)
   if leaves and all(not _is_float(l) or (_is_quantized(l) and l.fmt == fmt) for l in leaves):
     return x
-  return quantize(dequantize(x), fmt, per_channel=per_channel)
+  return quantize(dequantize(x), fmt, per_channel=per_channel, key=key)
 
 
 #: The payloads the engine can quantise (the authors' ``--quantize-forward-com``,
@@ -338,6 +340,10 @@ class MessageFormats:
   Attributes:
     forward, backward, buffer: each one of :data:`FORMATS`.
     per_channel: int8 scales per channel (last axis) instead of per tensor.
+    stochastic: int8 payloads round stochastically (unbiased; the engine
+      draws each payload's key from the seed, the micro-batch, the stage and
+      the kind, so a resumed run draws the same noise); the float formats
+      always round to nearest.
 
   Raises:
     ValueError: an unknown format.
@@ -346,6 +352,7 @@ class MessageFormats:
   backward: str = "none"
   buffer: str = "none"
   per_channel: bool = False
+  stochastic: bool = False
 
   def __post_init__(self):
     for kind in KINDS:
@@ -356,9 +363,15 @@ class MessageFormats:
     """Whether any payload kind is quantised."""
     return any(getattr(self, kind) != "none" for kind in KINDS)
 
-  def encode(self, kind: str, x: PyTree) -> PyTree:
-    """``x`` in the format of payload ``kind`` (:func:`convert`; jittable)."""
-    return convert(x, getattr(self, kind), per_channel=self.per_channel)
+  def stochastic_for(self, kind: str) -> bool:
+    """Whether payloads of ``kind`` round stochastically (int8 only)."""
+    return self.stochastic and getattr(self, kind) == "int8"
+
+  def encode(self, kind: str, x: PyTree, key: Optional[jax.Array] = None) -> PyTree:
+    """``x`` in the format of payload ``kind`` (:func:`convert`; jittable);
+    ``key`` is used only where :meth:`stochastic_for` ``kind``."""
+    key = key if self.stochastic_for(kind) else None
+    return convert(x, getattr(self, kind), per_channel=self.per_channel, key=key)
 
   def spec(self, kind: str, spec: PyTree) -> PyTree:
     """The ``jax.ShapeDtypeStruct`` pytree of ``encode(kind, x)`` for ``x`` of

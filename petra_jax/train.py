@@ -114,7 +114,8 @@ def precision(config) -> stage_lib.Precision:
 def message_formats(config) -> quantize_lib.MessageFormats:
   """The engine's :class:`~petra_jax.quantize.MessageFormats` from ``config.quantize``."""
   q = config.quantize
-  return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel)
+  return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel,
+                                     q.stochastic)
 
 
 def _check_batch(config) -> None:
@@ -553,7 +554,7 @@ def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
           seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,
           quantize=[config.quantize[k] for k in quantize_lib.KINDS]
-          + [config.quantize.per_channel]),
+          + [config.quantize.per_channel, config.quantize.stochastic]),
       block_counts=[len(s.blocks) or 1 for s in pipe.stages])
 
 

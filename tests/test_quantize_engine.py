@@ -196,3 +196,44 @@ def test_bad_numerics_config_names_the_flag(field, value):
   c = tiny_config("", **{field: value})
   with pytest.raises(train.ConfigError, match=f"--config.{field}="):
     train.validate_config(c, 1)
+
+
+def test_stochastic_int8_messages_are_unbiased_draws_of_the_forward():
+  # The message stage 0 sends for micro-batch m is the stochastic int8
+  # rounding, with the pipeline's key for (forward, 0, m), of the stem's
+  # output computed independently; the draws differ between micro-batches
+  # and average towards the float activation.
+  x, y = random_batch(batch=8, size=16)
+  formats = quantize.MessageFormats(forward="int8", stochastic=True)
+  pipe = _pipeline("revnet18", formats)
+  state = _set_random_variables(pipe, pipe.init(0, x), x)
+  st = state.train_states[0]
+  stem_out = stage_lib.forward(pipe.stages[0], st.params, st.batch_stats, x)[0]
+  sent = []
+  for m in range(16):
+    msg = pipe._encode("forward", stem_out, 0, m)  # pylint: disable=protected-access
+    expected = quantize.quantize(stem_out, "int8", key=pipe.message_key("forward", 0, m))
+    for a, b in zip(jax.tree.leaves(msg), jax.tree.leaves(expected)):
+      np.testing.assert_array_equal(a, b)
+    sent.append(quantize.dequantize(msg))
+  bound = quantize.error_bound(stem_out, "int8", stochastic=True)
+  for d in sent:
+    assert all(bool(jnp.all(jnp.abs(a - b) <= e))
+               for a, b, e in zip(jax.tree.leaves(d), jax.tree.leaves(stem_out),
+                                  jax.tree.leaves(bound)))
+  assert not np.array_equal(sent[0][0], sent[1][0])
+  mean = jax.tree.map(lambda *a: jnp.mean(jnp.stack(a), 0), *sent)
+  one = jnp.abs(sent[0][0] - stem_out[0]).mean()
+  assert jnp.abs(mean[0] - stem_out[0]).mean() < 0.5 * one  # averaging 16 draws: ~1/4
+
+
+def test_stochastic_int8_run_is_reproducible():
+  x, y = random_batch(batch=8, size=16)
+  losses = []
+  for _ in range(2):
+    pipe = _pipeline("revnet18", quantize.MessageFormats("int8", "int8", "int8",
+                                                          stochastic=True))
+    state = pipe.init(3, x)
+    _, outs = run_ticks(pipe, state, 4, lambda m: (x, y))
+    losses.append([float(o.loss) for o in outs])
+  assert losses[0] == losses[1] and all(np.isfinite(losses[0]))
