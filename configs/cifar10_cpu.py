@@ -26,7 +26,8 @@ under ``time``, seed 0): **80.80 % test accuracy after 12 epochs, 572.9 s wall
 for the whole command**. Test accuracy per epoch: 54.2, 61.0, 66.6, 70.8, 73.4,
 74.1, 76.6, 77.9, 78.9, 79.8, 80.8, 80.8 %. An epoch with its evaluation takes
 44-51 s (about 1000 images/s), so a slower or busier machine will need more
-than 600 s. With ``--config.num_epochs=10``: 79.67 % in 461.6 s; with 4 epochs
+than 600 s. A second seed (``--config.seed=1``): 80.26 % in 577.5 s. With
+``--config.num_epochs=10``: 79.67 % in 461.6 s; with 4 epochs
 (this recipe before 2026-11-24): 72.82 %.
 
 Delay compensation (``compensation.name``, petra_jax.compensation; default
