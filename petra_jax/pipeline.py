@@ -92,6 +92,17 @@ def _messages(where: str, routed: bool = False):
                            metadata={"messages": where, "routed": routed})
 
 
+def _payload_code(kind: str, j: int) -> int:
+  """``3 j + kind index``: one number per (stage, payload kind)."""
+  return len(quantize_lib.KINDS) * j + quantize_lib.KINDS.index(kind)
+
+
+def _payload_key(base: jax.Array, m, code) -> jax.Array:
+  """``fold_in(fold_in(base, m), code)``: the stochastic-rounding key of one
+  payload of micro-batch ``m`` (jittable; ``m`` and ``code`` may be traced)."""
+  return jax.random.fold_in(jax.random.fold_in(base, m), code)
+
+
 @dataclasses.dataclass
 class PipelineState:
   """Everything the next tick depends on; create it with :meth:`empty`.
@@ -489,6 +500,10 @@ class Pipeline:
     self._copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
     self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
                       for kind in quantize_lib.KINDS}
+    # stochastic int8: the payload's key is derived inside the same jit
+    self._stochastic_encoders = {
+        kind: jax.jit(lambda x, base, m, code, kind=kind: self.formats.encode(
+            kind, x, _payload_key(base, m, code))) for kind in quantize_lib.KINDS}
     self._message_key = jax.random.key(2)  # set from the seed by init()
     self._encoded_specs: dict = {}
     self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
@@ -735,15 +750,15 @@ class Pipeline:
     if (x is None or not self.formats.active or not self.local[j]
         or (kind == "buffer" and self.formats.buffer == "none")):
       return x
-    key = self.message_key(kind, j, m) if self.formats.stochastic_for(kind) else None
-    return self._encoders[kind](x, key)
+    if self.formats.stochastic_for(kind):
+      return self._stochastic_encoders[kind](x, self._message_key, m, _payload_code(kind, j))
+    return self._encoders[kind](x, None)
 
   def message_key(self, kind: str, j: int, m: int) -> jax.Array:
     """The PRNG key of the ``kind`` payload stage ``j`` sends or keeps for
     micro-batch ``m`` (stochastic int8): ``fold_in(fold_in(key(seed + 2), m),
     3 j + kind index)``, a function of the run's seed and the schedule only."""
-    index = quantize_lib.KINDS.index(kind)
-    return jax.random.fold_in(jax.random.fold_in(self._message_key, m), 3 * j + index)
+    return _payload_key(self._message_key, m, _payload_code(kind, j))
 
   def _spec(self, kind: str, j: int):
     """Shapes of stage ``j``'s input as a ``kind`` message (multi-process
