@@ -17,7 +17,7 @@ backward, on one device) takes 3.4-4.0 s, i.e. 16-19 images/s and about
 micro-batch). Run it on accelerators, one stage per device, or use
 configs/cifar10_cpu.py.
 
-Delay compensation (petra_jax.compensation, docs/compensation.md): Nesterov
+Delay compensation (petra_jax.optim.compensation, docs/compensation.md): Nesterov
 look-ahead momentum with weight prediction, as in configs/cifar10_cpu.py. At
 this file's split and k (10 stages, k = 2) it was measured on the real
 CIFAR-10 at width 8 only (seed 0, one run each): after 1 epoch 44.5 % against

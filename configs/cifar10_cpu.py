@@ -30,7 +30,7 @@ than 600 s. A second seed (``--config.seed=1``): 80.26 % in 577.5 s. With
 ``--config.num_epochs=10``: 79.67 % in 461.6 s; with 4 epochs
 (this recipe before 2026-11-24): 72.82 %.
 
-Delay compensation (``compensation.name``, petra_jax.compensation; default
+Delay compensation (``compensation.name``, petra_jax.optim.compensation; default
 here since 2026-11-24): Nesterov look-ahead momentum with weight prediction.
 Measured on the real CIFAR-10, seed 0, one run each (one seed: a 2-point
 difference is suggestive, not proven): at 4 epochs this recipe reached 72.82 %

@@ -9,7 +9,7 @@ up to 18 ticks) instead of 4. Two changes make it learn as fast as backprop
 at this short budget: k = 8 micro-batches of 16 per update of 128 images
 (the delay in updates is tau_j / k, at most 2.25 here), and the recipe's delay
 compensation (Nesterov look-ahead with weight prediction,
-petra_jax.compensation), which predicts each stage's weights tau_j / k updates
+petra_jax.optim.compensation), which predicts each stage's weights tau_j / k updates
 ahead.
 
 Measured here (2026-11-24, 2-core CPU, real CIFAR-10, seed 0, one run each;

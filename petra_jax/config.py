@@ -8,8 +8,8 @@ is ``batch_size=128, accumulation_steps=2``.
 
 import ml_collections
 
-from petra_jax import compensation
-from petra_jax.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
+from petra_jax.optim import compensation
+from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 
 
@@ -46,7 +46,7 @@ def _distributed_config() -> ml_collections.ConfigDict:
 
 
 def _quantize_config() -> ml_collections.ConfigDict:
-  """``config.quantize``: formats of messages and buffers (petra_jax.quantize)."""
+  """``config.quantize``: formats of messages and buffers (petra_jax.engine.quantize)."""
   # Each one of "none", "bfloat16", "float16", "int8" (signed int8 with a
   # float32 scale). Where the authors' --quantize-forward-com,
   # --quantize-backward-com and --quantize-buffer apply theirs.
@@ -84,7 +84,7 @@ def _optim_config() -> ml_collections.ConfigDict:
 def get_config() -> ml_collections.ConfigDict:
   """The default configuration: a small RevNet18 trained with PETRA."""
   c = ml_collections.ConfigDict()
-  c.method = "petra"          # a name in petra_jax.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
+  c.method = "petra"          # a name in petra_jax.engine.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
   c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
   c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
   c.download = False          # prepare a missing data set with tfds (needs network); off: a typo never starts a download
@@ -102,7 +102,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
   c.seed = 0
   c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
-  c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.diagnostics); 0 = off
+  c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.engine.diagnostics); 0 = off
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
   c.checkpoint_drain = False  # drain the pipeline before each periodic checkpoint (reshardable; changes the updates)
@@ -110,12 +110,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed = _distributed_config()
 
   # Delay compensation of the delayed methods (petra, dsp, delayed,
-  # approximate_input), per stage from its delay tau_j (petra_jax.compensation):
+  # approximate_input), per stage from its delay tau_j (petra_jax.optim.compensation):
   # "none", "lr_scale", "pipemare", "spike", "weight_prediction",
   # "nesterov_lookahead", or several joined with "+".
   c.compensation = compensation.defaults()
 
-  # Precision (petra_jax.stage.Precision): convolutions, BatchNorm and
+  # Precision (petra_jax.engine.stage.Precision): convolutions, BatchNorm and
   # activations in `dtype`; parameters, optimizer state and gradient
   # accumulation always float32. `stream_dtype`: the activations between
   # blocks and stages (messages, buffers, the coupling's additions); "" = dtype.

@@ -1,6 +1,6 @@
 """Figures of a run: ``python -m petra_jax.plots WORKDIR [--steps=S1,S2] [--smooth=N]``.
 
-Reads ``WORKDIR/metrics.jsonl`` (:func:`petra_jax.metrics.read_metrics`) and
+Reads ``WORKDIR/metrics.jsonl`` (:func:`petra_jax.training.metrics.read_metrics`) and
 writes PNG files into ``WORKDIR/plots/``:
 
 * ``training.png``: train and test loss, test accuracy and learning rate
@@ -38,8 +38,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from petra_jax import diagnostics  # noqa: E402
-from petra_jax import metrics as metrics_lib  # noqa: E402
+from petra_jax.engine import diagnostics  # noqa: E402
+from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 _KEY = re.compile(rf"^{diagnostics.PREFIX}/(?P<name>\w+)/stage_(?P<stage>\d+)$")
 _PAIR_LABELS = {"applied_delayed": "applied vs delayed", "applied_e2e": "applied vs end-to-end",
@@ -78,7 +78,7 @@ def series(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def grad_quality(records: Sequence[dict]) -> dict[str, dict[int, tuple]]:
   """``{metric: {stage: (steps, values)}}`` of the ``grad_quality/...`` keys
-  (metric names as :data:`petra_jax.diagnostics.METRICS`)."""
+  (metric names as :data:`petra_jax.engine.diagnostics.METRICS`)."""
   keys = collections.defaultdict(dict)
   for r in records:
     for k in r:

@@ -39,12 +39,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from petra_jax import config as config_lib  # noqa: E402
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import methods as methods_lib  # noqa: E402
-from petra_jax import metrics as metrics_lib  # noqa: E402
+from petra_jax.engine import methods as methods_lib  # noqa: E402
+from petra_jax.training import metrics as metrics_lib  # noqa: E402
 from petra_jax import train  # noqa: E402
 
 # Paper Table 4 (CIFAR-100, RevNet18, k = 1): method -> its accuracy (%); what
-# each method stores comes from petra_jax.methods.
+# each method stores comes from petra_jax.engine.methods.
 TABLE4_PAPER_ACCURACY = {"backprop": 77.5, "delayed": 76.5, "dsp": 76.4,
                          "approximate_input": 75.4, "petra": 75.9}
 

@@ -27,21 +27,23 @@ import numpy as np
 from ml_collections import config_flags
 from tqdm import tqdm
 
-from petra_jax import checkpoint as checkpoint_lib
-from petra_jax import compensation
+from petra_jax.training import checkpoint as checkpoint_lib
+from petra_jax.optim import compensation
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import diagnostics
-from petra_jax import methods as methods_lib
-from petra_jax import metrics as metrics_lib
-from petra_jax import models, observers, optim, preemption
-from petra_jax import quantize as quantize_lib
-from petra_jax import schedule as schedule_lib
-from petra_jax import stage as stage_lib
-from petra_jax import timing
-from petra_jax import transport
-from petra_jax import workdir as workdir_lib
-from petra_jax.pipeline import Pipeline
+from petra_jax.engine import diagnostics
+from petra_jax.engine import methods as methods_lib
+from petra_jax.training import metrics as metrics_lib
+from petra_jax import models, optim
+from petra_jax.engine import observers
+from petra_jax.training import preemption
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine import timing
+from petra_jax.engine import transport
+from petra_jax.training import workdir as workdir_lib
+from petra_jax.engine.pipeline import Pipeline
 
 
 class ConfigError(ValueError):
@@ -106,13 +108,13 @@ def _check_numerics(config) -> None:
 
 
 def precision(config) -> stage_lib.Precision:
-  """The stages' :class:`~petra_jax.stage.Precision` from ``config.dtype``
+  """The stages' :class:`~petra_jax.engine.stage.Precision` from ``config.dtype``
   and ``config.stream_dtype``."""
   return stage_lib.Precision(config.dtype, config.stream_dtype or config.dtype)
 
 
 def message_formats(config) -> quantize_lib.MessageFormats:
-  """The engine's :class:`~petra_jax.quantize.MessageFormats` from ``config.quantize``."""
+  """The engine's :class:`~petra_jax.engine.quantize.MessageFormats` from ``config.quantize``."""
   q = config.quantize
   return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel,
                                      q.stochastic)
@@ -395,7 +397,7 @@ def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
   """Writes gradient-quality results (paper App. B): one line per probed
   micro-batch ``m`` at step ``m // k + 1``, keys
   ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>``
-  (:mod:`petra_jax.diagnostics`)."""
+  (:mod:`petra_jax.engine.diagnostics`)."""
   for m, quality in results:
     values = jax.device_get(quality)
     step = m // k + 1
@@ -692,14 +694,14 @@ def finish(run: Run) -> dict:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
-  Runs the method's schedule (:mod:`petra_jax.schedule`) tick by tick over
+  Runs the method's schedule (:mod:`petra_jax.engine.schedule`) tick by tick over
   ``total_steps * k`` micro-batches. Writes ``WORKDIR/metrics.jsonl``
   (``step``, ``epoch``, ``train_loss``, ``learning_rate`` every ``log_every``
   updates; ``test_loss``, ``test_accuracy`` at each evaluation) and
   TensorBoard events; with ``reconstruction_error_every``,
   ``reconstruction_error/stage_<j>``; with ``grad_quality_every``, per-stage
   gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
-  ...; :mod:`petra_jax.diagnostics`).
+  ...; :mod:`petra_jax.engine.diagnostics`).
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
@@ -816,7 +818,7 @@ def main(argv):
 
 def _workdir_lock(workdir: str):
   """Held for the run's lifetime by process 0: a second run on the same
-  ``--workdir`` is refused (:class:`petra_jax.workdir.WorkdirLock`)."""
+  ``--workdir`` is refused (:class:`petra_jax.training.workdir.WorkdirLock`)."""
   if jax.process_index() == 0:
     return workdir_lib.WorkdirLock(workdir)
   return contextlib.nullcontext()

@@ -21,7 +21,7 @@ def composed_loss(stages, params, batch_stats, x, labels):
   """Loss of the composed model, written independently of the engine.
 
   The reversible coupling is spelt out here, (y1, y2) = (x2 + F(x1), x1),
-  so this does not reuse petra_jax.stage.forward.
+  so this does not reuse petra_jax.engine.stage.forward.
   """
   h = x
   for s, p, bs in zip(stages, params, batch_stats):

@@ -8,7 +8,7 @@ Usage (one process; several with ``launch/local.sh`` and
 A 5-stage RevNet of width 4 (stem, two reversible blocks, a downsampling
 block, head) trains with PETRA on 8 micro-batches of 8 real CIFAR-10 images,
 then is evaluated on 40 test images with ``train.evaluate``. A
-:class:`petra_jax.observers.GradientProbe` measures the gradient quality of
+:class:`petra_jax.engine.observers.GradientProbe` measures the gradient quality of
 micro-batches 0, 3 and 6. Process 0 prints ``RESULT {"losses": [...], "test":
 {...}, "grad_quality": {...}}`` (losses and figures as ``float.hex``, exact).
 ``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
@@ -36,9 +36,13 @@ import optax
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import models, observers, quantize, schedule, train, transport
-from petra_jax.pipeline import Pipeline
-from petra_jax.stage import Stage
+from petra_jax import models, train
+from petra_jax.engine import observers
+from petra_jax.engine import quantize
+from petra_jax.engine import schedule
+from petra_jax.engine import transport
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stage import Stage
 
 WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
 PROBE_EVERY = 3  # micro-batches 0, 3, 6

@@ -9,9 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from petra_jax import data, models, schedule
+from petra_jax import data, models
+
+from petra_jax.engine import schedule
 from petra_jax.benchmarks import memory, throughput, timeline
-from petra_jax.stage import Stage
+from petra_jax.engine.stage import Stage
 from conftest import REPO_ROOT
 
 REPO = str(REPO_ROOT)

@@ -11,7 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import checkpoint, metrics, models, pipeline
+from petra_jax import models
+
+from petra_jax.training import checkpoint
+
+from petra_jax.training import metrics
+
+from petra_jax.engine import pipeline
 from helpers import random_batch
 from test_train import REPO
 
@@ -140,7 +146,7 @@ def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
 
 def test_quantised_messages_in_flight_restore_bit_exactly(tmp_path):
   # int8 activations and buffers, bfloat16 (x~, delta): Quantized payloads.
-  from petra_jax import quantize
+  from petra_jax.engine import quantize
 
   def build():
     stages = models.build_model("revnet18", width=4)

@@ -1,4 +1,4 @@
-"""Tests for petra_jax.compensation, against hand computations of the papers'
+"""Tests for petra_jax.optim.compensation, against hand computations of the papers'
 equations (NumPy, float64) on a tiny pytree.
 
 The configs are built here (not from petra_jax.config) so these tests only
@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import compensation as comp
+from petra_jax.optim import compensation as comp
 from petra_jax import optim
 
 SPE = 4  # optimizer updates per epoch in these tests

@@ -7,7 +7,13 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import compensation, config as config_lib, models, pipeline, stage as stage_lib
+from petra_jax import config as config_lib, models
+
+from petra_jax.optim import compensation
+
+from petra_jax.engine import pipeline
+
+from petra_jax.engine import stage as stage_lib
 from petra_jax import train
 from helpers import random_batch
 
@@ -105,7 +111,7 @@ def test_weight_prediction_predictor_matches_its_formula():
 def test_compensated_pipeline_resumes_bit_exactly(tmp_path):
   """Spike compensation and weight prediction keep all their state in the
   optax state: a checkpoint mid-flight resumes with identical losses."""
-  from petra_jax import checkpoint
+  from petra_jax.training import checkpoint
   c = _config("spike+weight_prediction")
   stages = models.build_model("revnet18", width=4)
   J = len(stages)

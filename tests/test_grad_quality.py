@@ -11,8 +11,16 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import diagnostics, metrics, models, observers, pipeline, plots, train
-from petra_jax.stage import Stage
+from petra_jax import models, plots, train
+
+from petra_jax.engine import diagnostics
+
+from petra_jax.training import metrics
+
+from petra_jax.engine import observers
+
+from petra_jax.engine import pipeline
+from petra_jax.engine.stage import Stage
 from helpers import random_batch
 from test_train import tiny_config
 

@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from petra_jax import invertible, models
+from petra_jax import models
+
+from petra_jax.models import invertible
 from helpers import random_variables as _random_variables
-from petra_jax import stage as stage_lib
+from petra_jax.engine import stage as stage_lib
 
 
 def _normal(seed, shape):
@@ -207,7 +209,8 @@ def test_depth_only_for_fixed_size_models():
 def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   """Every middle stage of the invertible model reconstructs; loss finite and
   the reconstruction error recorded for each of them."""
-  from petra_jax import metrics as metrics_lib, train
+  from petra_jax import train
+  from petra_jax.training import metrics as metrics_lib
   from test_train import tiny_config
   c = tiny_config(cifar10_dir, **{"model.name": name, "steps_per_epoch": 6, "eval_batch_size": 500,
                                   "reconstruction_error_every": 2, **extra})

@@ -6,7 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import methods, models, pipeline, schedule
+from petra_jax import models
+
+from petra_jax.engine import methods
+
+from petra_jax.engine import pipeline
+
+from petra_jax.engine import schedule
 from helpers import batches_of, composed_loss, random_batch, rel_err, run_ticks
 
 # Paper Table 4, read off the paper (Sec. 4.2): whether the gradient is

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
-from petra_jax import diagnostics
+from petra_jax.engine import diagnostics
 
 LAUNCH = str(REPO_ROOT / "launch" / "local.sh")
 TIMEOUT_S = 240  # per run; a hang fails the test instead of blocking the suite

@@ -25,7 +25,7 @@ import uuid
 
 import pytest
 
-from petra_jax import metrics
+from petra_jax.training import metrics
 from conftest import REPO_ROOT
 
 LAUNCH = str(REPO_ROOT / "launch" / "local.sh")

@@ -7,7 +7,15 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, partition, pipeline, stage as stage_lib, timing
+from petra_jax import models
+
+from petra_jax.engine import partition
+
+from petra_jax.engine import pipeline
+
+from petra_jax.engine import stage as stage_lib
+
+from petra_jax.engine import timing
 from helpers import composed_loss, random_batch, rel_err
 
 

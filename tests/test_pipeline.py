@@ -10,8 +10,14 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, observers, pipeline, schedule
-from petra_jax.stage import Stage
+from petra_jax import models
+
+from petra_jax.engine import observers
+
+from petra_jax.engine import pipeline
+
+from petra_jax.engine import schedule
+from petra_jax.engine.stage import Stage
 from helpers import batches_of, random_batch, run_ticks
 
 LR = 0.1

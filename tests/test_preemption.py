@@ -1,4 +1,4 @@
-"""Tests for petra_jax.preemption (SIGTERM / SIGINT as a stop flag)."""
+"""Tests for petra_jax.training.preemption (SIGTERM / SIGINT as a stop flag)."""
 
 import logging
 import os
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from petra_jax import preemption
+from petra_jax.training import preemption
 
 PREEMPTION_PY = pathlib.Path(preemption.__file__)
 
@@ -151,7 +151,7 @@ def test_off_the_main_thread_installs_nothing(caplog):
       result["installed"] = stop.installed
       result["handlers"] = _handlers()
 
-  with caplog.at_level(logging.WARNING, logger="petra_jax.preemption"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.preemption"):
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()

@@ -16,9 +16,11 @@ import optax
 import pytest
 
 from helpers import random_batch, random_variables, run_ticks
-from petra_jax import metrics, models, quantize, train
-from petra_jax import stage as stage_lib
-from petra_jax.pipeline import Pipeline
+from petra_jax import models, train
+from petra_jax.training import metrics
+from petra_jax.engine import quantize
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.pipeline import Pipeline
 from test_train import tiny_config
 
 

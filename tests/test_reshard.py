@@ -15,7 +15,13 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from petra_jax import checkpoint, compensation, models, pipeline, train
+from petra_jax import models, train
+
+from petra_jax.training import checkpoint
+
+from petra_jax.optim import compensation
+
+from petra_jax.engine import pipeline
 from helpers import random_batch
 from test_train import tiny_config
 

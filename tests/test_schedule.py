@@ -4,8 +4,8 @@ import collections
 
 import pytest
 
-from petra_jax import schedule
-from petra_jax.schedule import BACKWARD, FORWARD, LOSS, Schedule
+from petra_jax.engine import schedule
+from petra_jax.engine.schedule import BACKWARD, FORWARD, LOSS, Schedule
 
 
 def _when(table):

@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from petra_jax import models, pipeline
-from petra_jax import stage as stage_lib
+from petra_jax import models
+
+from petra_jax.engine import pipeline
+from petra_jax.engine import stage as stage_lib
 from helpers import composed_loss, random_batch, rel_err
 
 

@@ -11,10 +11,11 @@ import pytest
 
 import optax
 
-from petra_jax import checkpoint
+from petra_jax.training import checkpoint
 from petra_jax import config as config_lib
-from petra_jax import metrics, models, train
-from petra_jax.pipeline import Pipeline
+from petra_jax import models, train
+from petra_jax.training import metrics
+from petra_jax.engine.pipeline import Pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

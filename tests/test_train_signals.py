@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from petra_jax import metrics, preemption
+from petra_jax.training import metrics
+
+from petra_jax.training import preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 14

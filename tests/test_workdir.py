@@ -1,4 +1,4 @@
-"""Tests for petra_jax.workdir (one run per workdir)."""
+"""Tests for petra_jax.training.workdir (one run per workdir)."""
 
 import datetime
 import errno
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from petra_jax import workdir as workdir_lib
+from petra_jax.training import workdir as workdir_lib
 
 WORKDIR_PY = pathlib.Path(workdir_lib.__file__)
 HOST = socket.gethostname()
@@ -110,7 +110,7 @@ def test_another_process_is_refused_and_a_killed_one_taken_over(tmp_path, caplog
     child.kill()  # ... until it is killed without releasing the lock.
     child.wait(timeout=60)
   assert workdir_lib.read_holder(run)["pid"] == child.pid  # its record stays
-  with caplog.at_level(logging.WARNING, logger="petra_jax.workdir"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
       assert workdir_lib.read_holder(run)["pid"] == os.getpid()
   warning, = caplog.records
@@ -123,7 +123,7 @@ def test_stale_record_of_dead_process_is_taken_over(tmp_path, caplog):
   dead = _dead_pid()
   _write_record(run, pid=dead, host=HOST, started="2020-01-01T00:00:00+00:00",
                 proc_start=None, argv=["x"])
-  with caplog.at_level(logging.WARNING, logger="petra_jax.workdir"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
       assert workdir_lib.read_holder(run)["pid"] == os.getpid()
   warning, = caplog.records
@@ -141,7 +141,7 @@ def test_record_of_live_process_refuses_unless_pid_was_reused(tmp_path, caplog):
     workdir_lib.WorkdirLock(run).acquire()
   # The same pid with another start time is another process: taken over.
   _write_record(run, pid=live, host=HOST, started="s", proc_start=_proc_start(live) + 1)
-  with caplog.at_level(logging.WARNING, logger="petra_jax.workdir"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
       pass
   assert "not running" in caplog.records[-1].getMessage()
@@ -151,7 +151,7 @@ def test_record_of_other_host(tmp_path, caplog, monkeypatch):
   run = tmp_path / "run"
   _write_record(run, pid=1, host="elsewhere", started="s")
   # flock free: that run has ended (its host would hold the flock otherwise).
-  with caplog.at_level(logging.WARNING, logger="petra_jax.workdir"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
       pass
   assert "pid 1 on host elsewhere" in caplog.records[-1].getMessage()
@@ -169,7 +169,7 @@ def test_record_of_other_host(tmp_path, caplog, monkeypatch):
   # ... and a free one is taken, with a warning that flock is missing.
   (run / "petra_jax.lock").write_text("")
   caplog.clear()
-  with caplog.at_level(logging.WARNING, logger="petra_jax.workdir"):
+  with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
       assert workdir_lib.read_holder(run)["pid"] == os.getpid()
   assert "no flock" in caplog.records[-1].getMessage()

@@ -17,10 +17,10 @@
   petra             no           no           only non-reversible stages store
   ================= ============ ============ ==============================
 
-  (the engine's method names, :mod:`petra_jax.methods`), and for the flushed
+  (the engine's method names, :mod:`petra_jax.engine.methods`), and for the flushed
   schedules ``gpipe`` and ``1f1b`` at ``k`` micro-batches per update. How many
   micro-batches a stage holds comes from the method's schedule table
-  (:func:`petra_jax.schedule.peak_held`).
+  (:func:`petra_jax.engine.schedule.peak_held`).
 
   Shapes come from :func:`jax.eval_shape`, so full-size models cost nothing.
 * **Measured bytes per stage** in a live PETRA run at steady state: the sum of
@@ -56,13 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax import methods as methods_lib
-from petra_jax import quantize as quantize_lib
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import quantize as quantize_lib
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models, schedule
-from petra_jax import stage as stage_lib
-from petra_jax.pipeline import Pipeline
-from petra_jax.stage import Stage
+from petra_jax import models
+from petra_jax.engine import schedule
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stage import Stage
 
 # Table 3's rows, in its order: (input buffer, param buffer) = (Y, Y), (Y, N),
 # (N, Y), (N, N).
@@ -146,7 +147,7 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
   """Peak bytes stage ``j`` holds between forward and backward.
 
   The method's schedule table gives how many micro-batches each stage holds
-  at most (:func:`petra_jax.schedule.peak_held`: ``tau_j`` for the stream
+  at most (:func:`petra_jax.engine.schedule.peak_held`: ``tau_j`` for the stream
   methods); each one costs the stage's input if it buffers it (always for a
   non-reversible stage) plus its parameters if the method stashes weights.
 
@@ -248,7 +249,7 @@ def quantization(build: Callable, image_shape, batch_size: int, live: Optional[d
       live (:func:`measure_live`) at that small size.
 
   Returns:
-    One row per format of :data:`petra_jax.quantize.FORMATS` (forward,
+    One row per format of :data:`petra_jax.engine.quantize.FORMATS` (forward,
     backward and buffer all in it): ``format``, ``bytes_per_tick``,
     ``petra_stored_bytes`` and the ratios ``tick_ratio`` and
     ``stored_ratio`` (float32 over this format); with ``live``, ``live``:

@@ -12,7 +12,7 @@ steps) of:
 * ``petra`` with its stages split over ``N`` ``jax.distributed`` processes
   (``launch/local.sh N``; stage ``j`` on process ``j*N//J``), process ``i``
   pinned to core ``i`` (one XLA thread each), messages between processes
-  through :mod:`petra_jax.transport` (gloo).
+  through :mod:`petra_jax.engine.transport` (gloo).
 
 Pinning: XLA sizes its CPU thread pools from the process's CPU affinity mask
 (``sched_getaffinity``, as ``taskset`` sets it) when its client starts, so each
@@ -36,7 +36,7 @@ explains the gap:
   the single process's ``N`` cores: the intra-op parallelism a process loses;
 * ``load_balance``: the slowest process's one-core compute over the mean;
 * ``transfer``: per process boundary, the bytes of one tick's messages and
-  the median round trip (ms) of sending them (:mod:`petra_jax.transport`);
+  the median round trip (ms) of sending them (:mod:`petra_jax.engine.transport`);
 * ``host_cpu_ms_per_tick``: CPU time of process 0's host loop per tick
   (dispatching its stages' steps and transfers; on one core it competes with
   the compute), and ``host_ms_per_tick`` its wall time in ``run_tick``
@@ -100,9 +100,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models, schedule, timing  # noqa: E402
+from petra_jax import models  # noqa: E402
+from petra_jax.engine import schedule  # noqa: E402
+from petra_jax.engine import timing  # noqa: E402
 from petra_jax.benchmarks.throughput import simulated_speedup  # noqa: E402
-from petra_jax.pipeline import Pipeline, assign_devices  # noqa: E402
+from petra_jax.engine.pipeline import Pipeline, assign_devices  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -293,9 +295,9 @@ def _boundaries(pipe: Pipeline) -> list[int]:
 def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
   """Median ms of one tick's messages across boundary ``b``: stage ``b-1``'s
   output forward, then ``(x~ or None, delta)`` back, as the engine sends them
-  (:func:`petra_jax.transport.transfer`). Every process calls it; the two
+  (:func:`petra_jax.engine.transport.transfer`). Every process calls it; the two
   owners time it, and ``round_trip_ms`` is set on the owner of ``b-1``."""
-  from petra_jax import transport  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine import transport  # pylint: disable=g-import-not-at-top
   specs = pipe.message_specs(images)
   fwd_spec = specs[b]
   bwd_spec = (specs[b] if pipe.reconstructs[b - 1] else None, specs[b])
@@ -422,7 +424,7 @@ def _sends(transfers: list, owner: list, N: int) -> tuple[list, list]:
   """Per process, ms per tick sending forward / backward: each boundary's
   round trip split between its two directions in proportion to their bytes
   (the forward part charged to the process before it, the backward part to
-  the one after, as :func:`petra_jax.schedule.simulate` charges sends)."""
+  the one after, as :func:`petra_jax.engine.schedule.simulate` charges sends)."""
   send_f, send_b = [0.0] * N, [0.0] * N
   for t in transfers:
     share = t["bytes_forward"] / (t["bytes_forward"] + t["bytes_backward"])

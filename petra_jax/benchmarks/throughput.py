@@ -58,18 +58,19 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models, schedule  # noqa: E402
-from petra_jax.partition import balanced_partition, equal_partition, group_cost  # noqa: E402,F401
-from petra_jax.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
-from petra_jax.pipeline import Pipeline  # noqa: E402
-from petra_jax.stage import Stage  # noqa: E402
+from petra_jax import models  # noqa: E402
+from petra_jax.engine import schedule  # noqa: E402
+from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402,F401
+from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
+from petra_jax.engine.pipeline import Pipeline  # noqa: E402
+from petra_jax.engine.stage import Stage  # noqa: E402
 from petra_jax.benchmarks.memory import stage_bytes  # noqa: E402
 
 PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
 
 # ----------------------------------------------------------------------------
-# Helpers (the timing primitives live in petra_jax.timing).
+# Helpers (the timing primitives live in petra_jax.engine.timing).
 # ----------------------------------------------------------------------------
 
 def _pipeline_arrays(state):
@@ -178,7 +179,7 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
   ``sum_j c_j`` (a sequential reversible step runs every stage's forward and
   backward in turn) over PETRA's steady-state time per micro-batch on one
   device per stage, from its schedule table
-  (:func:`petra_jax.schedule.ms_per_update`): ``max_j (c_j + T_j)``, the
+  (:func:`petra_jax.engine.schedule.ms_per_update`): ``max_j (c_j + T_j)``, the
   slowest stage's compute ``c_j`` plus its sends ``T_j``.
   """
   J = len(costs)
@@ -241,7 +242,7 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
   Returns:
     ``{method: {str(k): {"simulated_ms_per_update", "bubble_fraction",
     "stored_bytes_per_stage", "formula_bubble_fraction"}}}``:
-    :func:`petra_jax.schedule.ms_per_update` (event-driven, steady state,
+    :func:`petra_jax.engine.schedule.ms_per_update` (event-driven, steady state,
     sends included) and :func:`petra_jax.benchmarks.memory.stored_bytes`;
     the formula is 1F1B's and GPipe's ``(J-1)/(k+J-1)`` at equal stage costs
     (0 for PETRA's stream).

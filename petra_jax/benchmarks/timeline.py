@@ -4,7 +4,7 @@
 [--method=petra|gpipe|1f1b|...] [--accumulation-steps=K]
 --out=docs/timeline.png`` runs the first ticks of a tiny pipeline's schedule
 table (PETRA: a new micro-batch every tick) with a
-:class:`petra_jax.observers.TimelineRecorder`, checks that the tasks it ran
+:class:`petra_jax.engine.observers.TimelineRecorder`, checks that the tasks it ran
 are the table's, draws ticks on x,
 stages on y and one forward (F) and one backward (B) cell per stage and tick,
 labelled with the micro-batch id, and prints how long the pipeline took to
@@ -30,9 +30,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models, observers  # noqa: E402
-from petra_jax.methods import METHODS  # noqa: E402
-from petra_jax.pipeline import Pipeline  # noqa: E402
+from petra_jax import models  # noqa: E402
+from petra_jax.engine import observers  # noqa: E402
+from petra_jax.engine.methods import METHODS  # noqa: E402
+from petra_jax.engine.pipeline import Pipeline  # noqa: E402
 
 Event = tuple  # (tick, stage, "F" | "B", micro_batch)
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE"}
@@ -77,7 +78,7 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
 
   Args:
     timeline: ``(tick, stage, "F" | "B", micro_batch)`` events, e.g.
-      :class:`petra_jax.observers.TimelineRecorder` ``.events``.
+      :class:`petra_jax.engine.observers.TimelineRecorder` ``.events``.
     num_stages: ``J``.
     path: output file (format from the extension, e.g. ``.png``).
     title: the chart's title (default: a summary with the bubble count).

@@ -1,6 +1,6 @@
 """ResNets and reversible networks (RevNets) split into PETRA stages.
 
-A model is a list of :class:`~petra_jax.stage.Stage` objects, one residual
+A model is a list of :class:`~petra_jax.engine.stage.Stage` objects, one residual
 block per stage, as in the paper (Sec. 4, "Model adaptations"): 10 stages for
 the 18-layer models (stem, 8 blocks, head), 18 for the 34- and 50-layer ones
 (stem, 16 blocks, head).
@@ -11,7 +11,7 @@ are split in half, the image is not duplicated.
 
 * Reversible stages hold only the residual function ``F`` (one stream in, one
   out); the coupling ``(y1, y2) = (x2 + F(x1), x1)`` and its inverse live in
-  :mod:`petra_jax.stage` (paper Fig. 2).
+  :mod:`petra_jax.engine.stage` (paper Fig. 2).
 * Non-reversible stages (stem, downsampling, head) are ordinary Flax modules
   on the whole activation; PETRA buffers their input and recomputes.
 
@@ -41,7 +41,7 @@ hidden_size / 2`` here (their default is ``width=128``).
 
 Invertible-downsampling RevNets (``revnet18_inv/34_inv/50_inv``): RevNet18/34/50
 with every downsampling block made reversible after i-RevNet (Jacobsen et al.,
-2018; :mod:`petra_jax.invertible`), so only the stem and the head buffer their
+2018; :mod:`petra_jax.models.invertible`), so only the stem and the head buffer their
 input. A downsampling block from ``C`` to ``2C`` channels per stream becomes
 ``pre`` + coupling: the first ``C/2`` channels of each stream go through the
 space-to-depth ``psi`` (``[H, W, C/2] -> [H/2, W/2, 2C]``) and stay on the
@@ -74,9 +74,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from petra_jax import invertible
-from petra_jax import stage as stage_lib
-from petra_jax.stage import Stage
+from petra_jax.models import invertible
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stage import Stage
 
 # PyTorch's default initialisation (kaiming-uniform, a=sqrt(5)), as in the
 # authors' code: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
@@ -256,7 +256,7 @@ class Head(nn.Module):
   (ResNets); arrays carried after the streams (invertible downsampling, any
   resolution) are average-pooled too and their features appended. Returns
   ``float32[B, num_classes]``; the softmax cross-entropy is applied by the
-  engine (:func:`petra_jax.stage.cross_entropy`).
+  engine (:func:`petra_jax.engine.stage.cross_entropy`).
   """
   num_classes: int
 
@@ -286,7 +286,7 @@ class ModelSpec:
     blocks_per_group: residual blocks per resolution group.
     bottleneck: bottleneck blocks (channel expansion 4) instead of basic ones.
     invertible_downsampling: downsampling blocks are reversible (i-RevNet's
-      ``psi``, :mod:`petra_jax.invertible`) instead of buffered.
+      ``psi``, :mod:`petra_jax.models.invertible`) instead of buffered.
     fixed_size: one group, no downsampling, its block count set by
       ``build_model``'s ``depth`` (``blocks_per_group`` holds the default).
   """
@@ -452,7 +452,7 @@ def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
     sizes: blocks per stage, each >= 1, summing to ``len(blocks)``.
 
   Returns:
-    ``len(sizes)`` stages (:func:`petra_jax.stage.group`).
+    ``len(sizes)`` stages (:func:`petra_jax.engine.stage.group`).
 
   Raises:
     ValueError: sizes that do not cover the blocks exactly, fewer than 2
@@ -501,7 +501,7 @@ def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
     num_stages: ``J'``, the stages to group the blocks into.
     input_shape: a micro-batch's shape ``[B, H, W, C]`` (for the FLOPs).
     costs: per-block cost, e.g. measured ms per tick
-      (:func:`petra_jax.timing.measure_stage_costs`); default: forward FLOPs
+      (:func:`petra_jax.engine.timing.measure_stage_costs`); default: forward FLOPs
       (:func:`block_flops`).
 
   Returns:
@@ -512,7 +512,7 @@ def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
     ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
       the wrong length.
   """
-  from petra_jax import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
   if not 2 <= num_stages <= len(blocks):
     raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "
                      f"{len(blocks)} blocks); use --config.model.num_stages <= {len(blocks)}.")
@@ -633,10 +633,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(f"total: {summary['total_params']:,} parameters")
   return 0
 
-
-if __name__ == "__main__":
-  try:
-    sys.exit(main())
-  except BrokenPipeError:  # e.g. `| head`: stop quietly (Python docs' recipe).
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    sys.exit(1)

@@ -1,6 +1,6 @@
 """Diagnostics that watch the engine at task boundaries.
 
-Each is a :class:`petra_jax.pipeline.Observer` passed to
+Each is a :class:`petra_jax.engine.pipeline.Observer` passed to
 ``Pipeline(observers=[...])``; a pipeline without observers runs no
 diagnostic code. Results stay in the observer (device arrays, read without a
 wait once computed), never in the pipeline state or its checkpoints.
@@ -21,9 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax import diagnostics, quantize, transport
-from petra_jax.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
-from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
+from petra_jax.engine import diagnostics
+
+from petra_jax.engine import quantize
+
+from petra_jax.engine import transport
+from petra_jax.engine.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
+from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
 
 _copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
 
@@ -101,7 +105,7 @@ class GradientProbe(Observer):
   owned by a process other than stage 0's sends its forward and backward
   weights, its gradient and its BatchNorm statistics (the last stage also the
   labels) to stage 0's device at its backward, through
-  :func:`petra_jax.transport.transfer` (every process calls the probe at the
+  :func:`petra_jax.engine.transport.transfer` (every process calls the probe at the
   same task, so the transfers pair up). Stage 0's process then computes the
   same figures, with the same jitted function on the same values, as a
   single process; the others have no results.

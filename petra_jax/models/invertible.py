@@ -7,8 +7,8 @@ downsampling with ``psi``: every ``2 x 2`` spatial block becomes 4 channels,
 growth without a resolution change uses an injective zero-padding (its
 injective i-RevNet).
 
-Here they are the ``pre`` of a reversible :class:`~petra_jax.stage.Stage`
-(a :class:`~petra_jax.stage.Reshuffle`: ``apply`` is ``P``, ``transpose`` is
+Here they are the ``pre`` of a reversible :class:`~petra_jax.engine.stage.Stage`
+(a :class:`~petra_jax.engine.stage.Reshuffle`: ``apply`` is ``P``, ``transpose`` is
 ``P^T``, both its exact inverse on its image and its vjp), followed by the
 stage's additive coupling. Activations are ``(x1, x2, *carried)``: the two
 streams, then arrays set aside by earlier downsamplings, which every later

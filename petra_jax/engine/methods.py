@@ -38,7 +38,7 @@ class Method:
 
   Attributes:
     name: the ``config.method`` value.
-    schedule: a kind of :class:`petra_jax.schedule.Schedule`.
+    schedule: a kind of :class:`petra_jax.engine.schedule.Schedule`.
     stashes_inputs: reversible stages keep their input too (non-reversible
       ones always do).
     stashes_weights: every stage keeps a copy of the weights its forward

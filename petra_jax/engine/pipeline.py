@@ -3,11 +3,11 @@
 Each stage ``j`` lives on one device (``jax.device_put``) and owns a carried
 :class:`StageState` (parameters, BatchNorm statistics, optax state with the
 gradient accumulator). :meth:`Pipeline.run_tick` runs one tick of a
-:class:`petra_jax.schedule.Schedule`, one small function per task kind:
+:class:`petra_jax.engine.schedule.Schedule`, one small function per task kind:
 
 * ``forward`` (:meth:`Pipeline._forward_task`): ``x_{j+1} = F_j(x_j,
   theta_j^t)``, sent to stage ``j+1``; the input is kept if the stage buffers
-  it, the weights if the method stashes them (:mod:`petra_jax.methods`);
+  it, the weights if the method stashes them (:mod:`petra_jax.engine.methods`);
 * ``backward`` (:meth:`Pipeline._backward_task`): a reconstructing stage
   rebuilds its input from its output with its *current* weights and takes
   the vjp there (paper Eq. 5); any other stage recomputes from its buffered
@@ -37,12 +37,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from petra_jax import methods as methods_lib
-from petra_jax import quantize as quantize_lib
-from petra_jax import schedule as schedule_lib
-from petra_jax import transport
-from petra_jax.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
-from petra_jax.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine import transport
+from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
+from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
                              reverse_vjp, reverse_vjp_stashed, trace)
 
 PyTree = Any
@@ -204,7 +204,7 @@ class Observer:
 def forward_step(stage: Stage, state: StageState, x, params=None):
   """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1),
   or with ``params`` (e.g. weights predicted ahead by a delay compensation).
-  ``x`` may be a quantised message (:mod:`petra_jax.quantize`): it is
+  ``x`` may be a quantised message (:mod:`petra_jax.engine.quantize`): it is
   dequantised first."""
   x = quantize_lib.dequantize(x)
   return forward(stage, state.params if params is None else params, state.batch_stats, x)
@@ -312,7 +312,7 @@ class StageSteps:
 
   The one place that says which step a stage's backward runs (reconstruct,
   recompute or the loss), which arguments it takes and which it donates.
-  The engine, :mod:`petra_jax.timing`, the memory benchmark and the gradient
+  The engine, :mod:`petra_jax.engine.timing`, the memory benchmark and the gradient
   probe all call stages through it. Each step is compiled once per stage.
 
   Args:
@@ -321,7 +321,7 @@ class StageSteps:
     bn_stats: ``"backward"`` or ``"forward"`` (see :class:`Pipeline`).
     predictors: per stage, None or ``(params, opt_state) -> params``: the
       weights its forward uses instead of the current ones (weight
-      prediction, :mod:`petra_jax.compensation`). Backwards always use the
+      prediction, :mod:`petra_jax.optim.compensation`). Backwards always use the
       current weights (a reconstructing stage rebuilds its input with them,
       Eq. 5) or, for methods that stash weights, the ones the forward used.
     donate_messages: whether a reconstructing backward donates its ``(y,
@@ -445,7 +445,7 @@ class Pipeline:
     devices: devices to spread the stages over in contiguous blocks (default:
       all local devices). Fewer devices than stages is fine; ``backprop``
       needs one.
-    method: a name in :data:`petra_jax.methods.METHODS`; ``"petra"`` is
+    method: a name in :data:`petra_jax.engine.methods.METHODS`; ``"petra"`` is
       paper Eq. 5.
     accumulation_steps: ``k``, micro-batches per update (the round of the
       ``gpipe``/``1f1b`` schedules; ``tx`` accumulates them).
@@ -456,7 +456,7 @@ class Pipeline:
     predictors: per stage, the weights its forward uses (see
       :class:`StageSteps`); default: the current ones.
     formats: the format of forward messages, backward messages and input
-      buffers (:class:`petra_jax.quantize.MessageFormats`); default: all
+      buffers (:class:`petra_jax.engine.quantize.MessageFormats`); default: all
       float, as computed.
 
   Attributes:
@@ -744,7 +744,7 @@ class Pipeline:
 
   def _encode(self, kind: str, x, j: int, m: int):
     """Payload ``x`` of stage ``j``, micro-batch ``m``, in the format of
-    ``kind`` (forward, backward or buffer; :class:`petra_jax.quantize.MessageFormats`),
+    ``kind`` (forward, backward or buffer; :class:`petra_jax.engine.quantize.MessageFormats`),
     on its device; ``x`` itself when nothing is quantised (and for a
     ``"none"`` buffer). Stochastic int8 draws from :meth:`message_key`."""
     if (x is None or not self.formats.active or not self.local[j]

@@ -1,7 +1,7 @@
 """Pipeline schedules as data: which task each stage runs on each tick.
 
 A schedule is a table: tick ``t`` holds a tuple of :class:`Task` ``(stage,
-kind, micro_batch)``. The engine (:class:`petra_jax.pipeline.Pipeline`) runs a
+kind, micro_batch)``. The engine (:class:`petra_jax.engine.pipeline.Pipeline`) runs a
 tick's tasks in order; the timeline (paper Fig. 1), the memory model
 (:func:`held`), the simulated J-device time (:func:`simulate`) and the tests
 read the same table. A message a task sends is consumed on a later tick.

@@ -5,7 +5,7 @@ checkpoint of *global* arrays together: it refuses host-local ``jax.Array``
 s, writes numpy arrays from process 0 only (they are taken as replicated),
 and names the signals of asynchronous saves after a per-process counter of
 operations. A PETRA process holds state no other process has (its own
-stages and messages), so :mod:`petra_jax.checkpoint` gives every process its
+stages and messages), so :mod:`petra_jax.training.checkpoint` gives every process its
 own ``CheckpointManager`` over its own directory, built here with:
 
 * :func:`item_handlers`: the ``arrays`` item's ``PyTreeCheckpointHandler``

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from petra_jax import orbax_local
-from petra_jax import quantize as quantize_lib
-from petra_jax.pipeline import PipelineState, message_fields
+from petra_jax.training import orbax_local
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine.pipeline import PipelineState, message_fields
 
 
 
@@ -113,7 +113,7 @@ def _boxes(state: PipelineState):
 
 def stage_block_count(train_state) -> int:
   """Blocks in a stage, read from its parameters: a group
-  (:func:`petra_jax.stage.group`) keeps them under ``"block_0"``, ... ."""
+  (:func:`petra_jax.engine.stage.group`) keeps them under ``"block_0"``, ... ."""
   params = train_state.params
   n = len(params) if isinstance(params, dict) else 0
   names = [f"block_{i}" for i in range(n)]
@@ -294,7 +294,7 @@ def process_dir(directory: str, process: int) -> str:
 
 def _manager(path: str) -> ocp.CheckpointManager:
   """An orbax manager over one process's directory, run by this process
-  alone (:mod:`petra_jax.orbax_local`; the commit across processes is ours)."""
+  alone (:mod:`petra_jax.training.orbax_local`; the commit across processes is ours)."""
   return ocp.CheckpointManager(path, options=orbax_local.manager_options(path),
                                item_handlers=orbax_local.item_handlers(path))
 

@@ -17,7 +17,7 @@ reconstructing.
 
 A reversible stage may also hold a ``pre``: a parameter-free linear map ``P``
 with ``P^T P = I`` (a permutation such as i-RevNet's space-to-depth ``psi``, or
-an injective zero-padding; see :mod:`petra_jax.invertible`) applied to its
+an injective zero-padding; see :mod:`petra_jax.models.invertible`) applied to its
 input before the coupling, so the stage is ``x -> C(P x)``. ``P^T`` is then both
 the reconstruction of ``x`` from ``P x`` and ``P``'s vjp. Activations after
 such a stage may carry, after the two streams, arrays set aside by ``P``

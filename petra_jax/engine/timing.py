@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax.pipeline import Pipeline
-from petra_jax.stage import Stage
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stage import Stage
 
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
@@ -139,7 +139,7 @@ def measure_stage_costs(stages: Sequence[Stage], input_shape: Sequence[int],
     iters, warmup: measured and unmeasured calls per step.
     seed: initialisation and data seed.
     method: the method whose steps are timed (a name in
-      :data:`petra_jax.methods.METHODS`: ``"petra"`` reconstructs in
+      :data:`petra_jax.engine.methods.METHODS`: ``"petra"`` reconstructs in
       reversible stages, ``"dsp"``, ``"delayed"``, ``"1f1b"``... recompute
       from buffered inputs, the only choice for a ResNet).
 

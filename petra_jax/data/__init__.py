@@ -51,7 +51,7 @@ import numpy as np
 from PIL import Image
 
 # A tfds data dir next to the repository (``<repo>/../shared/data/...``).
-_REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 _SHARED_DATA_DIR = _REPO_ROOT.parent / "shared" / "data" / "tensorflow_datasets"
 # tfds' own default.
 _TFDS_DEFAULT_DATA_DIR = "~/tensorflow_datasets"

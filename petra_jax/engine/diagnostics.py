@@ -20,7 +20,7 @@ micro-batch's loss with respect to the stage's parameters:
 
 and reports the cosine similarity and norm ratio of each pair (Fig. 5: over
 training; Fig. 6: against the stage index). The engine gathers the inputs
-(:class:`petra_jax.observers.GradientProbe`); this module holds the math.
+(:class:`petra_jax.engine.observers.GradientProbe`); this module holds the math.
 
 BatchNorm normalises with the batch's statistics in training, so the running
 statistics passed here only give the variables their structure.
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.stage import Stage, composed_loss
+from petra_jax.engine.stage import Stage, composed_loss
 
 PyTree = Any
 

@@ -1,0 +1,1 @@
+"""The training run: loop, checkpoints, workdir, preemption and metrics."""
