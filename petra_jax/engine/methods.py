@@ -62,6 +62,17 @@ class Method:
     """Whether the model must have reversible stages."""
     return self.reconstructs
 
+  def reconstructs_stage(self, reversible: bool) -> bool:
+    """Whether a stage rebuilds its input in the backward (Eq. 5) rather than
+    keep it: a reversible stage under a reconstructing method."""
+    return reversible and self.reconstructs
+
+  def buffers_input(self, reversible: bool) -> bool:
+    """Whether a stage keeps its input between forward and backward: every
+    stage that does not reconstruct. The engine and the memory model read
+    this one rule."""
+    return not self.reconstructs_stage(reversible)
+
   @property
   def pipelined(self) -> bool:
     """Whether the method runs stage by stage (not ``jax.grad`` of the model)."""
@@ -81,6 +92,24 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("1f1b", "1f1b", stashes_inputs=True, stashes_weights=False, reconstructs=False),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
+
+
+def require_reversible(method: str, model: str, has_reversible: bool) -> None:
+  """Stops a method that reconstructs inputs on a model with no reversible stage.
+
+  Args:
+    method: the ``config.method`` name.
+    model: the model's name, for the message.
+    has_reversible: whether any of the model's blocks is reversible.
+
+  Raises:
+    ValueError: ``method`` needs a reversible model and ``has_reversible`` is
+      false; the message lists the methods the model supports.
+  """
+  if get(method).needs_reversible and not has_reversible:
+    others = [n for n, m in METHODS.items() if not m.needs_reversible]
+    raise ValueError(f"method {method!r} reconstructs inputs and needs a reversible model, "
+                     f"and {model!r} has no reversible stage: use one of {others}, or a RevNet.")
 
 
 def get(name: str) -> Method:

@@ -163,6 +163,11 @@ def _unshuffle(stage: Stage, y):
   return y if stage.pre is None else stage.pre.transpose(y)
 
 
+def has_reversible(stages: Sequence[Stage]) -> bool:
+  """Whether any block of ``stages`` is reversible (Eq. 5's reconstruction applies)."""
+  return any(b.reversible for s in stages for b in (s.blocks or (s,)))
+
+
 def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> list[tuple]:
   """Shapes through ``stages``, nothing computed (:func:`jax.eval_shape`).
 
