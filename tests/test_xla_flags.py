@@ -7,6 +7,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from petra_jax import _xla_flags
 
@@ -20,17 +21,46 @@ print(float(f(jnp.ones((256, 256)))))
 """
 
 
+_CPU = dict(jaxlib_version="0.10.2", plugins=())
+
+
 def test_appends_to_user_flags_without_overriding():
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  _xla_flags.apply_cpu_workaround(env)
+  _xla_flags.apply_cpu_workaround(env, **_CPU)
   assert env["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
                               "--xla_cpu_experimental_ynn_fusion_type=")
   env = {"XLA_FLAGS": "--xla_cpu_experimental_ynn_fusion_type=default"}
-  _xla_flags.apply_cpu_workaround(env)  # a user's own choice is kept
+  _xla_flags.apply_cpu_workaround(env, **_CPU)  # a user's own choice is kept
   assert env["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type=default"
   env = {}
-  _xla_flags.apply_cpu_workaround(env)
+  _xla_flags.apply_cpu_workaround(env, **_CPU)
   assert env["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type="
+
+
+@pytest.mark.parametrize("environ, plugins", [
+    ({"JAX_PLATFORMS": "cuda"}, ()),               # a GPU run asked for
+    ({"JAX_PLATFORMS": "tpu,cpu"}, ()),            # a TPU run with CPU fallback
+    ({}, ("jax_cuda12_plugin",)),                  # JAX would pick the GPU plugin
+    ({}, ("libtpu",)),
+])
+def test_gpu_and_tpu_starts_never_see_the_cpu_flag(environ, plugins):
+  env = dict(environ, XLA_FLAGS="--xla_dump_to=/tmp/x")
+  _xla_flags.apply_cpu_workaround(env, jaxlib_version="0.12.0.1", plugins=plugins)
+  assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_cpu_platform_forced_over_installed_plugin_gets_the_flag():
+  env = {"JAX_PLATFORMS": "cpu"}
+  _xla_flags.apply_cpu_workaround(env, jaxlib_version="0.12.0.1", plugins=("libtpu",))
+  assert env["XLA_FLAGS"] == "--xla_cpu_experimental_ynn_fusion_type="
+
+
+@pytest.mark.parametrize("version", ["0.9.2", "0.13.0", "1.0.0", "garbage"])
+def test_jaxlib_outside_the_known_range_never_gets_the_flag(version):
+  # XLA aborts on a flag it does not know: only versions known to have it get it.
+  env = {}
+  _xla_flags.apply_cpu_workaround(env, jaxlib_version=version, plugins=())
+  assert "XLA_FLAGS" not in env
 
 
 def test_import_applies_flag_before_backend_in_fresh_process():
