@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from petra_jax import data
+from petra_jax.data import prepare, sources
 
 CIFAR10 = data.DATASETS["cifar10"]
 
@@ -23,17 +24,17 @@ def test_resolve_data_dir_precedence(monkeypatch, tmp_path):
   monkeypatch.delenv("TFDS_DATA_DIR")
   shared = tmp_path / "shared"
   shared.mkdir()
-  monkeypatch.setattr(data, "_SHARED_DATA_DIR", shared)
+  monkeypatch.setattr(prepare, "_SHARED_DATA_DIR", shared)
   assert data.resolve_data_dir(None) == str(shared)
 
-  monkeypatch.setattr(data, "_SHARED_DATA_DIR", tmp_path / "absent")
+  monkeypatch.setattr(prepare, "_SHARED_DATA_DIR", tmp_path / "absent")
   assert data.resolve_data_dir(None).endswith("tensorflow_datasets")
 
 
 def test_missing_data_dir_error_names_both_fixes(tmp_path):
   missing = str(tmp_path / "nowhere")
   with pytest.raises(data.DataError) as e:
-    data.load_split("cifar10", "test", data_dir=missing, limit=4)
+    data.load_split("cifar10", "test", data_dir=missing, limit=4, download=False)
   msg = str(e.value)
   for part in ("cifar10", missing, "--config.data_dir", "TFDS_DATA_DIR"):
     assert part in msg
@@ -252,7 +253,7 @@ def test_missing_data_error_for_each_dataset(name, tmp_path):
   for d in (tmp_path / "nowhere", tmp_path):  # absent dir; dir without it
     info = data.get_dataset_info(name)
     with pytest.raises(data.DataError) as e:
-      data.open_split(name, info.train_split, data_dir=str(d))
+      data.open_split(name, info.train_split, data_dir=str(d), download=False)
     for part in (repr(name), str(d), "--config.data_dir", "TFDS_DATA_DIR"):
       assert part in str(e.value)
 
@@ -399,7 +400,7 @@ def _no_record_reads(monkeypatch):
   """Makes any record read fail the test: errors must come at open time."""
   def fail(*args, **kwargs):
     raise AssertionError("a record was read")
-  monkeypatch.setattr(data, "_read_records", fail)
+  monkeypatch.setattr(sources, "read_records", fail)
 
 
 def test_truncated_shard_is_one_data_error_at_open(cifar10_dir, tmp_path, monkeypatch):
@@ -471,79 +472,206 @@ def test_corrupted_record_is_one_data_error_at_read(cifar10_dir, tmp_path):
     assert part in msg, (part, msg)
 
 
-def _fake_download_and_prepare(real_data_dir, calls, error=None):
-  """A stand-in for tfds' ``DatasetBuilder.download_and_prepare``: raises
-  ``error``, or "prepares" the builder's data set by linking the real files."""
-  import pathlib
-
-  def download_and_prepare(self, *args, **kwargs):
-    calls.append(self.name)
-    if error is not None:
-      raise error
-    real, = pathlib.Path(real_data_dir).glob(f"{self.name}/*/dataset_info.json")
-    target = pathlib.Path(self.data_dir)
-    target.mkdir(parents=True)
-    for f in real.parent.iterdir():
-      (target / f.name).symlink_to(f)
-
-  return download_and_prepare
+# ------------------------- preparing a missing data set with tfds' real builders
+#
+# Only the network is faked (requests' transport adapter, under tfds'
+# downloader): tfds' real builder of each data set runs, with its imports, its
+# download manager, extraction and example generation.
 
 
-def test_download_prepares_a_missing_dataset(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
+class FakeNetwork:
+  """Stands in for the network under ``requests``: serves ``payload`` for every
+  URL, or raises ``requests``' own no-network error; counts the requests."""
 
-  calls = []
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls))
+  def __init__(self, payload=None):
+    self.payload, self.urls = payload, []
+
+  def send(self, adapter, request, **kwargs):
+    import io
+
+    import requests
+
+    self.urls.append(request.url)
+    if self.payload is None:
+      raise requests.exceptions.ConnectionError(
+          f"HTTPSConnectionPool(host={request.url.split('/')[2]!r}, port=443): Max "
+          "retries exceeded (Caused by NameResolutionError: Failed to resolve)")
+    response = requests.Response()
+    response.status_code, response.url, response.request = 200, request.url, request
+    response.raw = io.BytesIO(self.payload)
+    return response
+
+
+def fake_network(monkeypatch, payload=None):
+  """Installs a ``FakeNetwork``. With a payload, tfds' check of the archive's
+  registered sha256 is skipped (a fake archive cannot match it)."""
+  import requests
+  from tensorflow_datasets.core.download import download_manager
+
+  net = FakeNetwork(payload)
+  monkeypatch.setattr(requests.adapters.HTTPAdapter, "send",
+                      lambda adapter, request, **kw: net.send(adapter, request, **kw))
+  if payload is not None:
+    def record_only(self, url, url_info, path):
+      self._recorded_url_infos[url] = url_info
+    monkeypatch.setattr(download_manager.DownloadManager,
+                        "_register_or_validate_checksums", record_only)
+  return net
+
+
+def _tar(files, mode="w:gz"):
+  import io
+  import tarfile
+
+  buf = io.BytesIO()
+  with tarfile.open(fileobj=buf, mode=mode) as tar:
+    for name, content in files.items():
+      member = tarfile.TarInfo(name)
+      member.size = len(content)
+      tar.addfile(member, io.BytesIO(content))
+  return buf.getvalue()
+
+
+def _cifar_archive(name, rng):
+  """A CIFAR binary archive (the layout tfds' builder reads) of 2 examples per
+  file, and its examples as sorted ``(split, label, HWC image bytes)``."""
+  if name == "cifar10":
+    prefix, files = "cifar-10-batches-bin/", [f"data_batch_{i}.bin" for i in range(1, 6)]
+    files, labels = files + ["test_batch.bin"], {"batches.meta.txt": 10}
+  else:
+    prefix, files = "cifar-100-binary/", ["train.bin", "test.bin"]
+    labels = {"coarse_label_names.txt": 20, "fine_label_names.txt": 100}
+  content = {prefix + f: "\n".join(f"class{i}" for i in range(n)).encode()
+             for f, n in labels.items()}
+  examples = []
+  for f in files:
+    chw = rng.integers(0, 256, (2, 3, 32, 32), np.uint8)
+    fine = rng.integers(0, 10, 2)
+    heads = [bytes([7, int(y)]) if name == "cifar100" else bytes([int(y)]) for y in fine]
+    content[prefix + f] = b"".join(h + x.tobytes() for h, x in zip(heads, chw))
+    split = "test" if "test" in f else "train"
+    examples += [(split, int(y), x.transpose(1, 2, 0).tobytes()) for y, x in zip(fine, chw)]
+  return _tar(content), sorted(examples)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+def test_cifar_is_downloaded_and_prepared_on_first_use(name, tmp_path, monkeypatch, capsys):
+  payload, want = _cifar_archive(name, np.random.default_rng(0))
+  net = fake_network(monkeypatch, payload)
   fresh = str(tmp_path / "fresh")
-  labels = data.open_labels("cifar10", "test", data_dir=fresh, download=True).labels
-  assert calls == ["cifar10"]
-  np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
-  np.testing.assert_array_equal(
-      labels, data.open_labels("cifar10", "test", data_dir=cifar10_dir).labels)
-  # Prepared now: no second download; the images are the real ones.
-  assert data.ensure_prepared("cifar10", fresh, download=True) == fresh
-  got = data.open_split("cifar10", "test", data_dir=fresh, limit=16, download=True)
-  want = data.load_split("cifar10", "test", data_dir=cifar10_dir, limit=16)
-  np.testing.assert_array_equal(got.images, want.images)
-  assert calls == ["cifar10"]
+  info = data.get_dataset_info(name)
+  train = data.open_split(name, "train", data_dir=fresh)  # download=None: auto
+  assert len(net.urls) == 1 and "cs.toronto.edu" in net.urls[0]
+  line, = [l for l in capsys.readouterr().out.splitlines() if "tfds downloads it" in l]
+  assert repr(fresh) in line and repr(f"{fresh}/downloads") in line
+  test = data.open_split(name, "test", data_dir=fresh)
+  got = sorted((s, int(y), x.tobytes()) for s, split in (("train", train), ("test", test))
+               for y, x in zip(split.labels, split.images))
+  assert got == want and train.images.shape == (10 if name == "cifar10" else 2,) + info.image_shape
+  # Prepared now: opened again without the network.
+  assert data.ensure_prepared(name, fresh) == fresh and len(net.urls) == 1
 
 
-def test_download_without_network_names_both_fixes(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
+def test_imagenet32_downloads_when_asked_only(tmp_path, monkeypatch):
+  import io
+  import zipfile
 
-  calls = []
-  error = ConnectionError("Failed to resolve 'www.cs.toronto.edu' (Name or service not known)")
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls, error))
-  fresh = str(tmp_path / "fresh")
-  for open_fn in (data.open_split, data.open_labels):
-    with pytest.raises(data.DataError) as e:
-      open_fn("cifar10", "train", data_dir=fresh, download=True)
-    msg = str(e.value)
-    assert "\n" not in msg
-    for part in ("'cifar10'", repr(fresh), "ConnectionError", "www.cs.toronto.edu",
-                 "--config.data_dir", "TFDS_DATA_DIR", "network access"):
-      assert part in msg, (part, msg)
-  assert calls == ["cifar10", "cifar10"]
-
-
-def test_no_download_unless_asked(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
-
-  calls = []
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls, AssertionError("called")))
+  rng = np.random.default_rng(1)
+  flat = rng.integers(0, 256, (3, 3 * 32 * 32), np.uint8)
+  npz, archive = io.BytesIO(), io.BytesIO()
+  np.savez(npz, data=flat, labels=np.array([1, 5, 1000]))  # 1-based labels
+  with zipfile.ZipFile(archive, "w") as z:
+    z.writestr("val_data.npz", npz.getvalue())
+  net = fake_network(monkeypatch, archive.getvalue())
   fresh = str(tmp_path / "fresh")
   with pytest.raises(data.DataError) as e:
-    data.open_split("cifar10", "test", data_dir=fresh)  # download defaults to False
-  for part in ("'cifar10'", repr(fresh), "--config.data_dir", "TFDS_DATA_DIR",
-               "--config.download=True"):
+    data.open_split("imagenet32", "validation", data_dir=fresh)  # auto: not this one
+  for part in ("'imagenet32'", repr(fresh), "--config.data_dir", "TFDS_DATA_DIR",
+               "--config.download=True", "GB"):
     assert part in str(e.value), (part, str(e.value))
-  with pytest.raises(data.DataError, match="--config.download=True"):
-    data.ensure_prepared("cifar10", fresh)
-  # A prepared data set is used as it is, even with download=True.
-  assert data.ensure_prepared("cifar10", cifar10_dir, download=True) == cifar10_dir
+  assert net.urls == []
+  val = data.open_split("imagenet32", "validation", data_dir=fresh, download=True)
+  assert len(net.urls) == 2 and all("image-net.org" in u for u in net.urls)
+  want = sorted(zip([0, 4, 999], (x.reshape(3, 32, 32).transpose(1, 2, 0).tobytes()
+                                  for x in flat)))
+  assert sorted(zip(val.labels.tolist(), (x.tobytes() for x in val.images))) == want
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100", "imagenet32"])
+def test_download_without_network_names_both_fixes(name, tmp_path, monkeypatch):
+  net = fake_network(monkeypatch)
+  fresh = str(tmp_path / "fresh")
+  info = data.get_dataset_info(name)
+  for open_fn in (data.open_split, data.open_labels):
+    with pytest.raises(data.DataError) as e:
+      open_fn(name, info.train_split, data_dir=fresh, download=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for part in (repr(name), repr(fresh), "no network access", "ConnectionError",
+                 "Failed to resolve", "--config.data_dir", "TFDS_DATA_DIR",
+                 "connect to the network"):
+      assert part in msg, (part, msg)
+  assert net.urls
+
+
+def _imagenet_manual_archives(manual_dir, rng):
+  """ImageNet's two archives in tfds' layout (a tar of per-class tars; a tar of
+  validation JPEGs), one 40 x 50 image each; returns their labels."""
+  import io
+
+  from PIL import Image
+
+  def jpeg():
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (40, 50, 3), np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+  manual_dir.mkdir(parents=True)
+  train = _tar({"n01443537.tar": _tar({"n01443537_1.JPEG": jpeg()}, "w")}, "w")
+  (manual_dir / "ILSVRC2012_img_train.tar").write_bytes(train)
+  (manual_dir / "ILSVRC2012_img_val.tar").write_bytes(
+      _tar({"ILSVRC2012_val_00000001.JPEG": jpeg()}, "w"))
+  return 1, 65  # n01443537 is class 1; the first validation image is class 65
+
+
+def test_imagenet_never_downloads(tmp_path, monkeypatch):
+  net = fake_network(monkeypatch)
+  fresh = tmp_path / "fresh"
+  manual = fresh / "downloads" / "manual"
+  for download in (None, True, False):
+    with pytest.raises(data.DataError) as e:
+      data.open_split("imagenet", "train", data_dir=str(fresh), download=download)
+    msg = str(e.value)
+    for part in ("'imagenet'", repr(str(fresh)), "--config.data_dir", "TFDS_DATA_DIR"):
+      assert part in msg, (part, msg)
+    if download is not False:
+      for part in ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar", repr(str(manual)),
+                   "--config.download=True"):
+        assert part in msg, (part, msg)
+  # Its archives put there by hand: download=True prepares them (tfds' builder).
+  train_label, val_label = _imagenet_manual_archives(manual, np.random.default_rng(2))
+  train = data.open_split("imagenet", "train", data_dir=str(fresh), download=True)
+  val = data.open_split("imagenet", "validation", data_dir=str(fresh))
+  assert isinstance(train, data.LazySplit) and len(train) == len(val) == 1
+  assert data.read_labels(train, [0]).tolist() == [train_label]
+  assert data.read_labels(val, [0]).tolist() == [val_label]
+  assert net.urls == []
+
+
+def test_no_download_when_told_not_to(cifar10_dir, tmp_path, monkeypatch):
+  net = fake_network(monkeypatch)
+  fresh = str(tmp_path / "fresh")
+  for open_fn in (data.open_split, data.open_labels, data.load_split):
+    with pytest.raises(data.DataError) as e:
+      open_fn("cifar10", "test", data_dir=fresh, download=False)
+    for part in ("'cifar10'", repr(fresh), "--config.data_dir", "TFDS_DATA_DIR",
+                 "--config.download=True"):
+      assert part in str(e.value), (part, str(e.value))
+  with pytest.raises(data.DataError, match="True, False or None"):
+    data.ensure_prepared("cifar10", fresh, download="yes")
+  # A prepared data set is used as it is, whatever download says.
+  for download in (None, True, False):
+    assert data.ensure_prepared("cifar10", cifar10_dir, download=download) == cifar10_dir
   labels = data.open_labels("cifar10", "test", data_dir=cifar10_dir, limit=10, download=True)
   assert len(labels) == 10
-  assert calls == []
+  assert net.urls == []
