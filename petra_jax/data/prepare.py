@@ -23,6 +23,7 @@ import os
 import pathlib
 import socket
 import urllib.error
+import urllib.parse
 
 from petra_jax.data import errors
 from petra_jax.data import sources
@@ -152,13 +153,32 @@ def _refuse_download(name: str, info: sources.DatasetInfo, data_dir: str,
 def _download_and_prepare(name: str, info: sources.DatasetInfo, data_dir: str,
                           where: str) -> None:
   """tfds' ``download_and_prepare``; any failure as one :class:`DataError`."""
-  print(f"Dataset {name!r} is not in data dir {data_dir!r}: tfds downloads it "
-        f"({info.size}) into {os.path.join(data_dir, 'downloads')!r} and prepares "
-        f"it in {where!r}.", flush=True)
+  source = (f"from the archives in {os.path.join(data_dir, _MANUAL_DIR)!r}"
+            if info.manual_archives else
+            f"downloaded ({info.size}) into {os.path.join(data_dir, 'downloads')!r}")
+  print(f"Dataset {name!r} is not in data dir {data_dir!r}: tfds prepares it in "
+        f"{where!r}, {source}.", flush=True)
   try:
-    sources.tfds_builder(info, data_dir).download_and_prepare()
+    builder = sources.tfds_builder(info, data_dir)
+    if not info.manual_archives:
+      _resolve_hosts(builder.url_infos or {})
+    builder.download_and_prepare()
   except Exception as e:  # pylint: disable=broad-except
     raise _download_error(name, info, data_dir, e) from e
+
+
+def _resolve_hosts(urls) -> None:
+  """Looks up the download hosts, so that no network fails at once (tfds'
+  downloader retries for minutes).
+
+  Raises:
+    ConnectionError: a host's name cannot be resolved.
+  """
+  for host in sorted({urllib.parse.urlparse(u).hostname for u in urls} - {None}):
+    try:
+      socket.getaddrinfo(host, None)
+    except OSError as e:
+      raise ConnectionError(f"cannot resolve {host!r}: {e}") from e
 
 
 def _download_error(name: str, info: sources.DatasetInfo, data_dir: str,
