@@ -106,7 +106,7 @@ def test_cifar_is_downloaded_and_prepared_on_first_use(name, tmp_path, monkeypat
   info = data.get_dataset_info(name)
   train = data.open_split(name, "train", data_dir=fresh)  # download=None: auto
   assert len(net.urls) == 1 and "cs.toronto.edu" in net.urls[0]
-  line, = [l for l in capsys.readouterr().out.splitlines() if "tfds prepares it" in l]
+  line, = [l for l in capsys.readouterr().out.splitlines() if "tfds downloads it" in l]
   assert repr(fresh) in line and repr(f"{fresh}/downloads") in line
   test = data.open_split(name, "test", data_dir=fresh)
   got = sorted((s, int(y), x.tobytes()) for s, split in (("train", train), ("test", test))

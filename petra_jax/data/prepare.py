@@ -153,11 +153,11 @@ def _refuse_download(name: str, info: sources.DatasetInfo, data_dir: str,
 def _download_and_prepare(name: str, info: sources.DatasetInfo, data_dir: str,
                           where: str) -> None:
   """tfds' ``download_and_prepare``; any failure as one :class:`DataError`."""
-  source = (f"from the archives in {os.path.join(data_dir, _MANUAL_DIR)!r}"
-            if info.manual_archives else
-            f"downloaded ({info.size}) into {os.path.join(data_dir, 'downloads')!r}")
-  print(f"Dataset {name!r} is not in data dir {data_dir!r}: tfds prepares it in "
-        f"{where!r}, {source}.", flush=True)
+  how = (f"prepares it in {where!r} from the archives in "
+         f"{os.path.join(data_dir, _MANUAL_DIR)!r}" if info.manual_archives else
+         f"downloads it ({info.size}) into {os.path.join(data_dir, 'downloads')!r} "
+         f"and prepares it in {where!r}")
+  print(f"Dataset {name!r} is not in data dir {data_dir!r}: tfds {how}.", flush=True)
   try:
     builder = sources.tfds_builder(info, data_dir)
     if not info.manual_archives:
