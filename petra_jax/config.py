@@ -87,7 +87,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.method = "petra"          # a name in petra_jax.engine.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
   c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
   c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
-  c.download = False          # prepare a missing data set with tfds (needs network); off: a typo never starts a download
+  c.download = ml_collections.config_dict.placeholder(bool)  # missing data set: None (auto) = tfds downloads CIFAR-10/100 on first use; True = any (ImageNet32 too); False = never
 
   c.model = _model_config()
 

@@ -503,13 +503,12 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   validate_config(config, len(jax.local_devices()))
   _validate_multiprocess(config)
   info = data_lib.get_dataset_info(config.dataset)
-  if config.download:
-    _prepare_data(config)
+  _prepare_data(config)
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
   open_fn = (data_lib.open_split if transport.is_local(_devices(config)[0])
              else data_lib.open_labels)
-  train = open_fn(config.dataset, info.train_split, config.data_dir or None)
-  test = open_fn(config.dataset, info.test_split, config.data_dir or None)
+  train = open_fn(config.dataset, info.train_split, config.data_dir or None, download=False)
+  test = open_fn(config.dataset, info.test_split, config.data_dir or None, download=False)
   logging.info("data: %d train / %d test images, %.1f s", len(train), len(test),
                time.time() - start)
   k = config.accumulation_steps
@@ -584,10 +583,13 @@ def _schedule(config, pipe: Pipeline, start_step: int, total_steps: int):
 
 
 def _prepare_data(config) -> None:
-  """Downloads and prepares a missing data set (``config.download``): process
-  0 only, the others wait for it."""
+  """Checks the data set, downloads and prepares it if missing as
+  ``config.download`` says (None: CIFAR only; True: any; False: never):
+  process 0 only, the others wait for it."""
+  if config.download is False:
+    return  # never download: opening the data checks it, in every process
   if jax.process_index() == 0:
-    data_lib.ensure_prepared(config.dataset, config.data_dir or None, download=True)
+    data_lib.ensure_prepared(config.dataset, config.data_dir or None, download=config.download)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("petra_jax data prepared")

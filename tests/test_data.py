@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from petra_jax import data
+from petra_jax.data import prepare
 
 CIFAR10 = data.DATASETS["cifar10"]
 
@@ -23,17 +24,17 @@ def test_resolve_data_dir_precedence(monkeypatch, tmp_path):
   monkeypatch.delenv("TFDS_DATA_DIR")
   shared = tmp_path / "shared"
   shared.mkdir()
-  monkeypatch.setattr(data, "_SHARED_DATA_DIR", shared)
+  monkeypatch.setattr(prepare, "_SHARED_DATA_DIR", shared)
   assert data.resolve_data_dir(None) == str(shared)
 
-  monkeypatch.setattr(data, "_SHARED_DATA_DIR", tmp_path / "absent")
+  monkeypatch.setattr(prepare, "_SHARED_DATA_DIR", tmp_path / "absent")
   assert data.resolve_data_dir(None).endswith("tensorflow_datasets")
 
 
 def test_missing_data_dir_error_names_both_fixes(tmp_path):
   missing = str(tmp_path / "nowhere")
   with pytest.raises(data.DataError) as e:
-    data.load_split("cifar10", "test", data_dir=missing, limit=4)
+    data.load_split("cifar10", "test", data_dir=missing, limit=4, download=False)
   msg = str(e.value)
   for part in ("cifar10", missing, "--config.data_dir", "TFDS_DATA_DIR"):
     assert part in msg
@@ -252,7 +253,7 @@ def test_missing_data_error_for_each_dataset(name, tmp_path):
   for d in (tmp_path / "nowhere", tmp_path):  # absent dir; dir without it
     info = data.get_dataset_info(name)
     with pytest.raises(data.DataError) as e:
-      data.open_split(name, info.train_split, data_dir=str(d))
+      data.open_split(name, info.train_split, data_dir=str(d), download=False)
     for part in (repr(name), str(d), "--config.data_dir", "TFDS_DATA_DIR"):
       assert part in str(e.value)
 
@@ -365,185 +366,3 @@ def test_random_resized_crop_box_bounds():
   # Fallback for an extreme aspect ratio: central crop at the ratio bound.
   assert data.random_resized_crop_box(10, 1000, np.random.default_rng(0)) == (
       0, (1000 - 13) // 2, 10, 13)
-
-
-# ------------------------------------- damaged and missing data (issue 14)
-
-
-def _cifar10_copy(real_data_dir, data_dir, copies=()):
-  """A tfds data dir holding CIFAR-10 as symlinks to the real files, except
-  the file names in ``copies``, which are real copies (to be damaged).
-
-  Returns:
-    The copy's version folder (``<data_dir>/cifar10/<version>``).
-  """
-  import pathlib
-  import shutil
-
-  real, = pathlib.Path(real_data_dir).glob("cifar10/*/dataset_info.json")
-  version_dir = pathlib.Path(data_dir) / "cifar10" / real.parent.name
-  version_dir.mkdir(parents=True)
-  for f in real.parent.iterdir():
-    if f.name in copies:
-      shutil.copyfile(f, version_dir / f.name)
-    else:
-      (version_dir / f.name).symlink_to(f)
-  return version_dir
-
-
-TRAIN_SHARD = "cifar10-train.array_record-00000-of-00001"
-TEST_SHARD = "cifar10-test.array_record-00000-of-00001"
-
-
-def _no_record_reads(monkeypatch):
-  """Makes any record read fail the test: errors must come at open time."""
-  def fail(*args, **kwargs):
-    raise AssertionError("a record was read")
-  monkeypatch.setattr(data, "_read_records", fail)
-
-
-def test_truncated_shard_is_one_data_error_at_open(cifar10_dir, tmp_path, monkeypatch):
-  version_dir = _cifar10_copy(cifar10_dir, tmp_path)
-  shard = version_dir / TRAIN_SHARD
-  head = shard.read_bytes()[: 1 << 20]  # the first MiB of 42: a cut-off copy
-  shard.unlink()
-  shard.write_bytes(head)
-
-  with monkeypatch.context() as m:
-    _no_record_reads(m)
-    for open_fn in (data.open_labels, data.open_split, data.load_split):
-      with pytest.raises(data.DataError) as e:
-        open_fn("cifar10", "train", data_dir=str(tmp_path), limit=8)
-      msg = str(e.value)
-      assert "\n" not in msg
-      for part in ("'cifar10'", repr(str(shard)), "truncated", f"{1 << 20} bytes",
-                   "Re-prepare", repr(str(version_dir)),
-                   f"tfds build cifar10 --data_dir={tmp_path}", "--config.download=True"):
-        assert part in msg, (part, msg)
-
-  # The intact test split of the same copy still opens, with CIFAR-10's test
-  # labels: 1000 of each of the 10 classes, as in the real data dir.
-  labels = data.open_labels("cifar10", "test", data_dir=str(tmp_path)).labels
-  np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
-  np.testing.assert_array_equal(
-      labels, data.open_labels("cifar10", "test", data_dir=cifar10_dir).labels)
-
-
-def test_shard_disagreeing_with_metadata_or_missing(cifar10_dir, tmp_path, monkeypatch):
-  import json
-
-  _no_record_reads(monkeypatch)
-  # dataset_info.json says the test shard holds 10001 records; it holds 10000.
-  version_dir = _cifar10_copy(cifar10_dir, tmp_path / "count",
-                              copies=("dataset_info.json",))
-  path = version_dir / "dataset_info.json"
-  info = json.loads(path.read_text())
-  test_info, = [s for s in info["splits"] if s["name"] == "test"]
-  test_info["shardLengths"] = ["10001"]
-  path.write_text(json.dumps(info))
-  with pytest.raises(data.DataError) as e:
-    data.open_labels("cifar10", "test", data_dir=str(tmp_path / "count"))
-  assert "holds 10000 records" in str(e.value) and "says 10001" in str(e.value)
-  assert repr(str(version_dir / TEST_SHARD)) in str(e.value)
-
-  version_dir = _cifar10_copy(cifar10_dir, tmp_path / "missing")
-  (version_dir / TEST_SHARD).unlink()
-  with pytest.raises(data.DataError) as e:
-    data.open_labels("cifar10", "test", data_dir=str(tmp_path / "missing"))
-  assert f"{str(version_dir / TEST_SHARD)!r} is missing" in str(e.value)
-  assert "Re-prepare" in str(e.value)
-
-
-def test_corrupted_record_is_one_data_error_at_read(cifar10_dir, tmp_path):
-  # Bytes changed in the middle of the file: the footer is intact (the split
-  # opens), reading the damaged records fails the checksum.
-  version_dir = _cifar10_copy(cifar10_dir, tmp_path, copies=(TEST_SHARD,))
-  shard = version_dir / TEST_SHARD
-  raw = bytearray(shard.read_bytes())
-  raw[1_000_000:1_000_400] = bytes(400)
-  shard.write_bytes(bytes(raw))
-  with pytest.raises(data.DataError) as e:
-    data.open_labels("cifar10", "test", data_dir=str(tmp_path))
-  msg = str(e.value)
-  assert "\n" not in msg
-  for part in ("'cifar10'", repr(str(version_dir)), "a shard file is corrupted",
-               "Riegeli", "Re-prepare"):
-    assert part in msg, (part, msg)
-
-
-def _fake_download_and_prepare(real_data_dir, calls, error=None):
-  """A stand-in for tfds' ``DatasetBuilder.download_and_prepare``: raises
-  ``error``, or "prepares" the builder's data set by linking the real files."""
-  import pathlib
-
-  def download_and_prepare(self, *args, **kwargs):
-    calls.append(self.name)
-    if error is not None:
-      raise error
-    real, = pathlib.Path(real_data_dir).glob(f"{self.name}/*/dataset_info.json")
-    target = pathlib.Path(self.data_dir)
-    target.mkdir(parents=True)
-    for f in real.parent.iterdir():
-      (target / f.name).symlink_to(f)
-
-  return download_and_prepare
-
-
-def test_download_prepares_a_missing_dataset(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
-
-  calls = []
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls))
-  fresh = str(tmp_path / "fresh")
-  labels = data.open_labels("cifar10", "test", data_dir=fresh, download=True).labels
-  assert calls == ["cifar10"]
-  np.testing.assert_array_equal(np.bincount(labels), [1000] * 10)
-  np.testing.assert_array_equal(
-      labels, data.open_labels("cifar10", "test", data_dir=cifar10_dir).labels)
-  # Prepared now: no second download; the images are the real ones.
-  assert data.ensure_prepared("cifar10", fresh, download=True) == fresh
-  got = data.open_split("cifar10", "test", data_dir=fresh, limit=16, download=True)
-  want = data.load_split("cifar10", "test", data_dir=cifar10_dir, limit=16)
-  np.testing.assert_array_equal(got.images, want.images)
-  assert calls == ["cifar10"]
-
-
-def test_download_without_network_names_both_fixes(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
-
-  calls = []
-  error = ConnectionError("Failed to resolve 'www.cs.toronto.edu' (Name or service not known)")
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls, error))
-  fresh = str(tmp_path / "fresh")
-  for open_fn in (data.open_split, data.open_labels):
-    with pytest.raises(data.DataError) as e:
-      open_fn("cifar10", "train", data_dir=fresh, download=True)
-    msg = str(e.value)
-    assert "\n" not in msg
-    for part in ("'cifar10'", repr(fresh), "ConnectionError", "www.cs.toronto.edu",
-                 "--config.data_dir", "TFDS_DATA_DIR", "network access"):
-      assert part in msg, (part, msg)
-  assert calls == ["cifar10", "cifar10"]
-
-
-def test_no_download_unless_asked(cifar10_dir, tmp_path, monkeypatch):
-  import tensorflow_datasets as tfds
-
-  calls = []
-  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
-                      _fake_download_and_prepare(cifar10_dir, calls, AssertionError("called")))
-  fresh = str(tmp_path / "fresh")
-  with pytest.raises(data.DataError) as e:
-    data.open_split("cifar10", "test", data_dir=fresh)  # download defaults to False
-  for part in ("'cifar10'", repr(fresh), "--config.data_dir", "TFDS_DATA_DIR",
-               "--config.download=True"):
-    assert part in str(e.value), (part, str(e.value))
-  with pytest.raises(data.DataError, match="--config.download=True"):
-    data.ensure_prepared("cifar10", fresh)
-  # A prepared data set is used as it is, even with download=True.
-  assert data.ensure_prepared("cifar10", cifar10_dir, download=True) == cifar10_dir
-  labels = data.open_labels("cifar10", "test", data_dir=cifar10_dir, limit=10, download=True)
-  assert len(labels) == 10
-  assert calls == []

@@ -137,7 +137,8 @@ def test_cli_bad_method_is_one_line_without_traceback(tmp_path):
 
 
 def test_cli_missing_data_names_both_fixes(tmp_path):
-  r = _cli(f"--config.data_dir={tmp_path / 'nowhere'}", f"--workdir={tmp_path}")
+  r = _cli(f"--config.data_dir={tmp_path / 'nowhere'}", "--config.download=False",
+           f"--workdir={tmp_path}")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "--config.data_dir" in r.stderr and "TFDS_DATA_DIR" in r.stderr

@@ -1,0 +1,170 @@
+"""Batches: the epoch order, training batches and evaluation batches.
+
+The training loop sees index batches (``batch_indices``: the epoch's
+permutation cut into full batches) and one API for every data set:
+
+* ``make_train_batch_fn(info, device)(split, indices, key)`` -> augmented,
+  normalised float32 images on ``device`` and their int32 labels;
+* ``eval_batches(split, info, batch_size)`` -> normalised batches of one shape
+  (the last one padded) with their labels and valid counts.
+"""
+
+import functools
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from petra_jax.data import sources
+from petra_jax.data.augment import augment, imagenet_eval_image, imagenet_train_image, normalize
+from petra_jax.data.sources import DatasetInfo, LazySplit, Split
+
+
+def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
+  """The example order of one epoch, a function of ``(seed, epoch)`` only.
+
+  Args:
+    num_examples: dataset size N.
+    seed: non-negative run seed.
+    epoch: non-negative epoch number.
+
+  Returns:
+    int64 ``[N]``, a permutation of ``0 .. N - 1``.
+  """
+  return np.random.default_rng((seed, epoch)).permutation(num_examples)
+
+
+def batch_indices(
+    num_examples: int,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    steps_per_epoch: int = 0,
+) -> np.ndarray:
+  """Index batches of one epoch: the shuffled order cut into full batches.
+
+  The last partial batch is dropped.
+
+  Args:
+    num_examples: dataset size N.
+    batch_size: examples per batch B.
+    seed: non-negative run seed.
+    epoch: non-negative epoch number.
+    steps_per_epoch: if > 0, at most this many batches are returned.
+
+  Returns:
+    int64 ``[S, B]``; row ``s`` holds the example indices of step ``s``, with
+    ``S = min(N // B, steps_per_epoch or N // B)``. No index repeats.
+
+  Raises:
+    ValueError: ``batch_size < 1`` or the dataset is smaller than one batch.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+  num_batches = num_examples // batch_size
+  if num_batches == 0:
+    raise ValueError(
+        f"Dataset of {num_examples} examples is smaller than one batch of "
+        f"{batch_size}."
+    )
+  if steps_per_epoch > 0:
+    num_batches = min(num_batches, steps_per_epoch)
+  perm = epoch_permutation(num_examples, seed, epoch)
+  return perm[: num_batches * batch_size].reshape(num_batches, batch_size)
+
+
+def _decode_lazy_batch(
+    split: LazySplit, indices: Sequence[int], transform: Callable[..., np.ndarray],
+    *per_image_args: Sequence[Any],
+) -> tuple[np.ndarray, np.ndarray]:
+  """Reads ``indices`` and maps ``transform`` over them on the thread pool."""
+  encoded, labels = split.read(indices)
+  images = list(sources.thread_pool().map(transform, encoded, *per_image_args))
+  return np.stack(images), labels
+
+
+TrainBatchFn = Callable[[Any, np.ndarray, jax.Array], tuple[jax.Array, np.ndarray]]
+
+
+def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
+  """The training-batch function of a dataset (paper Sec. 4 augmentation).
+
+  In-memory datasets: gather uint8 images, ship them to ``device``, then
+  ``augment`` (pad-4 random crop + flip + normalise) there. Lazy ones
+  (ImageNet): read and decode on the host, random-resized crop to
+  ``info.image_shape`` + flip (``imagenet_train_image``), ship the uint8 crops,
+  normalise on ``device``.
+
+  Args:
+    info: the dataset's registry entry.
+    device: where the images go (the first stage's device).
+
+  Returns:
+    ``fn(split, indices, key) -> (images, labels)``: ``split`` from
+    ``open_split``; ``indices`` int ``[B]``; ``key`` a PRNG key (the batch's
+    randomness, as a function of the key only); ``images`` float32
+    ``[B, H, W, C]`` on ``device``; ``labels`` int32 ``[B]`` (NumPy).
+  """
+  normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
+  if not info.lazy:
+    augment_fn = jax.jit(functools.partial(augment, mean=info.mean, std=info.std))
+
+    def in_memory_fn(split: Split, indices: np.ndarray, key: jax.Array):
+      images = jax.device_put(split.images[indices], device)
+      return augment_fn(jax.device_put(key, device), images), split.labels[indices]
+
+    return in_memory_fn
+
+  size = info.image_shape[0]
+
+  def lazy_fn(split: LazySplit, indices: np.ndarray, key: jax.Array):
+    seeds = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
+                                  ).integers(0, 2**63, len(indices))
+    transform = functools.partial(imagenet_train_image, size=size)
+    images, labels = _decode_lazy_batch(split, indices, transform, seeds.tolist())
+    return normalize_fn(jax.device_put(images, device)), labels
+
+  return lazy_fn
+
+
+def eval_batches(
+    split: Split | LazySplit,
+    info: DatasetInfo,
+    batch_size: int,
+    device: jax.Device | None = None,
+) -> Iterator[tuple[jax.Array, np.ndarray, int]]:
+  """The split in order, normalised, in batches of one shape.
+
+  Lazy (ImageNet) images are resized to 256 on the shorter side and
+  center-cropped to ``info.image_shape`` (``imagenet_eval_image``).
+
+  Args:
+    split: from ``open_split``.
+    info: the dataset's registry entry.
+    batch_size: images per batch B.
+    device: where the images go; ``None`` = JAX's default device.
+
+  Yields:
+    ``(images, labels, valid)``: float32 ``[B, H, W, C]`` on ``device``, whose
+    rows past ``valid`` (last batch only) are padding, black images before
+    normalisation; int32 labels ``[valid]`` (NumPy); ``valid`` in ``1 .. B``.
+
+  Raises:
+    ValueError: ``batch_size < 1``.
+  """
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+  normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
+  transform = functools.partial(imagenet_eval_image, size=info.image_shape[0])
+  n = len(split)
+  for start in range(0, n, batch_size):
+    indices = np.arange(start, min(start + batch_size, n))
+    if info.lazy:
+      images, labels = _decode_lazy_batch(split, indices, transform)
+    else:
+      images, labels = split.images[indices], split.labels[indices]
+    valid = len(indices)
+    if valid < batch_size:  # pad to one shape: no recompilation
+      pad = np.zeros((batch_size - valid,) + images.shape[1:], images.dtype)
+      images = np.concatenate([images, pad])
+    yield normalize_fn(jax.device_put(images, device)), labels, valid
