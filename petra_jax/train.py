@@ -83,6 +83,11 @@ def _parse_flags(argv):
     sys.exit(f"error: bad config override: {message}. See petra_jax/config.py for the "
              "fields and their types.")
   except flags.Error as e:
+    # A config file's get_config(variant) refusing its argument: its one-line
+    # ValueError, not the traceback ml_collections wraps it in.
+    last = str(e).strip().splitlines()[-1]
+    if "Error whilst parsing config file" in str(e) and last.startswith("ValueError: "):
+      sys.exit(f"error: {str(e).splitlines()[0]} {last[len('ValueError: '):]}")
     sys.exit(f"error: {e}\nPass --helpfull to list the flags.")
 
 
