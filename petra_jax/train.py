@@ -45,6 +45,9 @@ def main(argv):
     distributed = initialize_distributed(_CONFIG.value)
   except ConfigError as e:
     exit_now(f"error: {e}")
+  backend_error = console.backend_error()
+  if backend_error:
+    exit_now(f"error: {backend_error}")
   try:
     with _workdir_lock(_WORKDIR.value):
       train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -354,6 +354,24 @@ def test_platform_mismatch_names_the_install():
     assert console.platform_mismatch(wanted, env, backend) is None
 
 
+def test_cli_says_when_the_configured_gpu_is_not_used(tmp_path):
+  # (num_epochs=0 then stops the run before any data is read.)
+  r = _cli("--config.platform=gpu", "--config.num_epochs=0", f"--workdir={tmp_path}")
+  lines = r.stderr.splitlines()
+  warnings = [line for line in lines if "but JAX runs on the CPU" in line]
+  assert len(warnings) == 1 and "pip install -e '.[cuda12]'" in warnings[0], r.stderr[-2000:]
+
+
+def test_cli_platform_that_cannot_start_is_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="tpu")
+  r = subprocess.run([sys.executable, "-m", "petra_jax.train",
+                      "--config=configs/cifar10_cpu.py", f"--workdir={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "pip install -e '.[tpu]'" in errors[0], r.stderr[-2000:]
+
+
 # --- evaluation on the device
 
 

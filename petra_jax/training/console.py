@@ -87,6 +87,24 @@ def check_platform(config) -> None:
     tqdm.write(line, file=sys.stderr)
 
 
+def backend_error() -> Optional[str]:
+  """Starts JAX's backends; the line naming the fix if the platform that
+  ``$JAX_PLATFORMS`` asks for cannot start, else None.
+
+  Call after ``jax.distributed.initialize`` (which must come first).
+  """
+  try:
+    jax.default_backend()
+    return None
+  except (RuntimeError, AssertionError) as e:  # (jax asserts when no CUDA plugin exists)
+    asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    why = (str(e).splitlines() or [type(e).__name__])[0]
+    install = _ACCELERATOR_INSTALL.get(asked.split(",")[0].strip().lower())
+    fix = f"install it ({install}) or " if install else ""
+    return (f"JAX could not start the platform JAX_PLATFORMS={asked!r} asks for ({why}); "
+            f"{fix}unset JAX_PLATFORMS to use the ones installed.")
+
+
 def setup_summary(run) -> None:
   """The run in two lines: what trains where on what, and how long."""
   c, pipe = run.config, run.pipe
