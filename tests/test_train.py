@@ -354,6 +354,7 @@ def test_platform_mismatch_names_the_install():
     assert console.platform_mismatch(wanted, env, backend) is None
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU-only JAX")
 def test_cli_says_when_the_configured_gpu_is_not_used(tmp_path):
   # (num_epochs=0 then stops the run before any data is read.)
   r = _cli("--config.platform=gpu", "--config.num_epochs=0", f"--workdir={tmp_path}")

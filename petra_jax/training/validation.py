@@ -47,6 +47,7 @@ class Range:
   why: str = ""
 
   def allows(self, value) -> bool:
+    """Whether ``value`` (int or float) is inside the range."""
     above = value > self.low if self.low_open else value >= self.low
     below = value <= self.high if self.high_closed else value < self.high
     return above and below
