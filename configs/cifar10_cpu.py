@@ -40,12 +40,25 @@ with each single compensation, backprop 58.8 %. At 10 stages
 (``stage_sizes="()"``), 2 epochs, k = 2: 53.7 % against 48.0 % without,
 backprop 66.7 % (docs/compensation.md). Use
 ``--config.compensation.name=none`` for plain PETRA.
+
+Variant ``runlocal`` (``--config=configs/cifar10_cpu.py:runlocal``): the same
+recipe at width 4, batches of 32 (k = 2 micro-batches of 16), one epoch of 10
+updates with a loss line after each and an evaluation at the end: a smoke
+test of the whole command in about a minute, not a result.
 """
 
 from petra_jax import config as default
 
 
-def get_config():
+def get_config(variant: str = ""):
+  """The recipe; ``variant="runlocal"`` shrinks it to a smoke test.
+
+  Raises:
+    ValueError: an unknown variant.
+  """
+  if variant not in ("", "runlocal"):
+    raise ValueError(f"Unknown variant {variant!r} of configs/cifar10_cpu.py; use "
+                     "--config=configs/cifar10_cpu.py or --config=configs/cifar10_cpu.py:runlocal.")
   c = default.get_config()
   c.method = "petra"
   c.model.name = "revnet18"
@@ -61,4 +74,11 @@ def get_config():
   c.optim.schedule = "cosine"
   c.optim.warmup_epochs = 1.0
   c.compensation.name = "nesterov_lookahead+weight_prediction"
+  if variant == "runlocal":
+    c.model.width = 4
+    c.batch_size = 32
+    c.num_epochs = 1
+    c.steps_per_epoch = 10
+    c.log_every = 1
+    c.eval_batch_size = 1000
   return c

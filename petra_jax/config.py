@@ -1,9 +1,15 @@
 """Default run configuration; ``configs/*.py`` start from it and override.
 
-Every field is documented here. ``batch_size`` counts the images of one
-optimizer update; it is split into ``accumulation_steps`` (k) micro-batches of
-``batch_size // k`` images, one per tick. The paper's "batch size 64, k = 2"
-is ``batch_size=128, accumulation_steps=2``.
+Every field is documented here, on its line, except those of
+``config.compensation``: their defaults and meanings live beside the code
+that reads them, in ``petra_jax.optim.compensation.DEFAULTS`` (the names and
+equations in that module's docstring). The bounds of the numeric fields are
+checked in ``petra_jax.training.validation.RANGES``.
+
+``batch_size`` counts the images of one optimizer update; it is split into
+``accumulation_steps`` (k) micro-batches of ``batch_size // k`` images, one
+per tick. The paper's "batch size 64, k = 2" is ``batch_size=128,
+accumulation_steps=2``.
 """
 
 import ml_collections
@@ -11,6 +17,7 @@ import ml_collections
 from petra_jax.optim import compensation
 from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
+PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
 
 
 def _model_config() -> ml_collections.ConfigDict:
@@ -100,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 500
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
+  c.platform = ""             # the platform this run expects: "gpu", "tpu" or "cpu"; "" = whatever JAX picks.
+                              # If "gpu"/"tpu" (or $JAX_PLATFORMS names one) but JAX runs on the CPU,
+                              # the run says so and names the install (pip install -e '.[cuda12]' / '.[tpu]')
   c.seed = 0
   c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
   c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.engine.diagnostics); 0 = off
@@ -111,8 +121,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Delay compensation of the delayed methods (petra, dsp, delayed,
   # approximate_input), per stage from its delay tau_j (petra_jax.optim.compensation):
-  # "none", "lr_scale", "pipemare", "spike", "weight_prediction",
-  # "nesterov_lookahead", or several joined with "+".
+  # name = "none", "lr_scale", "pipemare", "spike", "weight_prediction",
+  # "nesterov_lookahead", or several joined with "+". Its fields (name,
+  # lr_power, pipemare_warmup_epochs, prediction_scale, lookahead_momentum,
+  # lookahead_delay_ref) are documented in compensation.DEFAULTS.
   c.compensation = compensation.defaults()
 
   # Precision (petra_jax.engine.stage.Precision): convolutions, BatchNorm and

@@ -17,7 +17,7 @@ process then prints ``RECEIVED [dtypes]``: the dtypes of the message leaves
 that arrived at its stages from the other process.
 
 Every process also prints ``BALANCE [sizes]``: the 2-stage grouping that
-``train._stage_sizes`` picks with ``model.balance_by="time"`` when each
+``assembly.stage_sizes`` picks with ``model.balance_by="time"`` when each
 process "measures" different block costs (process 0 a slow stem, the others
 a slow head): all must print process 0's choice, ``[1, 4]``.
 """
@@ -37,6 +37,8 @@ import optax
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import models, train
+from petra_jax.engine import timing
+from petra_jax.training import assembly, distributed
 from petra_jax.engine import observers
 from petra_jax.engine import quantize
 from petra_jax.engine import schedule
@@ -60,10 +62,10 @@ def tiny_revnet(width: int = WIDTH) -> list:
 def check_balance() -> list:
   """The time-balanced grouping, from per-process fake timings (see above)."""
   costs = [9.0, 1.0, 1.0, 1.0, 1.0] if jax.process_index() == 0 else [1.0, 1.0, 1.0, 1.0, 9.0]
-  train.timing.measure_stage_costs = lambda *a, **k: list(costs)
+  timing.measure_stage_costs = lambda *a, **k: list(costs)
   c = config_lib.get_config()
   c.model.num_stages, c.model.balance_by = 2, "time"
-  return train._stage_sizes(c, tiny_revnet(), (MICRO_BATCH, 32, 32, 3), 10, "")  # pylint: disable=protected-access
+  return assembly.stage_sizes(c, tiny_revnet(), (MICRO_BATCH, 32, 32, 3), 10, "")
 
 
 def _received_dtypes(pipe, state) -> set:
@@ -137,7 +139,7 @@ def main():
   try:
     result = run(args.data_dir, args.die_after, args.quantize)
   except transport.PeerError as e:
-    train._exit_now(f"error: process {jax.process_index()}: {e}")  # pylint: disable=protected-access
+    distributed.exit_now(f"error: process {jax.process_index()}: {e}")
   if jax.process_index() == 0:
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -14,7 +14,7 @@ from petra_jax.optim import compensation
 from petra_jax.engine import pipeline
 
 from petra_jax.engine import stage as stage_lib
-from petra_jax import train
+from petra_jax.training import assembly
 from helpers import random_batch
 
 
@@ -42,8 +42,8 @@ def test_each_stage_gets_its_own_delay_in_the_grouped_pipeline(sizes, monkeypatc
   """lr_scale divides stage j's rate by max(tau_j / k, 1), tau_j = 2(J-1-j) of
   the pipeline as grouped (4 stages, or the paper's 10)."""
   c = _config("lr_scale", stage_sizes=sizes)
-  info = train.data_lib.DATASETS["cifar10"]
-  pipe, _, _ = train._build_pipeline(c, "/nonexistent", info, 4, steps_per_epoch=10)
+  info = assembly.data_lib.DATASETS["cifar10"]
+  pipe, _, _ = assembly.build_pipeline(c, "/nonexistent", info, 4, steps_per_epoch=10)
   J = pipe.num_stages
   assert J == (len(sizes) or 10)
   params = {"w": jnp.ones((3,))}
@@ -58,8 +58,8 @@ def test_each_stage_gets_its_own_delay_in_the_grouped_pipeline(sizes, monkeypatc
 def test_methods_without_delay_get_the_plain_optimizer():
   c = _config("lr_scale", stage_sizes=(1, 2, 2, 5))
   c.method = "revprop"
-  info = train.data_lib.DATASETS["cifar10"]
-  pipe, _, _ = train._build_pipeline(c, "/nonexistent", info, 4, steps_per_epoch=10)
+  info = assembly.data_lib.DATASETS["cifar10"]
+  pipe, _, _ = assembly.build_pipeline(c, "/nonexistent", info, 4, steps_per_epoch=10)
   params = {"w": jnp.ones((3,))}
   ref = _first_update(pipe.txs[-1], params)["w"]
   for tx in pipe.txs:

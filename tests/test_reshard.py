@@ -18,6 +18,8 @@ import pytest
 from petra_jax import models, train
 
 from petra_jax.training import checkpoint
+from petra_jax.training import metrics as metrics_lib
+from petra_jax.engine import schedule as schedule_lib
 
 from petra_jax.optim import compensation
 
@@ -116,7 +118,7 @@ def test_drained_checkpoint_resumes_with_four_stages(cifar10_dir, tmp_path):
   c4 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 4, "checkpoint_drain": False}))
   run = train.setup(c4, wd)
   assert run.restored_step == 2 and run.pipe.num_stages == 4
-  assert train.schedule_lib.fed(run.schedule[0]) == 4  # the stream restarts at update 2
+  assert schedule_lib.fed(run.schedule[0]) == 4  # the stream restarts at update 2
   b = 0
   for st in run.state.train_states:
     n = checkpoint.stage_block_count(st)
@@ -133,6 +135,6 @@ def test_drained_checkpoint_resumes_with_four_stages(cifar10_dir, tmp_path):
   assert b == 10
   run.checkpointer.close()
   train.train_and_evaluate(c4, wd)
-  losses = {r["step"]: r["train_loss"] for r in train.metrics_lib.read_metrics(wd)
+  losses = {r["step"]: r["train_loss"] for r in metrics_lib.read_metrics(wd)
             if "train_loss" in r}
   assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))

@@ -14,6 +14,8 @@ import optax
 from petra_jax.training import checkpoint
 from petra_jax import config as config_lib
 from petra_jax import models, train
+from petra_jax.engine import timing
+from petra_jax.training import assembly, console, evaluate
 from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
 
@@ -43,11 +45,12 @@ def tiny_config(data_dir, **overrides):
   return c
 
 
-def _config_file(path):
+def _config_file(path, *variant):
+  """``get_config(*variant)`` of a config file (config_flags' ``path:variant``)."""
   spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config()
+  return module.get_config(*variant)
 
 
 @pytest.mark.slow
@@ -116,17 +119,99 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"model.num_stages": 12}, "only 10 blocks"),
     ({"model.stage_sizes": (4, 4)}, "summing to revnet18's 10 blocks"),
     ({"model.num_stages": 3, "model.balance_by": "ms"}, "Unknown stage-balancing cost 'ms'"),
+    ({"platform": "gpu2"}, "Unknown platform 'gpu2'"),
+    # Numeric fields out of range: each names its flag and the bound.
+    ({"optim.learning_rate": -1.0}, r"optim.learning_rate must be >= 0, got -1.0 .*climbs"),
+    ({"num_epochs": 0}, "num_epochs must be >= 1, got 0 .*no training steps"),
+    ({"optim.weight_decay": -1e-4}, "optim.weight_decay must be >= 0"),
+    ({"optim.momentum": 1.0}, r"optim.momentum must be in \[0, 1\), got 1.0"),
+    ({"optim.momentum": -0.5}, r"optim.momentum must be in \[0, 1\)"),
+    ({"optim.adam_b2": 1.5}, r"optim.adam_b2 must be in \[0, 1\)"),
+    ({"optim.decay_factor": 0.0}, "optim.decay_factor must be > 0"),
+    ({"optim.decay_epochs": (-1, 5)}, "optim.decay_epochs=.* negative"),
+    ({"optim.warmup_epochs": 2.0}, "optim.warmup_epochs=2 is longer than the run"),
+    ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+    ({"eval_batch_size": 0}, "eval_batch_size must be >= 1"),
+    ({"eval_every": -1}, "eval_every must be >= 0"),
+    ({"log_every": 0}, "log_every must be >= 1"),
+    ({"steps_per_epoch": -3}, "steps_per_epoch must be >= 0"),
+    ({"max_steps": -1}, "max_steps must be >= 0"),
+    ({"checkpoint_every": -1}, "checkpoint_every must be >= 0"),
+    ({"keep_checkpoints": 0}, "keep_checkpoints must be >= 1"),
+    ({"model.width": 0}, "model.width must be >= 1"),
+    ({"compensation.lookahead_momentum": 1.0}, "compensation.lookahead_momentum must be in"),
+    ({"model.num_stages": 3, "model.stage_sizes": (5, 5)},
+     r"model.num_stages=3 disagrees with model.stage_sizes=\(5, 5\)"),
 ])
 def test_bad_config_gives_one_clear_error(overrides, message):
   c = tiny_config("unused", **overrides)
-  with pytest.raises(train.ConfigError, match=message):
+  with pytest.raises(train.ConfigError, match=message) as error:
     train.validate_config(c, len(jax.local_devices()))
+  assert "\n" not in str(error.value)
+  flag = message.split(" ")[0].split("=")[0].replace("\\", "")
+  if "_" in flag or "." in flag:  # a field's check names the flag to change
+    assert f"--config.{flag}" in str(error.value), str(error.value)
 
 
-def _cli(*args):
+def test_good_edge_values_pass():
+  for overrides in ({"optim.learning_rate": 0.0, "optim.momentum": 0.0, "num_epochs": 1,
+                     "optim.warmup_epochs": 1.0, "eval_every": 0, "max_steps": 0},
+                    {"model.num_stages": 2, "model.stage_sizes": (4, 6)}):
+    train.validate_config(tiny_config("unused", **overrides), len(jax.local_devices()))
+
+
+def test_num_stages_against_the_cpu_recipes_stage_sizes():
+  c = _config_file("configs/cifar10_cpu.py")
+  c.model.num_stages = 20  # the recipe sets stage_sizes=(1, 2, 2, 5): 4 stages
+  with pytest.raises(train.ConfigError, match="--config.model.stage_sizes='\\(\\)'"):
+    train.validate_config(c, len(jax.local_devices()))
+  c.model.num_stages = 4  # agrees
+  train.validate_config(c, len(jax.local_devices()))
+
+
+def test_runlocal_variant_is_the_cpu_recipe_shrunk():
+  full, small = _config_file("configs/cifar10_cpu.py"), _config_file("configs/cifar10_cpu.py",
+                                                                       "runlocal")
+  train.validate_config(small, len(jax.local_devices()))
+  assert (small.model.width, small.batch_size, small.num_epochs) == (4, 32, 1)
+  assert 0 < small.steps_per_epoch <= 20 and small.log_every == 1
+  for same in ("method", "model.stage_sizes", "accumulation_steps", "optim.learning_rate",
+               "optim.schedule", "compensation.name"):
+    a, b = full, small
+    for part in same.split("."):
+      a, b = a[part], b[part]
+    assert a == b, same
+  with pytest.raises(ValueError, match="runlocal"):
+    _config_file("configs/cifar10_cpu.py", "nope")
+
+
+def _cli(*args, config="configs/cifar10_cpu.py"):
   return subprocess.run(
-      [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py", *args],
+      [sys.executable, "-m", "petra_jax.train", f"--config={config}", *args],
       cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.optim.learning_rate=-1", "error: optim.learning_rate must be >= 0, got -1"),
+    ("--config.num_epochs=0", "error: num_epochs must be >= 1, got 0"),
+    ("--config.model.num_stages=20", "error: model.num_stages=20 disagrees with "
+     "model.stage_sizes=(1, 2, 2, 5)"),
+])
+def test_cli_bad_value_is_one_error_line_naming_the_flag(tmp_path, flag, message):
+  r = _cli(flag, f"--workdir={tmp_path}")
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and errors[0].startswith(message), r.stderr[-2000:]
+  assert "--config." + flag.split(".", 1)[1].split("=")[0] in errors[0]
+  assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing trained
+
+
+def test_cli_unknown_config_variant_is_one_line(tmp_path):
+  r = _cli(f"--workdir={tmp_path}", config="configs/cifar10_cpu.py:tiny")
+  assert r.returncode != 0
+  assert "Traceback" not in r.stderr
+  assert "runlocal" in r.stderr.strip().splitlines()[-1]
 
 
 def test_cli_bad_method_is_one_line_without_traceback(tmp_path):
@@ -169,13 +254,12 @@ def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tm
   # are steps 1 .. N-1, and a checkpoint at step >= N holds the micro-batch
   # whose loss is NaN (in flight in the pipeline), so resuming from it would
   # diverge again: none may be left.
-  r = _cli("--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=1",
-           "--config.steps_per_epoch=12", "--config.num_epochs=1", "--config.log_every=1",
+  r = _cli("--config.accumulation_steps=1", "--config.steps_per_epoch=12",
            "--config.checkpoint_every=1", "--config.keep_checkpoints=2",
-           "--config.num_devices=1", "--config.eval_every=0",
+           "--config.eval_every=0",
            "--config.optim.learning_rate=1e4", "--config.optim.warmup_epochs=0",
            "--config.optim.schedule=constant", f"--config.data_dir={cifar10_dir}",
-           f"--workdir={tmp_path}")
+           f"--workdir={tmp_path}", config="configs/cifar10_cpu.py:runlocal")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   bad = _diverged_step(r.stderr)
@@ -203,17 +287,17 @@ def test_stage_sizes_balanced_on_measured_costs(monkeypatch, tmp_path):
   # the best 2-stage split puts it alone (independent of the FLOPs, which
   # rank the stem among the cheapest blocks).
   costs = [9.0] + [1.0] * 9
-  monkeypatch.setattr(train.timing, "measure_stage_costs", lambda *a, **k: costs)
+  monkeypatch.setattr(timing, "measure_stage_costs", lambda *a, **k: costs)
   c = tiny_config("unused", **{"model.num_stages": 2, "model.balance_by": "time"})
-  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [1, 9]
+  assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [1, 9]
   c.model.balance_by = "flops"
-  flops_sizes = train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path))
+  flops_sizes = assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path))
   assert flops_sizes == models.balanced_stage_sizes(_blocks(), 2, (2, 16, 16, 3))
   assert flops_sizes != [1, 9]
   c.model.stage_sizes = (3, 7)  # explicit sizes win
-  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [3, 7]
+  assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [3, 7]
   c.model.stage_sizes, c.model.num_stages = (), 0  # the paper: one block per stage
-  assert train._stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) is None
+  assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) is None
 
 
 def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path):
@@ -229,6 +313,82 @@ def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path
 
   def no_timing(*a, **k):
     raise AssertionError("re-measured on resume")
-  monkeypatch.setattr(train.timing, "measure_stage_costs", no_timing)
+  monkeypatch.setattr(timing, "measure_stage_costs", no_timing)
   c = tiny_config("unused", **{"model.num_stages": 2, "model.balance_by": "time"})
-  assert train._stage_sizes(c, blocks, (2, 16, 16, 3), 10, str(tmp_path)) == [4, 6]
+  assert assembly.stage_sizes(c, blocks, (2, 16, 16, 3), 10, str(tmp_path)) == [4, 6]
+
+
+# --- the console: our lines only at the default verbosity
+
+
+# Lines of other libraries' INFO logging that a default run must not show.
+LIBRARY_INFO = ("CheckpointManager", "_NonBlockingMetadataStore", "differ on disk",
+                "Unable to initialize backend", "Load dataset info")
+
+
+@pytest.mark.slow
+def test_default_console_shows_our_lines_only(cifar10_dir, tmp_path):
+  r = _cli("--config.max_steps=2", "--config.checkpoint_every=2",
+           f"--config.data_dir={cifar10_dir}", f"--workdir={tmp_path}",
+           config="configs/cifar10_cpu.py:runlocal")
+  assert r.returncode == 0, r.stderr[-2000:]
+  both = r.stdout + r.stderr
+  for text in LIBRARY_INFO:
+    assert text not in both, text
+  assert not [line for line in both.splitlines() if line[:1] == "I" and line[1:5].isdigit()]
+  assert "petra revnet18 (width 4) on cifar10: 4 stages of [1, 2, 2, 5] blocks" in r.stdout
+  assert "2 updates of 32 images (2 micro-batches each), 10 per epoch" in r.stdout
+  assert "epoch 1: train_loss " in r.stdout
+  assert f"metrics: {tmp_path / 'metrics.jsonl'}" in r.stdout
+  assert f"checkpoints: {tmp_path / 'checkpoints'}" in r.stdout
+
+
+def test_platform_mismatch_names_the_install():
+  line = console.platform_mismatch("gpu", "", "cpu")
+  assert line.startswith("warning: config.platform='gpu' but JAX runs on the CPU")
+  assert "pip install -e '.[cuda12]'" in line
+  assert "pip install -e '.[tpu]'" in console.platform_mismatch("tpu", "", "cpu")
+  assert "JAX_PLATFORMS='cuda'" in console.platform_mismatch("", "cuda,cpu", "cpu")
+  assert "\n" not in line
+  for wanted, env, backend in (("gpu", "", "gpu"), ("", "", "cpu"), ("cpu", "", "cpu"),
+                               ("", "cpu", "cpu"), ("tpu", "", "tpu")):
+    assert console.platform_mismatch(wanted, env, backend) is None
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU-only JAX")
+def test_cli_says_when_the_configured_gpu_is_not_used(tmp_path):
+  # (num_epochs=0 then stops the run before any data is read.)
+  r = _cli("--config.platform=gpu", "--config.num_epochs=0", f"--workdir={tmp_path}")
+  lines = r.stderr.splitlines()
+  warnings = [line for line in lines if "but JAX runs on the CPU" in line]
+  assert len(warnings) == 1 and "pip install -e '.[cuda12]'" in warnings[0], r.stderr[-2000:]
+
+
+def test_cli_platform_that_cannot_start_is_one_line(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="tpu")
+  r = subprocess.run([sys.executable, "-m", "petra_jax.train",
+                      "--config=configs/cifar10_cpu.py", f"--workdir={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert r.returncode == 1 and "Traceback" not in r.stderr
+  errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "pip install -e '.[tpu]'" in errors[0], r.stderr[-2000:]
+
+
+# --- evaluation on the device
+
+
+def test_eval_batch_sums_match_numpy_log_softmax():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(0, 3, (8, 10)).astype(np.float32)
+  logits[2, [3, 7]] = 50.0  # a tie: the first maximum counts
+  labels = rng.integers(0, 10, 8).astype(np.int32)
+  labels[2] = 3
+  valid = 6
+  loss_sum, correct = evaluate.batch_sums(logits, labels, np.int32(valid))
+  x = logits[:valid].astype(np.float64)
+  logp = x - x.max(1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+  want_loss = -logp[np.arange(valid), labels[:valid]].sum()
+  want_correct = sum(int(np.argmax(x[i]) == labels[i]) for i in range(valid))
+  np.testing.assert_allclose(float(loss_sum), want_loss, rtol=1e-6)
+  assert int(correct) == want_correct and want_correct >= 1

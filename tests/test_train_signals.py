@@ -18,11 +18,9 @@ STEPS = 14
 
 
 def _args(data_dir, workdir, *extra):
-  return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py",
-          "--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",
-          f"--config.steps_per_epoch={STEPS}", "--config.num_epochs=1", "--config.log_every=1",
-          "--config.eval_every=0", "--config.eval_batch_size=1000",
-          f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
+  return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
+          f"--config.steps_per_epoch={STEPS}", f"--config.data_dir={data_dir}",
+          f"--workdir={workdir}", *extra]
 
 
 def _losses(workdir):

@@ -1,0 +1,282 @@
+"""A training run put together: data, stages, pipeline, schedule, checkpoint.
+
+:func:`setup` turns a config and a workdir into a :class:`Run`, the state
+that the loop (:mod:`petra_jax.training.loop`) and its hooks share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from typing import Any, Callable, Optional
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from petra_jax import data as data_lib
+from petra_jax import models, optim
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import observers
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine import timing
+from petra_jax.engine import transport
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.optim import compensation
+from petra_jax.training import checkpoint as checkpoint_lib
+from petra_jax.training import distributed
+from petra_jax.training import metrics as metrics_lib
+from petra_jax.training import validation
+from petra_jax.training.loss_log import LossLog
+
+
+@dataclasses.dataclass
+class Run:
+  """A training run between updates: what the loop and its hooks share.
+
+  Built by :func:`setup`; ``step`` counts the updates whose micro-batches
+  have all entered the pipeline (their gradients may still be in flight).
+  """
+  config: ml_collections.ConfigDict
+  workdir: str
+  info: Any
+  train: Any
+  test: Any
+  pipe: Pipeline
+  state: Any
+  schedule: schedule_lib.Chained
+  batches: Callable
+  writer: Any
+  loss_log: LossLog
+  checkpointer: checkpoint_lib.Checkpointer
+  steps_per_epoch: int
+  total_steps: int
+  step: int = 0
+  restored_step: Optional[int] = None
+  reconstruction: Optional[observers.ReconstructionProbe] = None
+  grad_quality: Optional[observers.GradientProbe] = None
+  start: float = dataclasses.field(default_factory=time.time)
+  result: dict = dataclasses.field(default_factory=dict)
+  drain_points: dict = dataclasses.field(default_factory=dict)
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+  """Validates the config, opens the data, builds the pipeline, restores.
+
+  Raises:
+    ConfigError, data.DataError, checkpoint.CheckpointError.
+  """
+  start = time.time()
+  validation.validate_config(config, len(jax.local_devices()))
+  validation.validate_multiprocess(config)
+  info, train, test = _open_data(config)
+  k = config.accumulation_steps
+  steps_per_epoch = validation.steps_per_epoch(config, len(train))
+  total_steps = steps_per_epoch * config.num_epochs
+  if config.max_steps:
+    total_steps = min(total_steps, config.max_steps)
+  pipe, sizes, probes = build_pipeline(config, workdir, info, config.batch_size // k,
+                                       steps_per_epoch)
+  state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
+  logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
+               [d.id for d in pipe.devices])
+  ckpt = _checkpointer(config, workdir, pipe, sizes)
+  restored = ckpt.restore(state, pipe.devices)
+  step, extra, extra_arrays, start_step = 0, {}, {}, 0
+  if restored is not None:
+    step, state, extra, extra_arrays = restored
+    if not state.in_flight():  # drained: the stream restarts at this step
+      start_step, state.tick = step, 0
+    logging.info("resumed from %s/%d", ckpt.directory, step)
+  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                    truncate_to=extra.get("metrics_offset"))
+  loss_log = LossLog(writer, k, config.log_every, steps_per_epoch,
+                     optim.learning_rate_schedule(config, steps_per_epoch))
+  if restored is not None and jax.process_index() == 0:  # (the losses live on process 0)
+    loss_log.restore(extra["loss_log"], extra_arrays)
+  schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
+  return Run(config, workdir, info, train, test, pipe, state, schedule,
+             _batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
+             steps_per_epoch, total_steps, step=step,
+             restored_step=None if restored is None else step,
+             reconstruction=probes.get("reconstruction"),
+             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points)
+
+
+def _open_data(config):
+  """``(info, train, test)``; a process that does not feed stage 0 opens
+  the labels only. Downloads first with ``config.download``."""
+  start = time.time()
+  info = data_lib.get_dataset_info(config.dataset)
+  _prepare_data(config)
+  # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
+  open_fn = (data_lib.open_split if transport.is_local(distributed.devices(config)[0])
+             else data_lib.open_labels)
+  train = open_fn(config.dataset, info.train_split, config.data_dir or None, download=False)
+  test = open_fn(config.dataset, info.test_split, config.data_dir or None, download=False)
+  logging.info("data: %d train / %d test images, %.1f s", len(train), len(test),
+               time.time() - start)
+  return info, train, test
+
+
+def _prepare_data(config) -> None:
+  """Checks the data set, downloads and prepares it if missing as
+  ``config.download`` says (None: CIFAR only; True: any; False: never):
+  process 0 only, the others wait for it."""
+  if config.download is False:
+    return  # never download: opening the data checks it, in every process
+  if jax.process_index() == 0:
+    data_lib.ensure_prepared(config.dataset, config.data_dir or None, download=config.download)
+  if jax.process_count() > 1:
+    distributed.barrier("petra_jax data prepared")
+
+
+def precision(config) -> stage_lib.Precision:
+  """The stages' :class:`~petra_jax.engine.stage.Precision` from ``config.dtype``
+  and ``config.stream_dtype``."""
+  return stage_lib.Precision(config.dtype, config.stream_dtype or config.dtype)
+
+
+def message_formats(config) -> quantize_lib.MessageFormats:
+  """The engine's :class:`~petra_jax.engine.quantize.MessageFormats` from ``config.quantize``."""
+  q = config.quantize
+  return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel,
+                                     q.stochastic)
+
+
+def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_classes: int,
+                checkpoint_dir: str):
+  """Blocks per stage from ``config.model``, or None for one block per stage.
+
+  ``stage_sizes`` if set; else, with ``num_stages``, the grouping that
+  minimises the slowest stage's cost (:func:`models.balanced_stage_sizes`):
+  forward FLOPs, or with ``balance_by="time"`` each block's forward and
+  backward timed on this process's first device. Timings vary from run to
+  run, so a resumed run reuses the grouping saved in its checkpoint, and in a
+  multi-process run every process takes process 0's timings.
+  """
+  m = config.model
+  if m.stage_sizes:
+    return [int(n) for n in m.stage_sizes]
+  if not m.num_stages:
+    return None
+  costs = None
+  if m.balance_by == "time":
+    saved = None if jax.process_count() > 1 else checkpoint_lib.saved_fingerprint(checkpoint_dir)
+    if saved and saved.get("stage_sizes") and len(saved["stage_sizes"]) == m.num_stages:
+      logging.info("stage grouping from the checkpoint: %s", saved["stage_sizes"])
+      return list(saved["stage_sizes"])
+    logging.info("timing the forward and backward of each of %d blocks for model.balance_by="
+                 "'time' (compiles each block once)", len(blocks))
+    costs = timing.measure_stage_costs(blocks, micro_shape, num_classes, jax.local_devices()[0],
+                                       method=config.method)
+    if jax.process_count() > 1:
+      costs = distributed.broadcast_floats(costs)
+    logging.info("measured ms per tick of each block: %s", [round(c, 2) for c in costs])
+  return models.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
+
+
+def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int):
+  """The stages (grouped as configured), their pipeline and observers.
+
+  Returns:
+    ``(pipe, sizes, probes)``: the :class:`Pipeline`, the blocks per stage
+    (None: one each), and ``{"reconstruction"|"grad_quality": observer}``.
+  """
+  k = config.accumulation_steps
+  stages = models.build_model(config.model.name, width=config.model.width,
+                              depth=validation.depth(config), num_classes=info.num_classes,
+                              imagenet_stem=info.imagenet_stem)
+  stages = stage_lib.with_precision(stages, precision(config))
+  sizes = stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
+                      os.path.join(workdir, "checkpoints"))
+  if sizes:
+    stages = models.group_stages(stages, sizes)
+    logging.info("stages of %s blocks each", sizes)
+  devices = distributed.devices(config)
+  if not methods_lib.get(config.method).pipelined:
+    devices = devices[:1]
+  probes = {}
+  if config.reconstruction_error_every:
+    probes["reconstruction"] = observers.ReconstructionProbe(config.reconstruction_error_every, k)
+  if config.grad_quality_every:
+    probes["grad_quality"] = observers.GradientProbe(config.grad_quality_every, k)
+  # Each stage's optimizer (and forward weights) compensate its own delay
+  # tau_j in the grouped pipeline; methods without delay get the plain ones.
+  delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
+  pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
+                                                        delays), devices,
+                  method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
+                  observers=list(probes.values()),
+                  predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
+                                                           delays),
+                  formats=message_formats(config))
+  return pipe, sizes, probes
+
+
+def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> Callable:
+  """``m -> (images, labels)`` of micro-batch ``m``.
+
+  Update ``s = m // k`` is row ``s % steps_per_epoch`` of epoch ``s //
+  steps_per_epoch``'s permutation (a function of the seed and the epoch), cut
+  into ``k`` micro-batches; augmentation draws from ``fold_in(key(seed + 1),
+  m)``. So the data position is the micro-batch index alone, which the
+  schedule gives: a resumed run reads the same batches. Processes that do
+  not own stage 0 read only labels (images None).
+  """
+  k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.input_device) if pipe.owns_input else None
+  data_key = jax.random.key(config.seed + 1)
+  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
+      len(train), config.batch_size, config.seed, epoch, steps_per_epoch))
+
+  def batches(m: int):
+    epoch, row = divmod(m // k, steps_per_epoch)
+    sl = epoch_rows(epoch)[row][(m % k) * micro:(m % k + 1) * micro]
+    if batch_fn is None:
+      return None, data_lib.read_labels(train, sl)
+    return batch_fn(train, sl, jax.random.fold_in(data_key, m))
+  return batches
+
+
+def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
+  """This process's :class:`checkpoint.Checkpointer`; the fingerprint names
+  what a resumed run must share (the grouping may change: resharding)."""
+  return checkpoint_lib.Checkpointer(
+      os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
+          model=config.model.name, width=config.model.width, depth=config.model.depth,
+          method=config.method, compensation=config.compensation.name,
+          dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
+          batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
+          seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,
+          quantize=[config.quantize[k] for k in quantize_lib.KINDS]
+          + [config.quantize.per_channel, config.quantize.stochastic]),
+      block_counts=[len(s.blocks) or 1 for s in pipe.stages])
+
+
+def _schedule(config, pipe: Pipeline, start_step: int, total_steps: int):
+  """The tick table from update ``start_step`` (0, or a drained checkpoint's)
+  to ``total_steps``, and ``{tick: step}`` after which to checkpoint a drained
+  pipeline.
+
+  Without ``checkpoint_drain`` one stream (or the method's schedule) runs
+  every update and drains once, at the end. With it the table drains every
+  ``checkpoint_every`` updates (:class:`schedule.Chained`): the stream stops
+  feeding until every in-flight micro-batch has finished, the checkpoint is
+  taken there (reshardable), and a new stream starts; the updates' gradients
+  then differ from an undrained run's (fewer stale ones).
+  """
+  k, every = config.accumulation_steps, config.checkpoint_every
+  bounds = [start_step]
+  if config.checkpoint_drain and every:
+    bounds += [s for s in range(start_step + 1, total_steps) if s % every == 0]
+  bounds.append(total_steps)
+  parts = [pipe.schedule((b - a) * k) for a, b in zip(bounds, bounds[1:])]
+  chained = schedule_lib.Chained(tuple(parts), tuple(a * k for a in bounds[:-1]))
+  points = dict(zip(chained.ends()[:-1], bounds[1:-1])) if config.checkpoint_drain else {}
+  return chained, points

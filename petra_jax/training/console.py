@@ -1,0 +1,134 @@
+"""What a training run prints: our own lines, and other libraries' only on request.
+
+At the default verbosity a run shows a set-up summary, a progress bar for
+training and one for each evaluation (on a terminal), one line per
+evaluation, and where the metrics and checkpoints went; the INFO logging of
+orbax, tfds and jax (and our own ``logging.info`` details) is off, warnings
+still shown. absl's ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG)
+turn that logging back on. Only process 0 prints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Optional
+
+from absl import logging
+import jax
+from tqdm import tqdm
+
+# Backend names of accelerators, and the install that brings each one.
+_ACCELERATOR_INSTALL = {
+    "gpu": "pip install -e '.[cuda12]'",
+    "cuda": "pip install -e '.[cuda12]'",
+    "tpu": "pip install -e '.[tpu]'",
+}
+
+
+def quiet_library_logging(verbosity_given: bool) -> None:
+  """Shows only warnings and errors from logging, unless ``--verbosity`` was
+  given on the command line (then absl's level stays as asked).
+
+  Call after absl parsed the flags (in ``main``) and before JAX starts its
+  backends (whose start-up logs ``Unable to initialize backend 'tpu'``).
+  """
+  if not verbosity_given:
+    logging.set_verbosity(logging.WARNING)
+
+
+def _printing() -> bool:
+  return jax.process_index() == 0
+
+
+def say(line: str) -> None:
+  """Prints one line (stdout, process 0 only) without breaking a progress bar."""
+  if _printing():
+    tqdm.write(line)
+
+
+def progress(total: int, desc: str, unit: str, initial: int = 0, leave: bool = True) -> tqdm:
+  """A progress bar on stderr (process 0, on a terminal only)."""
+  return tqdm(total=total, initial=initial, unit=unit, unit_scale=True, desc=desc,
+              disable=None if _printing() else True, mininterval=2.0, leave=leave)
+
+
+def platform_mismatch(wanted: str, jax_platforms: str, backend: str) -> Optional[str]:
+  """The line for an accelerator asked for but not in use, else None.
+
+  Args:
+    wanted: ``config.platform`` ("" = none asked for).
+    jax_platforms: ``$JAX_PLATFORMS`` / ``jax_platforms`` ("" = unset), e.g.
+      ``"cuda,cpu"``; its first entry counts when ``wanted`` is "".
+    backend: the backend JAX runs on (``jax.default_backend()``).
+
+  Returns:
+    e.g. ``"warning: config.platform='gpu' but JAX runs on the CPU (no gpu
+    backend is installed): pip install -e '.[cuda12]'"``.
+  """
+  source = "config.platform"
+  if not wanted and jax_platforms:
+    wanted, source = jax_platforms.split(",")[0].strip(), "JAX_PLATFORMS"
+  wanted = wanted.lower()
+  if wanted not in _ACCELERATOR_INSTALL or backend != "cpu":
+    return None
+  return (f"warning: {source}={wanted!r} but JAX runs on the CPU (no {wanted} backend is "
+          f"installed or it failed to start); install it: {_ACCELERATOR_INSTALL[wanted]}, "
+          f"or set --config.platform=cpu.")
+
+
+def check_platform(config) -> None:
+  """Prints :func:`platform_mismatch`'s line, if any (stderr, process 0)."""
+  line = platform_mismatch(config.platform,
+                           os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "",
+                           jax.default_backend())
+  if line and _printing():
+    tqdm.write(line, file=sys.stderr)
+
+
+def backend_error() -> Optional[str]:
+  """Starts JAX's backends; the line naming the fix if the platform that
+  ``$JAX_PLATFORMS`` asks for cannot start, else None.
+
+  Call after ``jax.distributed.initialize`` (which must come first).
+  """
+  try:
+    jax.default_backend()
+    return None
+  except (RuntimeError, AssertionError) as e:  # (jax asserts when no CUDA plugin exists)
+    asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    why = (str(e).splitlines() or [type(e).__name__])[0]
+    install = _ACCELERATOR_INSTALL.get(asked.split(",")[0].strip().lower())
+    fix = f"install it ({install}) or " if install else ""
+    return (f"JAX could not start the platform JAX_PLATFORMS={asked!r} asks for ({why}); "
+            f"{fix}unset JAX_PLATFORMS to use the ones installed.")
+
+
+def setup_summary(run) -> None:
+  """The run in two lines: what trains where on what, and how long."""
+  c, pipe = run.config, run.pipe
+  sizes = [len(s.blocks) or 1 for s in pipe.stages]
+  where = sorted({f"{d.platform}:{d.id}" for d in pipe.devices})
+  say(f"{c.method} {c.model.name} (width {c.model.width}) on {c.dataset}: {pipe.num_stages} "
+      f"stages of {sizes} blocks on {', '.join(where)}; {len(run.train)} train / "
+      f"{len(run.test)} test images")
+  resumed = f", resumed at update {run.step}" if run.restored_step is not None else ""
+  say(f"{run.total_steps} updates of {c.batch_size} images ({c.accumulation_steps} "
+      f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")
+
+
+def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:
+  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``."""
+  say(f"epoch {math.ceil(step / steps_per_epoch)}: train_loss {train_loss:.4f} test_loss "
+      f"{result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f} "
+      f"({result['wall_time']:.0f} s)")
+
+
+def outputs(workdir: str, checkpoint_dir: Optional[str]) -> None:
+  """Where the metrics (and checkpoints) went."""
+  line = (f"metrics: {os.path.join(workdir, 'metrics.jsonl')} (TensorBoard: "
+          f"{os.path.join(workdir, 'tensorboard')})")
+  if checkpoint_dir:
+    line += f"; checkpoints: {checkpoint_dir}"
+  say(line)

@@ -1,0 +1,105 @@
+"""Multi-process runs: ``jax.distributed`` start-up, device order, the few
+collectives of the training loop, and the exit that skips the shutdown barrier.
+
+This is the one home of ``jax.experimental.multihost_utils`` in the training
+code. Every collective here must be called by every process of the run, at
+the same point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
+
+from petra_jax.engine import transport
+from petra_jax.training.validation import ConfigError
+
+
+def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
+  """Starts ``jax.distributed`` when ``config.distributed`` or the
+  environment asks for it; call before any JAX computation.
+
+  ``coordinator_address``, ``num_processes`` and ``process_id`` fall back to
+  ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID``;
+  with ``auto_detect`` jax fills what is unset from SLURM, a TPU pod or MPI.
+  CPU collectives use gloo. A peer that stops sending heartbeats for
+  ``heartbeat_timeout_s`` makes the others terminate.
+
+  Returns:
+    True if ``jax.distributed`` was initialised, False for a single process.
+
+  Raises:
+    ConfigError: the processes did not all join within
+      ``initialization_timeout_s`` (or the coordinator is unreachable).
+  """
+  d = config.distributed
+  address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
+  if not address and not d.auto_detect:
+    return False
+  num = d.num_processes or int(os.environ.get("JAX_NUM_PROCESSES", "0")) or None
+  pid = d.process_id if d.process_id >= 0 else os.environ.get("JAX_PROCESS_ID")
+  pid = int(pid) if pid is not None else None
+  transport.enable_cpu_collectives()
+  try:
+    jax.distributed.initialize(
+        coordinator_address=address or None, num_processes=num, process_id=pid,
+        initialization_timeout=d.initialization_timeout_s,
+        heartbeat_timeout_seconds=d.heartbeat_timeout_s,
+        shutdown_timeout_seconds=d.shutdown_timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  (jaxlib's runtime errors)
+    raise ConfigError(
+        f"process {pid} could not join the {num}-process run at {address!r} within "
+        f"{d.initialization_timeout_s} s: {str(e).splitlines()[0]}. Start every process "
+        "with the same coordinator address (process 0's host:port) and num_processes.") from None
+  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
+
+
+def devices(config: ml_collections.ConfigDict) -> list:
+  """The stages' devices: the first ``num_devices`` (0: all) of each
+  process, in process order (stage 0 on process 0)."""
+  n = config.num_devices
+  if jax.process_count() == 1:
+    local = jax.local_devices()
+    return local[:n] if n else local
+  by_process = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  return [d for p in sorted(by_process) for d in (by_process[p][:n] if n else by_process[p])]
+
+
+def broadcast_floats(values) -> list:
+  """Process 0's float32 ``values`` on every process (a collective)."""
+  return multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32)).tolist()
+
+
+def broadcast_int(value: int) -> int:
+  """Process 0's ``value`` on every process (a collective)."""
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def any_process(flag: bool) -> bool:
+  """Whether ``flag`` is True on any process (a collective)."""
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier ``name``."""
+  multihost_utils.sync_global_devices(name)
+
+
+def exit_now(message: str, status: int = 1):
+  """Prints ``message`` to stderr and exits with ``status`` at once, skipping
+  ``jax.distributed``'s shutdown barrier (whose peers may be dead)."""
+  if message:
+    print(message, file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(status)  # pylint: disable=protected-access

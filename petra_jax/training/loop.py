@@ -1,0 +1,221 @@
+"""The training loop, tick by tick, and its hooks between updates.
+
+:func:`train_and_evaluate` runs a :class:`~petra_jax.training.assembly.Run`'s
+tick table; after each update :func:`on_update` logs, evaluates and
+checkpoints as configured; :func:`finish` closes the run, :func:`preempt`
+stops it on a signal with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import jax
+import ml_collections
+
+from petra_jax.engine import diagnostics
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.training import console
+from petra_jax.training import distributed
+from petra_jax.training import preemption
+from petra_jax.training.assembly import Run, setup
+from petra_jax.training.evaluate import evaluate
+from petra_jax.training.loss_log import Diverged
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains ``config.model`` with ``config.method`` and evaluates it.
+
+  Runs the method's schedule (:mod:`petra_jax.engine.schedule`) tick by tick over
+  ``total_steps * k`` micro-batches. Writes ``WORKDIR/metrics.jsonl``
+  (``step``, ``epoch``, ``train_loss``, ``learning_rate`` every ``log_every``
+  updates; ``test_loss``, ``test_accuracy`` at each evaluation) and
+  TensorBoard events; with ``reconstruction_error_every``,
+  ``reconstruction_error/stage_<j>``; with ``grad_quality_every``, per-stage
+  gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
+  ...; :mod:`petra_jax.engine.diagnostics`).
+
+  Returns:
+    The last evaluation's metrics plus ``wall_time`` (seconds since start).
+
+  Raises:
+    ConfigError, data.DataError: bad config or missing data.
+    FloatingPointError: a NaN or Inf training loss.
+  """
+  console.check_platform(config)
+  run = setup(config, workdir)
+  console.setup_summary(run)
+  bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
+                         initial=run.step * config.batch_size)
+  with preemption.StopOnSignal(announce=False) as stop, _discard_diverged(run):
+    for t in range(run.state.tick, len(run.schedule)):
+      tick = run.schedule[t]
+      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+      for out in outputs:
+        if out.loss is not None:  # (None off process 0)
+          run.loss_log.add(out.micro_batch, out.loss)
+      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+        save_checkpoint(run)
+      if _update_fed(run, tick):
+        bar.update(config.batch_size)
+        on_update(run)
+        if _stop_requested(run, stop) and run.step < run.total_steps:
+          preempt(run, stop.signal_name or "a signal to another process")
+  bar.close()
+  with _discard_diverged(run):
+    return finish(run)
+
+
+def on_update(run: Run) -> None:
+  """Periodic hooks after update ``run.step`` entered the pipeline: logs,
+  mid-epoch checkpoints, and at an epoch's end evaluation and checkpoint.
+  The last update's are in :func:`finish`."""
+  c, step = run.config, run.step
+  if step == run.total_steps:
+    return
+  if step % c.log_every == 0:
+    _log_diagnostics(run)
+  epoch_end = step % run.steps_per_epoch == 0
+  if epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0:
+    evaluate_and_log(run)
+  if c.checkpoint_every and step % c.checkpoint_every == 0 and not c.checkpoint_drain:
+    save_checkpoint(run)
+
+
+def finish(run: Run) -> dict:
+  """After the last tick: the last losses, evaluation and checkpoint."""
+  run.loss_log.finish(run.total_steps)
+  _log_diagnostics(run, wait=True)
+  evaluate_and_log(run)
+  if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
+    save_checkpoint(run)
+  run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
+  run.checkpointer.wait()
+  run.checkpointer.close()
+  run.writer.close()
+  console.outputs(run.workdir,
+                  run.checkpointer.directory if run.config.checkpoint_every else None)
+  return run.result
+
+
+def evaluate_and_log(run: Run) -> None:
+  """Test metrics with the current weights, written at ``run.step``."""
+  result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size)
+  result["wall_time"] = time.time() - run.start
+  run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
+  if "test_loss" in result:  # (process 0 only in multi-process runs)
+    console.epoch_line(run.step, run.steps_per_epoch, run.loss_log.last_loss, result)
+  run.result = result
+
+
+def save_checkpoint(run: Run) -> None:
+  """Saves the whole pipeline at ``run.step`` (never a diverged state).
+
+  Multi-process: every process calls it at the same step and saves its part.
+  """
+  # Checkpoints up to the last update whose losses are all known finite are
+  # good; older good ones beyond keep_checkpoints can go. Newer ones still
+  # have micro-batches in flight whose loss may yet be NaN: kept until then.
+  run.checkpointer.prune(verified_through=_verified_through(run))
+  _log_diagnostics(run, wait=True)  # (not checkpointed)
+  log_meta, log_arrays = run.loss_log.state()
+  run.checkpointer.save(run.step, run.state, extra={
+      "loss_log": log_meta, "metrics_offset": run.writer.offset()}, extra_arrays=log_arrays)
+
+
+def preempt(run: Run, signal_name: str) -> None:
+  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
+
+  The signal is acted on at the first update boundary after it (at most k
+  ticks); a run re-started with the same command resumes there with the
+  losses of an uninterrupted run. Multi-process: every process saves its
+  part of the same step and exits 75; process 0 prints the line.
+  """
+  if run.checkpointer.latest_step() != run.step:
+    save_checkpoint(run)
+  run.checkpointer.wait()
+  run.checkpointer.close()
+  run.writer.close()
+  message = (f"preempted by {signal_name} at step {run.step}: checkpoint saved in "
+             f"{run.checkpointer.directory}; re-run the same command to resume.")
+  if run.pipe.multiprocess:  # skip jax.distributed's shutdown barrier
+    distributed.exit_now(message if jax.process_index() == 0 else "",
+                         preemption.PREEMPTED_EXIT_CODE)
+  preemption.exit_preempted(message)
+
+
+def _verified_through(run: Run) -> int:
+  """The updates whose losses are all known finite (process 0's count, on
+  every process).
+
+  Raises:
+    Diverged: a received loss is NaN/Inf (on every process of the run).
+  """
+  try:
+    run.loss_log.check_finite()
+    verified = run.loss_log.next_step
+  except Diverged as e:
+    if not run.pipe.multiprocess:
+      raise
+    verified = -e.step  # (steps count from 1)
+  if run.pipe.multiprocess:
+    verified = distributed.broadcast_int(verified)
+  if verified < 0:
+    raise Diverged(float("nan"), -verified)
+  return verified
+
+
+def _log_diagnostics(run: Run, wait: bool = False) -> None:
+  """Writes the reconstruction errors and gradient qualities measured so far
+  (computed ticks ago: reading them does not wait, unless ``wait``)."""
+  k = run.config.accumulation_steps
+  if run.reconstruction is not None:
+    for m, j, err in run.reconstruction.pop_results():
+      run.writer.write(m // k + 1, **{f"reconstruction_error/stage_{j}": float(err)})
+  if run.grad_quality is not None:
+    _write_grad_quality(run.writer, run.grad_quality.pop_results(wait), k, run.steps_per_epoch)
+
+
+def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
+  """Writes gradient-quality results (paper App. B): one line per probed
+  micro-batch ``m`` at step ``m // k + 1``, keys
+  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>``
+  (:mod:`petra_jax.engine.diagnostics`)."""
+  for m, quality in results:
+    values = jax.device_get(quality)
+    step = m // k + 1
+    writer.write(step, epoch=step / steps_per_epoch, **{
+        diagnostics.metric_key(name, j): float(v[j])
+        for name, v in values.items() for j in range(len(v))})
+
+
+@contextlib.contextmanager
+def _discard_diverged(run: Run):
+  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N
+  (they hold the diverging micro-batch in flight), so the newest one left
+  is good."""
+  try:
+    yield
+  except Diverged as e:
+    run.checkpointer.discard_from(e.step)
+    raise
+
+
+def _update_fed(run: Run, tick) -> bool:
+  """Whether ``tick`` fed the last micro-batch of an update; sets ``run.step``."""
+  m = schedule_lib.fed(tick)
+  if m is None or (m + 1) % run.config.accumulation_steps:
+    return False
+  run.step = (m + 1) // run.config.accumulation_steps
+  return True
+
+
+def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
+  """Whether to stop at this update: a signal here, or (multi-process) on
+  any process. Every process of the run gets the same answer at the same
+  update (a small collective at every update boundary), so all of them save
+  the same step."""
+  if not run.pipe.multiprocess:
+    return stop.requested
+  return distributed.any_process(stop.requested)

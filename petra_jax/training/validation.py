@@ -1,0 +1,268 @@
+"""Config checks before anything is built: one line per bad value, naming the fix.
+
+:func:`validate_config` runs first in every training run
+(:func:`petra_jax.training.assembly.setup`); each failed check raises one
+:class:`ConfigError` whose message names the ``--config.<field>`` to change.
+The numeric bounds live in one table, :data:`RANGES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import ml_collections
+
+from petra_jax import config as config_lib
+from petra_jax import data as data_lib
+from petra_jax import models, optim
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import stage as stage_lib
+from petra_jax.optim import compensation
+
+
+class ConfigError(ValueError):
+  """A configuration value that cannot work; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+  """The values a numeric field may take: ``low <= v`` (``low < v`` when
+  ``low_open``) and ``v < high`` (``v <= high`` when ``high_closed``).
+
+  Attributes:
+    flag: the field, as in ``--config.<flag>``.
+    low, high: the bounds (``math.inf``: none above).
+    low_open: whether ``low`` itself is refused.
+    high_closed: whether ``high`` itself is allowed.
+    why: what the bound protects against, shown in the error.
+  """
+  flag: str
+  low: float
+  high: float = math.inf
+  low_open: bool = False
+  high_closed: bool = False
+  why: str = ""
+
+  def allows(self, value) -> bool:
+    """Whether ``value`` (int or float) is inside the range."""
+    above = value > self.low if self.low_open else value >= self.low
+    below = value <= self.high if self.high_closed else value < self.high
+    return above and below
+
+  def describe(self) -> str:
+    """``">= 0"``, ``"> 0"``, ``"in [0, 1)"``."""
+    low = f"{'>' if self.low_open else '>='} {self.low:g}"
+    if self.high == math.inf:
+      return low
+    return (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+            f"{']' if self.high_closed else ')'}")
+
+
+# Every numeric field with a bound, in config.py's order.
+RANGES = (
+    Range("model.width", 1, why="channels per stream"),
+    Range("model.depth", 0, why="0: the model's own depth"),
+    Range("model.num_stages", 0, why="0: one block per stage"),
+    Range("batch_size", 1, why="images per update"),
+    Range("accumulation_steps", 1, why="micro-batches per update"),
+    Range("num_epochs", 1, why="0 epochs is a run with no training steps"),
+    Range("steps_per_epoch", 0, why="0: the whole training split"),
+    Range("max_steps", 0, why="0: num_epochs epochs"),
+    Range("eval_every", 0, why="0: evaluate at the end only"),
+    Range("eval_batch_size", 1, why="images per evaluation batch"),
+    Range("log_every", 1, why="updates between train_loss lines"),
+    Range("num_devices", 0, why="0: all local devices"),
+    Range("seed", 0, why="NumPy's generators take no negative seed"),
+    Range("reconstruction_error_every", 0, why="0: off"),
+    Range("grad_quality_every", 0, why="0: off"),
+    Range("checkpoint_every", 0, why="0: off"),
+    Range("keep_checkpoints", 1, why="0 would delete every checkpoint to resume from"),
+    Range("optim.learning_rate", 0,
+          why="0: 0.1 * batch_size / 256; a negative rate climbs the loss"),
+    Range("optim.momentum", 0, 1, why="1 or more never forgets a gradient"),
+    Range("optim.weight_decay", 0, why="a negative decay grows the weights"),
+    Range("optim.warmup_epochs", 0, why="0: no warm-up"),
+    Range("optim.decay_factor", 0, low_open=True,
+          why="0 stops training, a negative factor climbs the loss"),
+    Range("optim.end_learning_rate", 0, why="a negative rate climbs the loss"),
+    Range("optim.polynomial_power", 0, low_open=True, why="the decay's exponent"),
+    Range("optim.trust_coefficient", 0, low_open=True, why="lars' eta"),
+    Range("optim.lars_eps", 0, why="added to a norm"),
+    Range("optim.adam_b1", 0, 1, why="a moving average's decay"),
+    Range("optim.adam_b2", 0, 1, why="a moving average's decay"),
+    Range("optim.adam_eps", 0, why="added to a root mean square"),
+    Range("compensation.lr_power", 0, why="a negative power raises the rate with the delay"),
+    Range("compensation.pipemare_warmup_epochs", 0, why="pipemare's warm-up"),
+    Range("compensation.prediction_scale", 0, why="a negative horizon predicts backwards"),
+    Range("compensation.lookahead_momentum", 0, 1, why="a momentum"),
+    Range("compensation.lookahead_delay_ref", 0, why="0: stage 0's delay"),
+)
+
+
+def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -> None:
+  """Checks the config before anything is built.
+
+  Args:
+    config: the run config (:mod:`petra_jax.config`).
+    num_local_devices: devices of this process (``len(jax.local_devices())``).
+
+  Raises:
+    ConfigError: unknown method, model, dataset, optimizer, schedule or
+      format; a method the model does not support; a numeric field outside
+      its :data:`RANGES`; a warm-up longer than the run; ``model.num_stages``
+      and ``model.stage_sizes`` that disagree, more stages than blocks; a
+      batch that does not split into k micro-batches; more devices than exist.
+  """
+  _check_choices(config)
+  _check_numerics(config)
+  _check_ranges(config)
+  _check_batch(config)
+  _check_stages(config)
+  if config.num_devices > num_local_devices:
+    raise ConfigError(
+        f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
+        "use --config.num_devices=0 for all of them.")
+
+
+def validate_multiprocess(config: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError for what a multi-process run does not support."""
+  if jax.process_count() == 1:
+    return
+  if config.method == "backprop":
+    raise ConfigError("method 'backprop' runs on one device; run it in a single process "
+                      "(without launch/*.sh or jax.distributed).")
+
+
+def steps_per_epoch(config: ml_collections.ConfigDict, num_examples: int) -> int:
+  """Updates per epoch: ``config.steps_per_epoch``, or (0) every full batch.
+
+  Args:
+    num_examples: images of the training split.
+
+  Raises:
+    ConfigError: more steps than the split holds batches, or a batch
+      larger than the split.
+  """
+  full = num_examples // config.batch_size
+  if full == 0:
+    raise ConfigError(f"batch_size={config.batch_size} but the training split holds only "
+                      f"{num_examples} images; use --config.batch_size <= {num_examples}.")
+  if config.steps_per_epoch > full:
+    raise ConfigError(f"steps_per_epoch={config.steps_per_epoch} but the training split holds "
+                      f"only {full} batches of {config.batch_size}; use "
+                      f"--config.steps_per_epoch <= {full} (0: the whole split).")
+  return config.steps_per_epoch or full
+
+
+def depth(config: ml_collections.ConfigDict):
+  """``config.model.depth``, None for the model's own (0)."""
+  return config.model.depth or None
+
+
+def _check_choices(config) -> None:
+  """Names that must be in a registry; methods the model supports."""
+  for what, value, choices, flag in (
+      ("method", config.method, tuple(methods_lib.METHODS), "method"),
+      ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
+      ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
+      ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
+      ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule"),
+      ("stage-balancing cost", config.model.balance_by, config_lib.BALANCE_BY,
+       "model.balance_by"),
+      ("platform", config.platform, config_lib.PLATFORMS, "platform")):
+    if value not in choices:
+      raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
+                        f"(--config.{flag}=...).")
+  if (methods_lib.get(config.method).needs_reversible
+      and models.MODEL_FAMILY[config.model.name] != "revnet"):
+    supported = [n for n, m in methods_lib.METHODS.items() if not m.needs_reversible]
+    raise ConfigError(
+        f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
+        f"{config.model.name} supports {supported}, or use a RevNet "
+        f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
+  try:
+    compensation.parse_name(config.compensation.name)
+  except ValueError as e:
+    raise ConfigError(f"{e} (--config.compensation.name=...)") from None
+
+
+def _check_numerics(config) -> None:
+  """``dtype``, ``stream_dtype`` and the ``quantize`` formats."""
+  for flag, value, choices in (
+      ("dtype", config.dtype, stage_lib.DTYPES),
+      ("stream_dtype", config.stream_dtype, ("",) + stage_lib.DTYPES),
+      *((f"quantize.{k}", config.quantize[k], quantize_lib.FORMATS)
+        for k in quantize_lib.KINDS)):
+    if value not in choices:
+      raise ConfigError(f"Unknown {flag} {value!r}; choose one of {tuple(choices)} "
+                        f"(--config.{flag}=...).")
+
+
+def _field(config, flag: str):
+  """``config.a.b`` for ``flag="a.b"``."""
+  value = config
+  for name in flag.split("."):
+    value = value[name]
+  return value
+
+
+def _check_ranges(config) -> None:
+  """Every :data:`RANGES` bound; decay epochs; the warm-up within the run."""
+  for r in RANGES:
+    value = _field(config, r.flag)
+    if not r.allows(value):
+      raise ConfigError(f"{r.flag} must be {r.describe()}, got {value} ({r.why}); "
+                        f"pass --config.{r.flag}=<a value {r.describe()}>.")
+  o = config.optim
+  if any(e < 0 for e in o.decay_epochs):
+    raise ConfigError(f"optim.decay_epochs={tuple(o.decay_epochs)} holds a negative epoch; "
+                      "pass --config.optim.decay_epochs with epochs >= 0.")
+  if o.warmup_epochs > config.num_epochs:
+    raise ConfigError(
+        f"optim.warmup_epochs={o.warmup_epochs:g} is longer than the run "
+        f"(num_epochs={config.num_epochs}): the rate would never finish its warm-up; use "
+        f"--config.optim.warmup_epochs <= {config.num_epochs}.")
+
+
+def _check_batch(config) -> None:
+  """Batch, k micro-batches, gradient-quality probes."""
+  k = config.accumulation_steps
+  if config.batch_size % k:
+    raise ConfigError(
+        f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
+        f"micro-batches; use a batch_size that is a multiple of {k}.")
+  if config.grad_quality_every and config.method == "backprop":
+    raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
+                      "method 'backprop' computes only exact ones: use another method or "
+                      "--config.grad_quality_every=0.")
+
+
+def _check_stages(config) -> None:
+  """Stage counts and sizes against each other and the model's blocks."""
+  m = config.model
+  if m.stage_sizes and m.num_stages and m.num_stages != len(m.stage_sizes):
+    raise ConfigError(
+        f"model.num_stages={m.num_stages} disagrees with model.stage_sizes="
+        f"{tuple(m.stage_sizes)} ({len(m.stage_sizes)} stages); set one of them: "
+        f"--config.model.stage_sizes='()' to group by num_stages, or "
+        f"--config.model.num_stages=0 to keep stage_sizes.")
+  try:
+    num_blocks = len(models.build_model(m.name, width=1, depth=depth(config)))
+  except ValueError as e:  # e.g. a depth for a model whose block counts are fixed
+    raise ConfigError(str(e)) from None
+  num_stages = len(m.stage_sizes) or m.num_stages
+  if num_stages > num_blocks:
+    raise ConfigError(
+        f"model.num_stages={num_stages} but {m.name} has only {num_blocks} blocks "
+        f"(one per stage at most); use --config.model.num_stages <= {num_blocks}.")
+  if m.stage_sizes and (sum(m.stage_sizes) != num_blocks or min(m.stage_sizes) < 1
+                        or len(m.stage_sizes) < 2):
+    raise ConfigError(
+        f"model.stage_sizes={tuple(m.stage_sizes)} must be at least 2 positive "
+        f"block counts summing to {m.name}'s {num_blocks} blocks.")
+  if num_stages == 1:
+    raise ConfigError("model.num_stages=1: a pipeline needs at least 2 stages; use 0 for one "
+                      "block per stage.")
