@@ -19,7 +19,8 @@ with two items:
   stage; :mod:`~petra_jax.training.checkpoint_blocks`): :func:`split_stage`
   cuts a grouped stage's parameters, statistics and optimizer state into its
   blocks, :func:`merge_blocks` regroups them, so a checkpoint can be
-  resumed with another stage grouping, device count or process count. In-flight payloads are stored per stage
+  resumed with another stage grouping, device count or process count.
+  In-flight payloads are stored per stage
   (:mod:`~petra_jax.training.checkpoint_state`), ``extra`` (the caller's
   arrays, e.g. unlogged losses) by process 0;
 * ``meta`` (JSON): the fingerprint, the tick, ``drained`` (no micro-batch in
