@@ -1,101 +1,152 @@
-"""orbax pieces for checkpoints that each process writes alone.
+"""orbax settings for checkpoints that each process writes alone.
 
 orbax (0.12) assumes that the processes of a ``jax.distributed`` run save one
 checkpoint of *global* arrays together: it refuses host-local ``jax.Array``
-s, writes numpy arrays from process 0 only (they are taken as replicated),
-and names the signals of asynchronous saves after a per-process counter of
-operations. A PETRA process holds state no other process has (its own
-stages and messages), so :mod:`petra_jax.training.checkpoint` gives every process its
-own ``CheckpointManager`` over its own directory, built here with:
+s, writes numpy arrays from process 0 only (they are taken as replicated)
+and synchronises the processes at every save. A PETRA process holds state
+no other process has (its own stages and messages), so
+:mod:`petra_jax.training.checkpoint` gives every process its own
+``CheckpointManager`` over its own directory, built here from orbax's public
+API only:
 
+* :func:`multiprocessing_options`: every host primary
+  (``primary_host=None``, orbax's documented setting for hosts that write
+  local state) and this process the only active one (no barrier with the
+  others), under barrier keys of its own;
 * :func:`item_handlers`: the ``arrays`` item's ``PyTreeCheckpointHandler``
-  and the ``meta`` item's ``JsonCheckpointHandler`` with this process as
-  their primary host, and numpy arrays written by this process
-  (:class:`LocalNumpyHandler`);
-* :func:`manager_options`: this process as the manager's only process (no
-  barrier with the others), directories created synchronously, and
-  orbax's operation counter offset by the process index
-  (:func:`separate_operation_ids`), so simultaneous saves of different
-  processes do not read each other's signals.
+  with numpy arrays written by this process (:class:`LocalNumpyHandler`) and
+  the ``meta`` item's ``JsonCheckpointHandler``;
+* :func:`manager_options`: the manager's options, directories created
+  synchronously. orbax names the signals of *asynchronous* directory
+  creation after a per-process operation counter, which the processes of
+  one run share in the ``jax.distributed`` key-value store; created
+  synchronously, no signal is ever set, so simultaneous saves of different
+  processes cannot read each other's (tests/test_checkpoint.py checks that
+  orbax keeps it so).
 
-With one process all of it is what orbax does anyway.
+With one process all of it is what orbax does anyway. Every orbax name used
+here is resolved at import (:func:`_public`), so an orbax release that drops
+one fails at once, naming it and the tested version.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import copy
 import zlib
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.futures import synchronization
-from orbax.checkpoint._src.serialization import ocdbt_utils
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-from orbax.checkpoint._src.serialization import type_handler_registry
-from orbax.checkpoint._src.serialization import type_handlers
-from orbax.checkpoint._src.serialization import types
+import tensorstore as ts
+
+TESTED_ORBAX = "0.12.8"
 
 
-class LocalNumpyHandler(type_handlers.NumpyHandler):
+def _public(path: str):
+  """The orbax attribute ``path`` (e.g. ``"type_handlers.NumpyHandler"``).
+
+  Raises:
+    ImportError: this orbax has no such public name (names the fix).
+  """
+  obj = ocp
+  for name in path.split("."):
+    if not hasattr(obj, name):
+      raise ImportError(
+          f"orbax-checkpoint {getattr(ocp, '__version__', '?')} has no public "
+          f"orbax.checkpoint.{path}, which petra_jax/training/orbax_local.py needs (tested "
+          f"with orbax-checkpoint {TESTED_ORBAX}); install that version "
+          f"(pip install orbax-checkpoint=={TESTED_ORBAX}) or port orbax_local.py.")
+    obj = getattr(obj, name)
+  return obj
+
+
+_NumpyHandler = _public("type_handlers.NumpyHandler")
+_SaveArgs = _public("type_handlers.SaveArgs")
+_check_input_arguments = _public("type_handlers.check_input_arguments")
+_create_registry = _public("type_handlers.create_type_handler_registry")
+_write_tspec = _public("type_handlers.get_json_tspec_write")
+_CommitFuture = _public("future.CommitFutureAwaitingContractedSignals")
+_orbax_process_index = _public("multihost.process_index")
+
+
+class LocalNumpyHandler(_NumpyHandler):
   """orbax's numpy handler, writing from this process instead of process 0
-  (the arrays are this process's own, not replicated ones)."""
+  (the arrays are this process's own, not replicated ones).
 
-  async def _background_serialize(self, values: Sequence[np.ndarray],
-                                  infos: Sequence[types.ParamInfo],
-                                  args: Optional[Sequence[types.SaveArgs]] = None):
+  Only :meth:`serialize` (orbax's public ``TypeHandler`` interface) differs;
+  the files, their tensorstore specs and the reading are ``NumpyHandler``'s,
+  so checkpoints read the same either way.
+  """
+
+  async def serialize(self, values: Sequence[np.ndarray], infos: Sequence,
+                      args: Optional[Sequence] = None) -> list:
+    """Starts writing ``values`` (copied first: the caller may reuse them).
+
+    Args:
+      values: numpy arrays, any shape and dtype, none empty.
+      infos: orbax's ``ParamInfo`` of each (its file name and directory).
+      args: orbax's ``SaveArgs`` of each (default: orbax's defaults).
+
+    Returns:
+      One orbax commit future, done once every array is written.
+
+    Raises:
+      ValueError: mismatched lengths, or an array of size 0 (orbax's rule).
+    """
+    args = args or [_SaveArgs()] * len(values)
+    _check_input_arguments(values, infos, args)
+    for value, info in zip(values, infos):
+      if value.size == 0:
+        raise ValueError(f"Cannot save arrays with zero size: ParamInfo: [name={info.name},"
+                         f"value_typestr={info.value_typestr}]")
+    values = [copy.deepcopy(v) for v in values]
+    return [_CommitFuture(self._write_all(values, infos, args), name="petra_local_numpy")]
+
+  async def _write_all(self, values, infos, args) -> None:
+    """Writes each array with tensorstore, as ``NumpyHandler`` does on process 0."""
     writes = []
-    for value, info, arg in zip(values, infos, args or [types.SaveArgs()] * len(values)):
+    for value, info, arg in zip(values, infos, args):
       await info.await_path_creation()
-      spec = ts_utils.build_array_write_spec(
-          info=info, arg=arg, global_shape=value.shape, local_shape=value.shape,
-          dtype=value.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
-          process_index=ocdbt_utils.get_process_index_for_subdir(
-              use_ocdbt=info.is_ocdbt_checkpoint,
-              override_ocdbt_process_id=self._override_ocdbt_process_id),
-          metadata_key=self._metadata_key)
-      writes.append(self._open_and_write(value, spec.json, info.ts_context))
-    await asyncio_utils.cancellable(asyncio.gather(*writes),
-                                    message="local numpy write cancelled",
-                                    process_index=jax.process_index())
+      ocdbt = info.is_ocdbt_checkpoint
+      spec = _write_tspec(info, use_ocdbt=ocdbt, global_shape=value.shape,
+                          local_shape=value.shape, dtype=value.dtype,
+                          process_index=_orbax_process_index() if ocdbt else None, arg=arg)
+      writes.append(_write(value, spec, info.ts_context))
+    await asyncio.gather(*writes)
 
 
-def _multiprocessing(path: str) -> ocp.options.MultiprocessingOptions:
+async def _write(value: np.ndarray, spec: dict, context) -> None:
+  """Writes ``value`` to the tensorstore of JSON spec ``spec``."""
+  store = await ts.open(ts.Spec(spec), create=True, open=True, context=context)
+  await store.write(value, can_reference_source_data_indefinitely=True)
+
+
+def multiprocessing_options(path: str) -> ocp.options.MultiprocessingOptions:
+  """orbax's multiprocessing options of a manager over ``path`` (any
+  process's directory) run by this process alone: every host primary, this
+  one the only active, barrier keys of its own (``petra_p<p>_<crc32 of
+  path>``)."""
   p = jax.process_index()
   return ocp.options.MultiprocessingOptions(
-      primary_host=p, active_processes={p},
+      primary_host=None, active_processes={p},
       barrier_sync_key_prefix=f"petra_p{p}_{zlib.crc32(path.encode())}")
 
 
 def item_handlers(path: str) -> dict:
-  """The ``arrays`` and ``meta`` items' handlers for a manager over ``path``."""
-  registry = type_handler_registry.create_type_handler_registry(
-      (np.ndarray, LocalNumpyHandler()))
-  mp = _multiprocessing(path)
+  """The ``arrays`` and ``meta`` items' handlers of a manager over ``path``."""
+  registry = _create_registry((np.ndarray, LocalNumpyHandler()))
+  mp = multiprocessing_options(path)
   return {"arrays": ocp.PyTreeCheckpointHandler(multiprocessing_options=mp,
                                                 type_handler_registry=registry),
           "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
 
 
 def manager_options(path: str, max_to_keep=None) -> ocp.CheckpointManagerOptions:
-  """Options of a manager over ``path`` that only this process runs."""
-  separate_operation_ids()
+  """Options of a manager over ``path`` that only this process runs (no
+  rotation by default: the caller prunes)."""
   return ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, create=False,
       async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
-      multiprocessing_options=_multiprocessing(path))
-
-
-def separate_operation_ids() -> None:
-  """Offsets orbax's operation counter by ``10**9`` times the process index
-  (once; a no-op on process 0)."""
-  p = jax.process_index()
-  gen = synchronization.OperationIdGenerator
-  if p == 0 or getattr(gen, "_petra_offset", False):
-    return
-  gen._operation_id_counter = itertools.count(p * 10**9)  # pylint: disable=protected-access
-  gen._operation_id = next(gen._operation_id_counter)  # pylint: disable=protected-access
-  gen._petra_offset = True  # pylint: disable=protected-access
+      multiprocessing_options=multiprocessing_options(path))
