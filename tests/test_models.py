@@ -128,6 +128,18 @@ def test_build_model_unknown_name_names_the_choices_and_the_flag():
   assert all(name in msg for name in REVNETS + ("resnet18", "resnet34", "resnet50"))
 
 
+def test_importing_models_leaves_data_out():
+  # Only the CLI (models.summary) reads the data registry; the trainer's and
+  # benchmarks' `import models` must not pull the data pipeline (PIL, tfds).
+  code = ("import sys; import petra_jax.models; "
+          "print(sorted(m for m in ('petra_jax.data', 'PIL', 'tensorflow_datasets') "
+          "if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"
+
+
 def _cli(*args):
   return subprocess.run([sys.executable, "-m", "petra_jax.models", *args],
                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
