@@ -14,6 +14,8 @@ import optax
 import pytest
 
 from petra_jax.optim import compensation as comp
+from petra_jax.optim import delays, lr_scaling, prediction
+from petra_jax.optim import momentum as momentum_lib
 from petra_jax import optim
 
 SPE = 4  # optimizer updates per epoch in these tests
@@ -84,18 +86,19 @@ def close(a, b, rtol=2e-5, atol=2e-6):
 # ----------------------------------------------------------------------------
 
 def test_stage_delays_and_updates():
-  assert [comp.stage_delay_ticks(j, 4) for j in range(4)] == [6, 4, 2, 0]
-  assert comp.delay_in_updates(6, 4) == 1.5
-  assert comp.delay_in_updates(0, 3) == 0.0
+  assert delays.stage_delays(4) == [6, 4, 2, 0]
+  assert delays.stage_delays(2, [0, 0]) == [0, 0]
+  assert delays.delay_in_updates(6, 4) == 1.5
+  assert delays.delay_in_updates(0, 3) == 0.0
   # The mean over an update's k micro-batches of floor((tau + k - 1 - i) / k) is tau / k.
   for tau in range(0, 9):
     for k in (1, 2, 3, 4):
       mean = np.mean([(tau + k - 1 - i) // k for i in range(k)])
-      assert mean == pytest.approx(comp.delay_in_updates(tau, k))
+      assert mean == pytest.approx(delays.delay_in_updates(tau, k))
   with pytest.raises(ValueError):
-    comp.stage_delay_ticks(4, 4)
+    delays.stage_delays(4, [6, 4, 2])
   with pytest.raises(ValueError):
-    comp.delay_in_updates(2, 0)
+    delays.delay_in_updates(2, 0)
 
 
 def test_parse_name():
@@ -135,7 +138,7 @@ def test_delay_zero_is_plain_sgd_nesterov(name, k):
   chex.assert_trees_all_equal(got, plain)
   assert comp.make_predictor(c, SPE, name=name, delay_ticks=0) is None
   # A zero horizon predicts the weights themselves.
-  chex.assert_trees_all_equal(comp.predict_params(got[-1], state, 0, LR), got[-1])
+  chex.assert_trees_all_equal(prediction.predict_params(got[-1], state, 0, LR), got[-1])
 
 
 def test_last_stage_is_plain():
@@ -172,8 +175,8 @@ def test_lr_scale_formula():
   # D = 1 / 2 < 1: no scaling (max(D, 1) = 1), bit for bit.
   base_u, comp_u = _update_ratio(c, "lr_scale", 1, 4)
   chex.assert_trees_all_equal(comp_u, base_u)
-  assert comp.delay_lr_factor(3.0, 0.5) == pytest.approx(3.0 ** -0.5)
-  assert comp.delay_lr_factor(0.0, 1.0) == 1.0
+  assert lr_scaling.delay_lr_factor(3.0, 0.5) == pytest.approx(3.0 ** -0.5)
+  assert lr_scaling.delay_lr_factor(0.0, 1.0) == 1.0
 
 
 def test_pipemare_warmup_formula():
@@ -233,9 +236,9 @@ def test_spike_matches_hand_computation(nesterov):
 
 def test_spike_coefficients_and_impulse_response():
   m, delay = 0.9, 2
-  a, b = comp.spike_coefficients(m, delay)
+  a, b = momentum_lib.spike_coefficients(m, delay)
   assert a == pytest.approx((1 - m ** 2) / (1 - m)) and b == pytest.approx(m ** 2)
-  assert comp.spike_coefficients(m, 0) == (0.0, 1.0)
+  assert momentum_lib.spike_coefficients(m, 0) == (0.0, 1.0)
   # A unit gradient then zeros, lr 1, no decay. On time, Nesterov momentum moves
   # the weight by c_0 = 1 + m, then c_i = m ** (i + 1). Arriving D late, the
   # compensated step is c_0 + ... + c_D, then c_{D+i}: the same total 1 / (1 - m).
@@ -303,7 +306,7 @@ def test_weight_prediction_matches_hand_computation(k, delay_ticks, steps):
   predicted = tmap(lambda x, vv: x - (LR * n / 4) * delay * vv, w, v)  # w - eta D v
   close(predictor(hist[-1], state), predicted)
   close(jax.jit(predictor)(hist[-1], state), predicted)  # the engine jits it
-  close(comp.find_velocity(state), v)
+  close(prediction.find_velocity(state), v)
 
 
 def test_predict_params_through_wrappers():
@@ -316,23 +319,23 @@ def test_predict_params_through_wrappers():
   hist, _, state = run(tx, 4)
   trace = state.inner_opt_state[1].inner_state[0].trace
   want = tmap(lambda w, v: np.float64(w) - 0.05 * 2.5 * np.float64(v), hist[-1], trace)
-  close(comp.predict_params(hist[-1], state, 2.5), want)
+  close(prediction.predict_params(hist[-1], state, 2.5), want)
   # A fixed rate, and a horizon scale.
-  close(comp.predict_params(hist[-1], state, 2.5, 0.05), want)
-  close(comp.predict_params(hist[-1], state, 1.25, 0.05, scale=2.0), want)
+  close(prediction.predict_params(hist[-1], state, 2.5, 0.05), want)
+  close(prediction.predict_params(hist[-1], state, 1.25, 0.05, scale=2.0), want)
   # A traced delay (e.g. per micro-batch).
-  close(jax.jit(comp.predict_params)(hist[-1], state, jnp.float32(2.5)), want)
+  close(jax.jit(prediction.predict_params)(hist[-1], state, jnp.float32(2.5)), want)
 
 
 def test_predict_params_errors():
   params = tiny_params()
   with pytest.raises(ValueError, match="TraceState"):
-    comp.predict_params(params, optax.adam(1e-3).init(params), 2.0, 1e-3)
+    prediction.predict_params(params, optax.adam(1e-3).init(params), 2.0, 1e-3)
   two = optax.chain(optax.trace(0.9), optax.trace(0.5)).init(params)
   with pytest.raises(ValueError, match="Several"):
-    comp.predict_params(params, two, 2.0, 0.1)
+    prediction.predict_params(params, two, 2.0, 0.1)
   with pytest.raises(ValueError, match="learning_rate"):
-    comp.predict_params(params, optax.sgd(0.1, momentum=0.9).init(params), 2.0)
+    prediction.predict_params(params, optax.sgd(0.1, momentum=0.9).init(params), 2.0)
   with pytest.raises(ValueError):
     comp.make_compensated_optimizer(make_config(name="adam"), SPE, name="spike", delay_ticks=2)
   with pytest.raises(ValueError):
@@ -344,10 +347,10 @@ def test_predict_params_errors():
 # ----------------------------------------------------------------------------
 
 def test_lookahead_momentum():
-  assert comp.lookahead_momentum(0.9, 0.99, 0.0, 8.0) == 0.9
-  assert comp.lookahead_momentum(0.9, 0.99, 4.0, 8.0) == pytest.approx(0.945)
-  assert comp.lookahead_momentum(0.9, 0.99, 8.0, 8.0) == pytest.approx(0.99)
-  assert comp.lookahead_momentum(0.9, 0.99, 16.0, 8.0) == pytest.approx(0.99)
+  assert momentum_lib.lookahead_momentum(0.9, 0.99, 0.0, 8.0) == 0.9
+  assert momentum_lib.lookahead_momentum(0.9, 0.99, 4.0, 8.0) == pytest.approx(0.945)
+  assert momentum_lib.lookahead_momentum(0.9, 0.99, 8.0, 8.0) == pytest.approx(0.99)
+  assert momentum_lib.lookahead_momentum(0.9, 0.99, 16.0, 8.0) == pytest.approx(0.99)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -16,7 +16,7 @@ import pytest
 
 from petra_jax import models
 
-from petra_jax.models import invertible
+from petra_jax.models import invertible, summary
 from helpers import random_variables as _random_variables
 from petra_jax.engine import stage as stage_lib
 
@@ -101,8 +101,8 @@ def test_only_stem_and_head_are_not_reversible(name):
 def test_revnet18_inv_keeps_revnet18_stream_shapes_and_every_entry():
   # CIFAR 32x32, width 64: the streams are RevNet18's; the halves set aside
   # are carried to the head, so every activation holds the stem's 2 x 64 x 32 x 32.
-  inv = models.summarize("revnet18_inv", "cifar10", 64)["stages"]
-  ref = models.summarize("revnet18", "cifar10", 64)["stages"]
+  inv = summary.summarize("revnet18_inv", "cifar10", 64)["stages"]
+  ref = summary.summarize("revnet18", "cifar10", 64)["stages"]
   assert [r["output_shape"] for r in inv] == [r["output_shape"] for r in ref]
   assert inv[7]["carried_shapes"] == [[32, 32, 64], [16, 16, 128], [8, 8, 256]]
   for r in inv[:-1]:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from petra_jax import models
+from petra_jax.models import summary
 from petra_jax.engine import stage as stage_lib
 from helpers import random_variables as _random_variables
 
@@ -30,7 +31,7 @@ TORCHVISION_PARAMS = {"resnet18": 11_689_512, "resnet34": 21_797_672,
 
 
 # Tracing a model takes ~0.5 s: each (name, dataset, width) is traced once.
-_summarize = functools.lru_cache(models.summarize)
+_summarize = functools.lru_cache(summary.summarize)
 
 
 @pytest.mark.parametrize("name", sorted(TABLE2_PARAMS))
@@ -61,7 +62,7 @@ def test_stage_counts_and_kinds(name, n_stages):
   # group in RevNet50); none in a ResNet.
   n_rev = sum(s.reversible for s in stages)
   assert n_rev == {"revnet18": 5, "revnet34": 13, "revnet50": 12}.get(name, 0)
-  assert models.supports_reversible(stages) == (n_rev > 0)
+  assert stage_lib.has_reversible(stages) == (n_rev > 0)
   # The family the trainer reads (PETRA needs "revnet") is the built model's.
   assert models.MODEL_FAMILY[name] == ("revnet" if n_rev else "resnet")
 
@@ -125,6 +126,18 @@ def test_build_model_unknown_name_names_the_choices_and_the_flag():
   msg = str(e.value)
   assert "'revnet101'" in msg and "--config.model.name" in msg
   assert all(name in msg for name in REVNETS + ("resnet18", "resnet34", "resnet50"))
+
+
+def test_importing_models_leaves_data_out():
+  # Only the CLI (models.summary) reads the data registry; the trainer's and
+  # benchmarks' `import models` must not pull the data pipeline (PIL, tfds).
+  code = ("import sys; import petra_jax.models; "
+          "print(sorted(m for m in ('petra_jax.data', 'PIL', 'tensorflow_datasets') "
+          "if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "[]"
 
 
 def _cli(*args):

@@ -64,6 +64,29 @@ def test_kernel_mask():
       "conv": {"kernel": True, "bias": False}, "bn": {"scale": False}}
 
 
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_sgd_chain_is_optax_sgd(momentum):
+  # The state tree checkpoints save, and the updates, are those of optax.sgd
+  # behind optax.add_decayed_weights (momentum 0: optax.sgd(momentum=None)).
+  lr, wd = 0.05, 5e-4
+  c = make_config(**{"optim.learning_rate": lr, "optim.schedule": "constant",
+                     "optim.warmup_epochs": 0, "optim.weight_decay": wd,
+                     "optim.momentum": momentum, "accumulation_steps": 1})
+  want = optax.chain(optax.add_decayed_weights(wd, mask=optim.kernel_mask),
+                     optax.sgd(optax.constant_schedule(lr), momentum=momentum or None,
+                               nesterov=True))
+  got = optim.make_optimizer(c, SPE)
+  params = tiny_params()
+  assert (jax.tree.structure(got.init(params)) == jax.tree.structure(want.init(params)))
+  np.testing.assert_array_equal(run(got, params, [grads(0), grads(1)])["conv"]["kernel"],
+                                run(want, params, [grads(0), grads(1)])["conv"]["kernel"])
+
+
+def test_momentum_chain_rejects_adam():
+  with pytest.raises(ValueError, match="sgd"):
+    optim.momentum_chain(make_config(**{"optim.name": "adam"}).optim, 0.1)
+
+
 def test_sgd_nesterov_matches_pytorch_semantics():
   lr, mu, wd = 0.05, 0.9, 5e-4
   c = make_config(**{"optim.learning_rate": lr, "optim.schedule": "constant",

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from petra_jax.models import main
+from petra_jax.models.summary import main
 
 if __name__ == "__main__":
   try:

@@ -13,7 +13,7 @@ Here they are the ``pre`` of a reversible :class:`~petra_jax.engine.stage.Stage`
 stage's additive coupling. Activations are ``(x1, x2, *carried)``: the two
 streams, then arrays set aside by earlier downsamplings, which every later
 coupling passes through unchanged and the head pools
-(:class:`petra_jax.models.Head`).
+(:class:`petra_jax.models.layers.Head`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""ResNets (``resnet18/34/50``): the paper's backprop baselines.
+
+The torchvision models (v1.5 bottleneck, stride on the 3x3 conv) on a single
+``[B, H, W, C]`` tensor, one residual block per stage; every stage is
+non-reversible, so PETRA cannot reconstruct their inputs (only backprop and
+delayed-gradient methods train them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import flax.linen as nn
+
+from petra_jax.engine.stage import Stage
+from petra_jax.models.layers import conv_bn
+
+if TYPE_CHECKING:
+  from petra_jax.models.specs import ModelSpec
+
+
+class ResNetBasicBlock(nn.Module):
+  """torchvision's BasicBlock: ``ReLU(BN(conv3x3(ReLU(BN(conv3x3_s(x))))) + sc)``.
+
+  ``[B, H, W, C_in] -> [B, H/s, W/s, C]`` with ``C = features``; the shortcut
+  ``sc`` is ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
+  """
+  features: int
+  stride: int = 1
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    h = nn.relu(conv_bn(x, self.features, 3, self.stride, train))
+    h = conv_bn(h, self.features, 3, 1, train)
+    if self.stride != 1 or x.shape[-1] != self.features:
+      x = conv_bn(x, self.features, 1, self.stride, train)
+    return nn.relu(h + x)
+
+
+class ResNetBottleneck(nn.Module):
+  """torchvision's Bottleneck (v1.5, stride on the 3x3 conv).
+
+  ``ReLU(BN(conv1x1(ReLU(BN(conv3x3_s(ReLU(BN(conv1x1(x))))))))) + sc)``:
+  ``[B, H, W, C_in] -> [B, H/s, W/s, 4 * features]``; the shortcut is
+  ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
+  """
+  features: int
+  stride: int = 1
+  expansion: int = 4
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    out = self.expansion * self.features
+    h = nn.relu(conv_bn(x, self.features, 1, 1, train))
+    h = nn.relu(conv_bn(h, self.features, 3, self.stride, train))
+    h = conv_bn(h, out, 1, 1, train)
+    if self.stride != 1 or x.shape[-1] != out:
+      x = conv_bn(x, out, 1, self.stride, train)
+    return nn.relu(h + x)
+
+
+def resnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
+  """The ResNet block stages (between stem and head), all non-reversible.
+
+  Group ``g`` has ``spec.blocks_per_group[g]`` blocks of base width
+  ``width * 2**g``; the first block of groups 1.. has stride 2.
+  """
+  block = ResNetBottleneck if spec.bottleneck else ResNetBasicBlock
+  stages = []
+  for g, n in enumerate(spec.blocks_per_group):
+    for b in range(n):
+      stride = 2 if (b == 0 and g > 0) else 1
+      stages.append(Stage(f"group{g}_block{b}", block(width * 2**g, stride),
+                          reversible=False))
+  return stages

@@ -1,0 +1,139 @@
+"""Per-stage shapes and parameter counts of a model, and the models CLI.
+
+``python -m petra_jax.models NAME --dataset=cifar10 [--width=W] [--depth=N] [--json]``
+prints the stages, their output shapes and parameter counts (paper Table 2).
+This is the one module of :mod:`petra_jax.models` that reads the data
+registry (for the input shape, stem and classes), so importing the model zoo
+alone does not import the data pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.data import DATASETS
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stage import Stage
+from petra_jax.models.specs import MODEL_FAMILY, MODEL_SPECS, build_model, unknown_model_message
+
+
+def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list[dict]:
+  """Per-stage output shape and parameter count, without allocating weights.
+
+  Shapes are traced with :func:`jax.eval_shape` on a batch of one, so this is
+  fast even for ImageNet-size models.
+
+  Args:
+    stages: a model from :func:`petra_jax.models.build_model`.
+    image_shape: ``(H, W, C)`` of the input image.
+
+  Returns:
+    One dict per stage: ``index``, ``name``, ``kind`` (``"reversible"`` or
+    ``"non-reversible"``), ``output_shape`` (per stream, without the batch:
+    ``[H, W, C]``, or ``[num_classes]`` for the head) and ``params`` (number of
+    trainable parameters; BatchNorm statistics excluded). Where the output
+    carries arrays after the streams (invertible downsampling), also
+    ``carried_shapes``: their ``[H, W, C]``s.
+  """
+  x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
+  rows = []
+  for i, (s, (variables, y)) in enumerate(zip(stages, stage_lib.trace(stages, x))):
+    out = y[0] if isinstance(y, tuple) else y
+    rows.append({
+        "index": i,
+        "name": s.name,
+        "kind": "reversible" if s.reversible else "non-reversible",
+        "output_shape": list(out.shape[1:]),
+        "params": sum(math.prod(p.shape) for p in jax.tree.leaves(variables["params"])),
+    })
+    if isinstance(y, tuple) and len(y) > 2:
+      rows[-1]["carried_shapes"] = [list(c.shape[1:]) for c in y[2:]]
+  return rows
+
+
+def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None) -> dict:
+  """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
+
+  The dataset fixes the input size, the stem and the classes (``DATASETS``);
+  stages are as in :func:`stage_summaries`; ``depth`` as in
+  :func:`petra_jax.models.build_model`.
+
+  Raises:
+    ValueError: unknown ``name`` or ``dataset``.
+  """
+  if dataset not in DATASETS:
+    raise ValueError(f"Unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}.")
+  d = DATASETS[dataset]
+  stages = build_model(name, width=width, num_classes=d.num_classes,
+                       imagenet_stem=d.imagenet_stem, depth=depth)
+  rows = stage_summaries(stages, d.image_shape)
+  return {"total_params": sum(r["params"] for r in rows), "stages": rows}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="python -m petra_jax.models",
+      description="Print a model's PETRA stages, output shapes (per stream, "
+                  "[H, W, C]) and parameter counts.")
+  parser.add_argument("name", help=f"model: one of {sorted(MODEL_SPECS)}")
+  parser.add_argument("--dataset", choices=sorted(DATASETS), default="cifar10",
+                      help="fixes input size, stem and classes (default cifar10)")
+  parser.add_argument("--width", type=int, default=64, help="base width (default 64)")
+  parser.add_argument("--depth", type=int, default=None,
+                      help="reversible blocks of a fixed-size model (revnet_fixed; default 20)")
+  parser.add_argument("--json", action="store_true", help="print JSON")
+  return parser
+
+
+def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
+  """The human-readable table: one row per stage, then the total."""
+  family = MODEL_FAMILY[name]
+  print(f"{name} ({family}) on {dataset}, width {width}: {len(summary['stages'])} stages")
+  shapes = []
+  for r in summary["stages"]:
+    shape = "x".join(map(str, r["output_shape"]))
+    if family == "revnet" and r["name"] != "head":
+      shape = f"2 x {shape}"
+    if r.get("carried_shapes"):
+      shape += " + " + ", ".join("x".join(map(str, c)) for c in r["carried_shapes"])
+    shapes.append(shape)
+  col = max(22, *map(len, shapes))
+  print(f"{'idx':>3}  {'name':<14} {'kind':<15} {'output (HxWxC)':<{col}} {'params':>12}")
+  for r, shape in zip(summary["stages"], shapes):
+    print(f"{r['index']:>3}  {r['name']:<14} {r['kind']:<15} {shape:<{col}} {r['params']:>12,}")
+  if any(r.get("carried_shapes") for r in summary["stages"]):
+    print("(after '+': arrays set aside by invertible downsampling, carried to the head)")
+  print(f"total: {summary['total_params']:,} parameters")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """``python -m petra_jax.models NAME --dataset=D [--width=W] [--depth=N] [--json]``.
+
+  Returns:
+    The exit status: 0, or 2 after printing one error line to stderr (unknown
+    model, ``--width < 1``, a bad ``--depth``).
+  """
+  args = _parser().parse_args(argv)
+  if args.name not in MODEL_SPECS:
+    print(f"error: {unknown_model_message(args.name)}", file=sys.stderr)
+    return 2
+  if args.width < 1:
+    print(f"error: --width must be >= 1, got {args.width}.", file=sys.stderr)
+    return 2
+  try:
+    summary = summarize(args.name, args.dataset, args.width, args.depth)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(summary))
+  else:
+    _print_table(args.name, args.dataset, args.width, summary)
+  return 0
