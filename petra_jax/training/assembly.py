@@ -16,6 +16,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
@@ -80,8 +81,9 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   total_steps = steps_per_epoch * config.num_epochs
   if config.max_steps:
     total_steps = min(total_steps, config.max_steps)
+  lr = optim.learning_rate_schedule(config, steps_per_epoch)  # built once per run
   pipe, sizes, probes = build_pipeline(config, workdir, info, config.batch_size // k,
-                                       steps_per_epoch)
+                                       steps_per_epoch, schedule=lr)
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
@@ -95,8 +97,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     logging.info("resumed from %s/%d", ckpt.directory, step)
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                     truncate_to=extra.get("metrics_offset"))
-  loss_log = LossLog(writer, k, config.log_every, steps_per_epoch,
-                     optim.learning_rate_schedule(config, steps_per_epoch))
+  loss_log = LossLog(writer, k, config.log_every, steps_per_epoch, lr)
   if restored is not None and jax.process_index() == 0:  # (the losses live on process 0)
     loss_log.restore(extra["loss_log"], extra_arrays)
   schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
@@ -181,8 +182,10 @@ def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_clas
   return models.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
 
 
-def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int):
-  """The stages (grouped as configured), their pipeline and observers.
+def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
+                   schedule: Optional[optax.Schedule] = None):
+  """The stages (grouped as configured), their pipeline and observers; every
+  stage's optimizer and predictor share ``schedule`` (built here when None).
 
   Returns:
     ``(pipe, sizes, probes)``: the :class:`Pipeline`, the blocks per stage
@@ -209,12 +212,14 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int)
   # Each stage's optimizer (and forward weights) compensate its own delay
   # tau_j in the grouped pipeline; methods without delay get the plain ones.
   delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
+  if schedule is None:
+    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
-                                                        delays), devices,
+                                                        delays, schedule=schedule), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
-                                                           delays),
+                                                           delays, schedule=schedule),
                   formats=message_formats(config))
   return pipe, sizes, probes
 
