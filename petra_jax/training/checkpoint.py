@@ -56,7 +56,7 @@ import orbax.checkpoint as ocp
 
 from petra_jax.training import orbax_local
 from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.pipeline import PipelineState, message_fields
+from petra_jax.engine.state import PipelineState, message_fields
 
 
 
