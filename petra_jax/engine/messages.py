@@ -63,8 +63,8 @@ class Messenger:
             kind, x, _payload_key(base, m, code))) for kind in quantize_lib.KINDS}
     self._base_key = jax.random.key(2)  # set from the seed by start()
     self._sample = None  # the training input's spec (multi-process runs)
-    self._specs: dict = {}  # (shape, dtype) -> message_specs
-    self._encoded: dict = {}  # (kind, j) -> encoded_spec
+    self._spec_cache: dict = {}  # (shape, dtype) -> message_specs
+    self._encoded_cache: dict = {}  # (kind, j) -> encoded_spec
 
   def start(self, seed: int, sample_input, multiprocess: bool) -> None:
     """Sets the run's stochastic-rounding key from ``seed`` and, in a
@@ -74,7 +74,7 @@ class Messenger:
     self._base_key = jax.random.key(seed + 2)
     self._sample = (jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
                     if multiprocess else None)
-    self._encoded = {}
+    self._encoded_cache = {}
 
   def message_specs(self, sample_input) -> list:
     """Message specs for a stage-0 input shaped like ``sample_input``.
@@ -84,10 +84,10 @@ class Messenger:
       (float, as computed), then the logits. Cached per input shape.
     """
     key = (tuple(sample_input.shape), jnp.dtype(sample_input.dtype))
-    if key not in self._specs:
+    if key not in self._spec_cache:
       spec = jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
-      self._specs[key] = [spec] + [out for _, out in trace(self.stages, spec)]
-    return self._specs[key]
+      self._spec_cache[key] = [spec] + [out for _, out in trace(self.stages, spec)]
+    return self._spec_cache[key]
 
   def encoded_spec(self, kind: str, j: int) -> Optional[PyTree]:
     """Stage ``j``'s input as a ``kind`` message travels (what a receiving
@@ -95,10 +95,12 @@ class Messenger:
     single-process run (nothing is allocated)."""
     if self._sample is None:
       return None
-    if (kind, j) not in self._encoded:
+    if (kind, j) not in self._encoded_cache:
       spec = self.message_specs(self._sample)[j]
-      self._encoded[(kind, j)] = self.formats.spec(kind, spec) if self.formats.active else spec
-    return self._encoded[(kind, j)]
+      if self.formats.active:
+        spec = self.formats.spec(kind, spec)
+      self._encoded_cache[(kind, j)] = spec
+    return self._encoded_cache[(kind, j)]
 
   def encode(self, kind: str, x, j: int, m: int):
     """Payload ``x`` of stage ``j``, micro-batch ``m``, in ``kind``'s format.

@@ -118,10 +118,9 @@ class PipelineState:
     """A new state with the same contents in new containers (lists and
     dicts; the arrays are shared): what a tick fills, leaving ``self``'s
     containers as they were."""
-    boxes = {f.name: ([dict(b) for b in getattr(self, f.name)]
-                      if f.metadata["messages"] == "per_stage" else dict(getattr(self, f.name)))
-             for f in message_fields()}
-    return dataclasses.replace(self, train_states=list(self.train_states), **boxes)
+    boxes = {name: [b.copy() for b in getattr(self, name)] if per_stage
+             else getattr(self, name).copy() for name, per_stage in _MESSAGE_BOXES}
+    return PipelineState(train_states=list(self.train_states), tick=self.tick, **boxes)
 
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""
@@ -142,6 +141,10 @@ class PipelineState:
 def message_fields() -> list[dataclasses.Field]:
   """The fields of :class:`PipelineState` that hold messages."""
   return [f for f in dataclasses.fields(PipelineState) if "messages" in f.metadata]
+
+
+# (name, whether per stage) of every message field: read on every tick.
+_MESSAGE_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
 
 
 def take(box: dict, m: int, what: str, j: int):
