@@ -7,12 +7,10 @@ import optax
 import pytest
 
 from petra_jax import models
-
 from petra_jax.engine import methods
-
 from petra_jax.engine import pipeline
-
 from petra_jax.engine import schedule
+from petra_jax.engine import steps
 from helpers import batches_of, composed_loss, random_batch, rel_err, run_ticks
 
 # Paper Table 4, read off the paper (Sec. 4.2): whether the gradient is
@@ -80,7 +78,7 @@ def test_stored_bytes_match_each_methods_claim(method, steady_runs):
   inputs, h = [], x
   for s, st in zip(stages, state.train_states):
     inputs.append(sum(a.nbytes for a in jax.tree.leaves(h)))
-    h = pipeline.forward_step(s, st, h)[0]
+    h = steps.forward_step(s, st, h)[0]
   param_bytes = [sum(a.nbytes for a in jax.tree.leaves(st.params)) for st in state.train_states]
   stash_inputs = method in ("dsp", "delayed")
   stash_params = method in ("delayed", "approximate_input")
@@ -110,7 +108,7 @@ def test_methods_differ_once_delays_are_real(steady_runs):
 
 def test_reconstructing_method_on_plain_resnet_raises():
   stages = models.build_model("resnet18", width=4)
-  with pytest.raises(ValueError, match="needs reversible stages"):
+  with pytest.raises(ValueError, match="needs a reversible model"):
     pipeline.Pipeline(stages, optax.sgd(0.1), method="petra")
   with pytest.raises(ValueError, match="Unknown method"):
     pipeline.Pipeline(stages, optax.sgd(0.1), method="pipedream")

@@ -11,12 +11,11 @@ import optax
 import pytest
 
 from petra_jax import models
-
 from petra_jax.engine import observers
-
 from petra_jax.engine import pipeline
-
 from petra_jax.engine import schedule
+from petra_jax.engine import state as state_lib
+from petra_jax.engine import steps as steps_lib
 from petra_jax.engine.stage import Stage
 from helpers import batches_of, random_batch, run_ticks
 
@@ -170,15 +169,34 @@ def test_one_and_four_devices_give_identical_losses():
   np.testing.assert_array_equal(losses[1], losses[4])
 
 
-def test_steps_compile_once():
+def test_steps_compile_once(monkeypatch):
+  # A step's Python function runs only while jax traces it (once per
+  # compilation): count those runs per step and stage.
+  traces = collections.Counter()
+
+  def counted(name):
+    fn = getattr(steps_lib, name)
+
+    def traced(stage, *args, **kwargs):
+      traces[(name, index[id(stage)])] += 1
+      return fn(stage, *args, **kwargs)
+    return traced
+
+  names = ("forward_step", "reverse_backward_step", "recompute_backward_step", "loss_step")
+  for name in names:
+    monkeypatch.setattr(steps_lib, name, counted(name))
   stages = models.build_model("revnet18", width=4)
+  index = {id(s): j for j, s in enumerate(stages)}
   pipe = pipeline.Pipeline(stages, optax.sgd(0.01), jax.devices()[:2])
   x, y = random_batch()
   state = pipe.init(0, x)
   state, _ = run_ticks(pipe, state, 3 * len(stages), batches_of())
-  for j in range(len(stages)):
-    for fn in pipe.steps.jitted_steps(j):
-      assert fn._cache_size() <= 1  # 0: the head never runs a separate forward
+  J = len(stages)
+  expected = collections.Counter({("forward_step", j): 1 for j in range(J - 1)})
+  for j, s in enumerate(stages[:-1]):
+    expected["reverse_backward_step" if s.reversible else "recompute_backward_step", j] = 1
+  expected["loss_step", J - 1] = 1  # (the head never runs a separate forward)
+  assert traces == expected
 
 
 def test_bad_stage_lists_raise():
@@ -213,5 +231,5 @@ def test_a_task_before_its_input_arrives_is_a_schedule_error():
   pipe = pipeline.Pipeline(stages, optax.sgd(LR), jax.devices()[:1])
   xs, ys = _toy_data(1)
   state = pipe.init(0, xs[0])
-  with pytest.raises(pipeline.ScheduleError, match="stage 1 has no input for micro-batch 0"):
+  with pytest.raises(state_lib.ScheduleError, match="stage 1 has no input for micro-batch 0"):
     pipe.run_tick(state, (schedule.Task(1, schedule.FORWARD, 0),), lambda m: (xs[m], ys[m]))

@@ -88,13 +88,25 @@ def test_forward_messages_enter_the_next_stage_rounded():
   np.testing.assert_allclose(float(loss), float(expected), rtol=1e-4)
 
 
-def _vjp_chain(fns, dh, fmt):
-  """Per-stage parameter gradients of a chain of vjps; each cotangent sent to
-  the previous stage is rounded through ``fmt``."""
-  grads = [None] * len(fns)
-  for j in reversed(range(len(fns))):
-    fn, p, h_in = fns[j]
-    grads[j], dh = jax.vjp(fn, p, h_in)[1](dh)
+def _stage_vjp(stage, params, batch_stats, h, dh):
+  """``(d params, d h)`` of one stage's training forward at ``(params, h)``."""
+  return jax.vjp(lambda p, x: stage_lib.forward(stage, p, batch_stats, x)[0], params, h)[1](dh)
+
+
+def _vjp_chain(stages, params, stats, x, y, fmt):
+  """Per-stage parameter gradients of the chain of per-stage vjps of the
+  mean cross-entropy, each cotangent sent to the previous stage rounded
+  through ``fmt`` ("none": exact). Every stage's forward and vjp is jitted,
+  as the engine's steps are (eager and jitted float32 differ in the last bit)."""
+  hs, h = [], x
+  for s, p, bs in zip(stages, params, stats):
+    hs.append(h)
+    h = jax.jit(functools.partial(stage_lib.forward, s))(p, bs, h)[0]
+  dh = jax.jit(jax.grad(lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+      logits, y).mean()))(h)
+  grads = [None] * len(stages)
+  for j in reversed(range(len(stages))):
+    grads[j], dh = jax.jit(functools.partial(_stage_vjp, stages[j]))(params[j], stats[j], hs[j], dh)
     dh = _round_trip(dh, fmt) if fmt != "none" else dh
   return grads
 
@@ -106,33 +118,31 @@ def _flat(tree):
 def test_backward_messages_carry_rounded_cotangents():
   # ResNet18 (every stage recomputes), one micro-batch of GPipe: the update
   # (SGD, rate 1) is minus the chain of per-stage vjps in which every
-  # cotangent sent to the previous stage is rounded to bfloat16. Jit and
-  # eager float32 differ in the last bit, which flips a few roundings and
-  # grows stage by stage towards the input; so each stage's update must be
-  # several times closer to the rounded chain than to the unrounded one.
+  # cotangent sent to the previous stage is rounded to bfloat16. Rounding
+  # moves every element of a cotangent by up to half a bfloat16 ulp; the
+  # last-bit float32 differences between the engine's programs and these
+  # flip the rounding of only a few elements. So the distance is measured
+  # in the 2-norm over all of a stage's parameters (which a few flipped
+  # elements barely move, unlike the max-norm), and each stage's update must
+  # be several times closer to the rounded chain than to the exact one.
   x, y = random_batch(batch=8, size=16)
   pipe = _pipeline("resnet18", quantize.MessageFormats(backward="bfloat16"), method="gpipe")
   state = _set_random_variables(pipe, pipe.init(0, x), x)
   before = [jax.tree.map(np.array, s.params) for s in state.train_states]  # (donated)
   stats = [jax.tree.map(np.array, s.batch_stats) for s in state.train_states]
-  fns, h = [], x
-  for s, p, bs in zip(pipe.stages, before, stats):
-    fn = functools.partial(lambda s, bs, p, h: stage_lib.forward(s, p, bs, h)[0], s, bs)
-    fns.append((fn, p, h))
-    h = fn(p, h)
-  dh = jax.grad(lambda logits: optax.softmax_cross_entropy_with_integer_labels(
-      logits, y).mean())(h)
-  rounded, exact = _vjp_chain(fns, dh, "bfloat16"), _vjp_chain(fns, dh, "none")
+  rounded = _vjp_chain(pipe.stages, before, stats, x, y, "bfloat16")
+  exact = _vjp_chain(pipe.stages, before, stats, x, y, "none")
   state, _ = run_ticks(pipe, state, 1, lambda m: (x, y))
-  for j, (b, s) in enumerate(zip(before, state.train_states)):
+  for j, s in enumerate(state.train_states):
     applied = _flat(before[j]) - _flat(s.params)
-    scale = np.abs(_flat(rounded[j])).max()
-    to_rounded = np.abs(applied - _flat(rounded[j])).max() / scale
-    to_exact = np.abs(applied - _flat(exact[j])).max() / scale
-    if j == len(fns) - 1:  # the loss stage receives no rounded cotangent
+    scale = np.linalg.norm(_flat(rounded[j]))
+    to_rounded = np.linalg.norm(applied - _flat(rounded[j])) / scale
+    to_exact = np.linalg.norm(applied - _flat(exact[j])) / scale
+    if j == len(pipe.stages) - 1:  # the loss stage receives no rounded cotangent
       assert to_rounded < 1e-5 and to_exact < 1e-5
     else:
-      assert to_rounded < 0.3 * to_exact, (j, to_rounded, to_exact)
+      assert to_exact > 1e-4, (j, to_exact)  # the rounding is visible ...
+      assert to_rounded < 0.2 * to_exact, (j, to_rounded, to_exact)  # ... and was applied
 
 
 def test_bfloat16_compute_keeps_parameters_and_updates_in_float32():
@@ -200,9 +210,32 @@ def test_bad_numerics_config_names_the_flag(field, value):
     train.validate_config(c, 1)
 
 
+def _payload_key(seed, m, j, kind):
+  """The documented key of stage ``j``'s ``kind`` payload of micro-batch
+  ``m``, written out: ``fold_in(fold_in(key(seed + 2), m), 3 j + i)``, ``i``
+  the index of ``kind`` in (forward, backward, buffer)."""
+  code = 3 * j + ("forward", "backward", "buffer").index(kind)
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed + 2), m), code)
+
+
+def _assert_same_leaves(a, b):
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(u, v)
+
+
+def test_stochastic_int8_keys_follow_seed_micro_batch_stage_and_kind():
+  x, _ = random_batch(batch=8, size=16)
+  pipe = _pipeline("revnet18", quantize.MessageFormats("int8", "int8", "int8", stochastic=True))
+  pipe.init(5, x)
+  payload = (x, 2.0 * x)
+  for m, j, kind in ((0, 0, "forward"), (3, 1, "buffer"), (7, 2, "backward"), (7, 2, "buffer")):
+    _assert_same_leaves(pipe.messages.encode(kind, payload, j, m),
+                        quantize.quantize(payload, "int8", key=_payload_key(5, m, j, kind)))
+
+
 def test_stochastic_int8_messages_are_unbiased_draws_of_the_forward():
   # The message stage 0 sends for micro-batch m is the stochastic int8
-  # rounding, with the pipeline's key for (forward, 0, m), of the stem's
+  # rounding, with the documented key for (forward, 0, m), of the stem's
   # output computed independently; the draws differ between micro-batches
   # and average towards the float activation.
   x, y = random_batch(batch=8, size=16)
@@ -213,10 +246,9 @@ def test_stochastic_int8_messages_are_unbiased_draws_of_the_forward():
   stem_out = stage_lib.forward(pipe.stages[0], st.params, st.batch_stats, x)[0]
   sent = []
   for m in range(16):
-    msg = pipe._encode("forward", stem_out, 0, m)  # pylint: disable=protected-access
-    expected = quantize.quantize(stem_out, "int8", key=pipe.message_key("forward", 0, m))
-    for a, b in zip(jax.tree.leaves(msg), jax.tree.leaves(expected)):
-      np.testing.assert_array_equal(a, b)
+    msg = pipe.messages.encode("forward", stem_out, 0, m)
+    _assert_same_leaves(msg, quantize.quantize(stem_out, "int8",
+                                               key=_payload_key(0, m, 0, "forward")))
     sent.append(quantize.dequantize(msg))
   bound = quantize.error_bound(stem_out, "int8", stochastic=True)
   for d in sent:

@@ -1,4 +1,5 @@
-"""Gradient quality: how far PETRA's gradients are from exact ones (paper App. B).
+"""Gradient quality: how far PETRA's gradients are from exact ones (paper App. B),
+and the reconstruction error of its inputs (:func:`relative_error`, Sec. 3.2).
 
 PETRA's gradient of stage ``j`` for micro-batch ``m`` is approximate twice
 over: it is *delayed* (``tau_j = 2(J-1-j)`` ticks after the forward), and it is
@@ -33,6 +34,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.stage import Stage, composed_loss
 
 PyTree = Any
@@ -73,6 +75,24 @@ def norm_ratio(a: PyTree, b: PyTree) -> jax.Array:
     A float32 scalar ``>= 0``; Inf (or NaN) if ``b`` is zero.
   """
   return jnp.linalg.norm(_flat(a)) / jnp.linalg.norm(_flat(b))
+
+
+def relative_error(x_tilde: PyTree, x: PyTree) -> jax.Array:
+  """Relative reconstruction error ``||x~ - x|| / ||x||`` (paper Sec. 3.2).
+
+  Args:
+    x_tilde: the input a reversible stage rebuilt from its output (Eq. 5).
+    x: the true input, same structure. Either may be quantised (it is
+      dequantised first).
+
+  Returns:
+    A float32 scalar, computed in float32 over all leaves together.
+  """
+  x_tilde, x = jax.tree.map(lambda a: a.astype(jnp.float32),
+                            quantize_lib.dequantize((x_tilde, x)))
+  num = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(x_tilde), jax.tree.leaves(x)))
+  den = sum(jnp.sum(b ** 2) for b in jax.tree.leaves(x))
+  return jnp.sqrt(num / den)
 
 
 def composed_grads(stages: Sequence[Stage], params: Sequence[PyTree],

@@ -1,6 +1,6 @@
 """Diagnostics that watch the engine at task boundaries.
 
-Each is a :class:`petra_jax.engine.pipeline.Observer` passed to
+Each is a :class:`petra_jax.engine.state.Observer` passed to
 ``Pipeline(observers=[...])``; a pipeline without observers runs no
 diagnostic code. Results stay in the observer (device arrays, read without a
 wait once computed), never in the pipeline state or its checkpoints.
@@ -22,14 +22,11 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import diagnostics
-
 from petra_jax.engine import quantize
-
 from petra_jax.engine import transport
-from petra_jax.engine.pipeline import Observer, Pipeline, PipelineState, TaskResult, relative_error
+from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
-
-_copy = jax.jit(lambda x: jax.tree.map(jnp.copy, x))
+from petra_jax.engine.state import Observer, PipelineState, TaskResult, copy_tree
 
 
 def _probed(m: int, every_updates: int, k: int) -> bool:
@@ -53,14 +50,14 @@ class ReconstructionProbe(Observer):
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
     self.every, self.k = every_updates, accumulation_steps
     self._inputs: dict = {}
-    self._error = jax.jit(relative_error)
+    self._error = jax.jit(diagnostics.relative_error)
     self.results: list = []  # (micro_batch, stage, float32 device scalar)
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
-    if (task.kind == FORWARD and pipe.reconstructs[j] and pipe.local[j]
+    if (task.kind == FORWARD and pipe.steps.reconstructs[j] and pipe.local[j]
         and _probed(m, self.every, self.k)):
-      self._inputs[(j, m)] = _copy(state.inbox[j][m])  # the backward donates it
+      self._inputs[(j, m)] = copy_tree(state.inbox[j][m])  # the backward donates it
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
                  result: TaskResult) -> None:
@@ -94,8 +91,9 @@ class GradientProbe(Observer):
 
   For the first micro-batch of every ``every_updates``-th update, each stage
   copies the weights its forward used and those it holds at its backward,
-  and computes the gradient its backward applies (:meth:`Pipeline.gradient`:
-  the same function, jitted without the update). When the backward reaches
+  and computes the gradient its backward applies
+  (:meth:`petra_jax.engine.steps.StageSteps.gradient`: the same function,
+  jitted without the update). When the backward reaches
   stage 0, :func:`diagnostics.grad_quality` compares it with the delayed and
   end-to-end gradients (two ``jax.grad`` of the composed model on stage 0's
   device). Cost per probe: about two passes of the whole model plus one more
@@ -171,9 +169,9 @@ def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> 
   its forward's weights at a forward, its weights and gradient at its
   backward (before the backward donates them), the labels at the loss."""
   j, m = task.stage, task.micro_batch
-  params = _copy(state.train_states[j].params)
+  params = copy_tree(state.train_states[j].params)
   if task.kind == FORWARD:  # the weights the forward uses (predicted, if so)
-    probe.forward_params[j] = _copy(pipe.steps.forward_params(j, state.train_states[j]))
+    probe.forward_params[j] = copy_tree(pipe.steps.forward_params(j, state.train_states[j]))
   elif task.kind == LOSS:
     probe.forward_params[j] = params
   if task.kind in (BACKWARD, LOSS):
@@ -225,7 +223,7 @@ def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) ->
     return pipe.steps.backward_args(j, x=state.inbox[j][m], labels=state.labels[m])
   y, dy = state.grad_inbox[j][m]
   return pipe.steps.backward_args(j, x=state.buffers[j].get(m), y=y, dy=dy,
-                            stashed=state.weight_stash[j].get(m))
+                                  stashed=state.weight_stash[j].get(m))
 
 
 class TimelineRecorder(Observer):

@@ -53,6 +53,19 @@ class Task(NamedTuple):
 Tick = tuple  # tuple[Task, ...]
 
 
+def require_stages(num_stages: int) -> None:
+  """Stops a pipeline of fewer than 2 stages (the engine and every schedule
+  but ``sequential`` call it: the last stage computes the loss, and a
+  pipeline needs a stage before it).
+
+  Raises:
+    ValueError: ``num_stages < 2``.
+  """
+  if num_stages < 2:
+    raise ValueError(f"a pipeline needs at least 2 stages, got {num_stages}: split the model "
+                     "into 2 or more stages.")
+
+
 def delay(j: int, num_stages: int) -> int:
   """Delay ``tau_j = 2(J-1-j)`` in ticks of 0-indexed stage ``j`` of ``J``.
 
@@ -168,8 +181,8 @@ class Schedule:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"Unknown schedule {self.kind!r}; choose one of {KINDS}.")
-    if self.kind != "sequential" and self.num_stages < 2:
-      raise ValueError(f"a pipeline schedule needs at least 2 stages, got {self.num_stages}.")
+    if self.kind != "sequential":
+      require_stages(self.num_stages)
     if self.kind in ("gpipe", "1f1b") and self.num_micro_batches % self.accumulation_steps:
       raise ValueError(f"{self.kind}: {self.num_micro_batches} micro-batches do not split into "
                        f"updates of k={self.accumulation_steps}.")

@@ -19,6 +19,7 @@ import optax
 
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
+from petra_jax.engine.state import copy_tree
 
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
@@ -42,17 +43,13 @@ def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
   return statistics.median(times)
 
 
-def _copy(tree):
-  """A fresh copy of a pytree of arrays (inputs of donating steps)."""
-  return jax.tree.map(jnp.copy, tree)
-
-
 def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
   """Median ms of each stage's jitted forward and backward, called directly.
 
   Inputs are the activations of a forward through the model; cotangents are
-  ones; the backward takes the arguments :meth:`Pipeline.backward_args`
-  gives for the pipeline's method. The last stage's ``backward`` is its whole
+  ones; the backward takes the arguments
+  :meth:`petra_jax.engine.steps.StageSteps.backward_args` gives for the
+  pipeline's method. The last stage's ``backward`` is its whole
   tick (forward, loss and backward at once), so its cost per tick is
   ``backward`` alone.
 
@@ -96,7 +93,7 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
   fwd = median_ms(lambda: pipe.steps.forward(j, state.train_states[j], x), iters, warmup)
 
   def setup():  # fresh copies: a backward may donate its arguments
-    box["args"] = _copy(pipe.steps.backward_args(
+    box["args"] = copy_tree(pipe.steps.backward_args(
         j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
         labels=labels, stashed=state.train_states[j].params))
     return box["args"]

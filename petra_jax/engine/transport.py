@@ -1,10 +1,10 @@
 """Moving activations between stages' devices, within and across processes.
 
 The one place that knows how an array travels from stage ``j``'s device to
-stage ``j +- 1``'s. The engine (:mod:`petra_jax.engine.pipeline`) calls :func:`send`
-when both devices belong to this process and :func:`transfer` when one of
-them belongs to another ``jax.distributed`` process; nothing above it knows
-which route runs.
+stage ``j +- 1``'s. The engine's messenger (:mod:`petra_jax.engine.messages`)
+calls :func:`send` when both devices belong to this process and
+:func:`transfer` when one of them belongs to another ``jax.distributed``
+process; nothing above it knows which route runs.
 
 * **Within a process**: ``jax.device_put`` (asynchronous; a no-op when source
   and destination are the same device).

@@ -19,7 +19,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from petra_jax.engine.pipeline import PipelineState
+from petra_jax.engine.state import PipelineState
 
 
 class CheckpointError(RuntimeError):

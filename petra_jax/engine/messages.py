@@ -1,0 +1,136 @@
+"""Messages between stages: their format, their shapes and their move.
+
+A payload a stage sends (``forward``: its output, to stage ``j+1``;
+``backward``: ``(y_{j-1} or None, delta_j)``, to stage ``j-1``) or keeps
+(``buffer``: its input) is first encoded in the format of its kind
+(:class:`petra_jax.engine.quantize.MessageFormats`), then moved to the
+receiving stage's device: :func:`petra_jax.engine.transport.send` within
+this process, :func:`petra_jax.engine.transport.transfer` across processes,
+where the receiver allocates the payload from its shapes.
+
+Shapes have one name, *message specs*: :meth:`Messenger.message_specs` gives
+each stage's input (then the logits) as ``jax.ShapeDtypeStruct`` pytrees;
+:meth:`Messenger.encoded_spec` the same for one stage as it travels, in the
+format of its kind.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import transport
+from petra_jax.engine.stage import Stage, trace
+
+PyTree = Any
+
+
+def _payload_code(kind: str, j: int) -> int:
+  """``3 j + kind index``: one number per (stage, payload kind)."""
+  return len(quantize_lib.KINDS) * j + quantize_lib.KINDS.index(kind)
+
+
+def _payload_key(base: jax.Array, m, code) -> jax.Array:
+  """``fold_in(fold_in(base, m), code)``: the stochastic-rounding key of one
+  payload of micro-batch ``m`` (jittable; ``m`` and ``code`` may be traced)."""
+  return jax.random.fold_in(jax.random.fold_in(base, m), code)
+
+
+class Messenger:
+  """Encodes, shapes and moves the payloads of one pipeline's stages.
+
+  Args:
+    stages: the model's stages (their shapes give the message specs).
+    devices: each stage's device.
+    local: per stage, whether this process runs it.
+    formats: the format of each payload kind; default: all float, as
+      computed.
+  """
+
+  def __init__(self, stages: Sequence[Stage], devices: Sequence[jax.Device],
+               local: Sequence[bool], formats: Optional[quantize_lib.MessageFormats] = None):
+    self.stages, self.devices, self.local = list(stages), list(devices), list(local)
+    self.formats = formats or quantize_lib.MessageFormats()
+    self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
+                      for kind in quantize_lib.KINDS}
+    # stochastic int8: the payload's key is derived inside the same jit
+    self._stochastic_encoders = {
+        kind: jax.jit(lambda x, base, m, code, kind=kind: self.formats.encode(
+            kind, x, _payload_key(base, m, code))) for kind in quantize_lib.KINDS}
+    self._base_key = jax.random.key(2)  # set from the seed by start()
+    self._sample = None  # the training input's spec (multi-process runs)
+    self._spec_cache: dict = {}  # (shape, dtype) -> message_specs
+    self._encoded_cache: dict = {}  # (kind, j) -> encoded_spec
+
+  def start(self, seed: int, sample_input, multiprocess: bool) -> None:
+    """Sets the run's stochastic-rounding key from ``seed`` and, in a
+    multi-process run, the input shape every message spec derives from
+    (``sample_input``: ``float32[B, H, W, C]``, only its shape and dtype
+    matter)."""
+    self._base_key = jax.random.key(seed + 2)
+    self._sample = (jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
+                    if multiprocess else None)
+    self._encoded_cache = {}
+
+  def message_specs(self, sample_input) -> list:
+    """Message specs for a stage-0 input shaped like ``sample_input``.
+
+    Returns:
+      ``J + 1`` pytrees of ``jax.ShapeDtypeStruct``: each stage's input
+      (float, as computed), then the logits. Cached per input shape.
+    """
+    key = (tuple(sample_input.shape), jnp.dtype(sample_input.dtype))
+    if key not in self._spec_cache:
+      spec = jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
+      self._spec_cache[key] = [spec] + [out for _, out in trace(self.stages, spec)]
+    return self._spec_cache[key]
+
+  def encoded_spec(self, kind: str, j: int) -> Optional[PyTree]:
+    """Stage ``j``'s input as a ``kind`` message travels (what a receiving
+    process allocates): its message spec in ``kind``'s format. None in a
+    single-process run (nothing is allocated)."""
+    if self._sample is None:
+      return None
+    if (kind, j) not in self._encoded_cache:
+      spec = self.message_specs(self._sample)[j]
+      if self.formats.active:
+        spec = self.formats.spec(kind, spec)
+      self._encoded_cache[(kind, j)] = spec
+    return self._encoded_cache[(kind, j)]
+
+  def encode(self, kind: str, x, j: int, m: int):
+    """Payload ``x`` of stage ``j``, micro-batch ``m``, in ``kind``'s format.
+
+    ``kind`` is ``forward``, ``backward`` or ``buffer``. Returns ``x``
+    itself when nothing is quantised (and for a ``"none"`` buffer, or a
+    stage of another process). Stochastic int8 draws with the key
+    ``fold_in(fold_in(key(seed + 2), m), 3 j + kind index)`` (kind index in
+    :data:`petra_jax.engine.quantize.KINDS`): a function of the run's seed
+    and the schedule only.
+    """
+    if (x is None or not self.formats.active or not self.local[j]
+        or (kind == "buffer" and self.formats.buffer == "none")):
+      return x
+    if self.formats.stochastic_for(kind):
+      return self._stochastic_encoders[kind](x, self._base_key, m, _payload_code(kind, j))
+    return self._encoders[kind](x, None)
+
+  def move(self, x, src: int, dst: int, spec):
+    """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.
+
+    Within this process ``transport.send``; across processes
+    ``transport.transfer`` (``spec``: ``x``'s shapes, for the receiver).
+    Every process calls it for every message, in the schedule's order.
+    Returns the payload on ``dst``'s device, or None if ``dst`` is another
+    process's (or neither stage is this process's: nothing is run).
+    """
+    if self.local[src] and self.local[dst]:
+      return transport.send(x, self.devices[dst])
+    if not (self.local[src] or self.local[dst]):
+      return None
+    x = transport.transfer(x, self.devices[src], self.devices[dst], spec)
+    return x if self.local[dst] else None

@@ -1,0 +1,240 @@
+"""Each stage's jitted steps, and the rule of what a backward takes.
+
+The module-level functions are the pure per-stage steps (paper Eq. 5 and
+Alg. 1, l. 27-30): a forward, a reconstructing or recomputing backward, the
+last stage's forward-loss-backward, an evaluation forward and ``jax.grad`` of
+the composed model; each ``*_grads`` is a backward without the update.
+:class:`StageSteps` jits them once per stage and is the one place that says
+which backward a stage runs, on which arguments, donating which.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
+                                    reverse_vjp, reverse_vjp_stashed)
+from petra_jax.engine.state import StageState
+
+PyTree = Any
+BN_POLICIES = ("backward", "forward")
+
+
+def forward_step(stage: Stage, state: StageState, x, params=None):
+  """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1),
+  or with ``params`` (e.g. weights predicted ahead by a delay compensation).
+  ``x`` may be a quantised message (:mod:`petra_jax.engine.quantize`): it is
+  dequantised first."""
+  x = quantize_lib.dequantize(x)
+  return forward(stage, state.params if params is None else params, state.batch_stats, x)
+
+
+def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
+  """Reconstruction and vjp of a reversible stage (Eq. 5, rows 2-4), no update.
+
+  With ``vjp_params`` (stashed forward weights) the vjp is taken with them
+  (Table 4's "approximate input"). ``y``, ``dy`` may be quantised messages.
+  Returns ``(x~, dx, grads, batch_stats)``.
+  """
+  y, dy = quantize_lib.dequantize((y, dy))
+  if vjp_params is None:
+    return reverse_vjp(stage, state.params, state.batch_stats, y, dy)
+  return reverse_vjp_stashed(stage, state.params, vjp_params, state.batch_stats, y, dy)
+
+
+def recompute_grads(stage: Stage, input_grad: bool, state: StageState, x, dy, vjp_params=None):
+  """Recomputation from the buffered input and vjp, no update; with
+  ``vjp_params`` (``delayed``) at the stashed weights; ``x``, ``dy`` may be
+  quantised. ``(dx, grads, stats)``."""
+  x, dy = quantize_lib.dequantize((x, dy))
+  params = state.params if vjp_params is None else vjp_params
+  return recompute_vjp(stage, params, state.batch_stats, x, dy, input_grad=input_grad)
+
+
+def loss_grads(stage: Stage, state: StageState, x, labels):
+  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``
+  (``x`` may be a quantised message)."""
+  x = quantize_lib.dequantize(x)
+  return loss_vjp(stage, state.params, state.batch_stats, x, labels)
+
+
+def _update(state: StageState, grads, new_stats, take_stats: bool) -> StageState:
+  return state.apply_gradients(grads, new_stats if take_stats else state.batch_stats)
+
+
+def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
+                          vjp_params=None):
+  """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
+  Returns ``(new_state, x_tilde, dx)``."""
+  x, dx, grads, stats = reverse_grads(stage, state, y, dy, vjp_params)
+  return _update(state, grads, stats, take_stats), x, dx
+
+
+def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
+                            state: StageState, x, dy, vjp_params=None):
+  """Recompute, vjp and update. Returns ``(new_state, dx)`` (``dx`` None
+  without ``input_grad``)."""
+  dx, grads, stats = recompute_grads(stage, input_grad, state, x, dy, vjp_params)
+  return _update(state, grads, stats, take_stats), dx
+
+
+def loss_step(stage: Stage, state: StageState, x, labels):
+  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
+  loss, dx, grads, stats = loss_grads(stage, state, x, labels)
+  return _update(state, grads, stats, True), dx, loss
+
+
+def eval_step(stage: Stage, state: StageState, x):
+  """Stage forward with the running BatchNorm statistics (evaluation)."""
+  return forward(stage, state.params, state.batch_stats, x, train=False)[0]
+
+
+def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images, labels):
+  """Exact synchronous backprop: ``jax.grad`` of the composed model.
+
+  Running statistics are updated by the (only) forward pass.
+  Returns ``(new_states, loss)``.
+  """
+  (loss, new_stats), grads = jax.value_and_grad(
+      lambda p: composed_loss(stages, p, [s.batch_stats for s in states], images, labels),
+      has_aux=True)([s.params for s in states])
+  return [_update(s, g, n, True) for s, g, n in zip(states, grads, new_stats)], loss
+
+
+class StageSteps:
+  """Every stage's jitted steps, and the rule of what a backward takes.
+
+  The one place that says which step a stage's backward runs (reconstruct,
+  recompute or the loss), which arguments it takes and which it donates.
+  The engine, :mod:`petra_jax.engine.timing`, the memory benchmark and the
+  gradient probe all call stages through it. Each step is compiled once per
+  stage.
+
+  Args:
+    stages: the model's stages.
+    method: the method (what it stashes, whether it reconstructs).
+    bn_stats: one of :data:`BN_POLICIES` (see
+      :class:`petra_jax.engine.pipeline.Pipeline`).
+    predictors: per stage, None or ``(params, opt_state) -> params``: the
+      weights its forward uses instead of the current ones (weight
+      prediction, :mod:`petra_jax.optim.compensation`). Backwards always use
+      the current weights (a reconstructing stage rebuilds its input with
+      them, Eq. 5) or, for methods that stash weights, the ones the forward
+      used.
+    donate_messages: whether a reconstructing backward donates its ``(y,
+      dy)`` (useless when they arrive quantised: int8 or 16-bit buffers
+      cannot hold the float32 results).
+
+  Attributes:
+    reconstructs: per stage, whether its backward rebuilds its input from
+      its output (:meth:`petra_jax.engine.methods.Method.reconstructs_stage`).
+    buffers_input: per stage, whether its forward keeps its input for the
+      backward (:meth:`petra_jax.engine.methods.Method.buffers_input`).
+  """
+
+  def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
+               predictors: Optional[Sequence[Optional[Callable]]] = None,
+               donate_messages: bool = True):
+    self.stages, self.method = list(stages), method
+    self.donate_messages = donate_messages
+    self._predict = [None if p is None else jax.jit(p)
+                     for p in (predictors or [None] * len(stages))]
+    self.num_stages = len(stages)
+    self.stats_in_forward = bn_stats == "forward"
+    # Stage j rebuilds its input from its output, or buffers it (methods.py).
+    self.reconstructs = [method.reconstructs_stage(s.reversible) for s in stages]
+    self.buffers_input = [method.buffers_input(s.reversible) for s in stages]
+    self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
+    self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
+    self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
+                      for j in range(self.num_stages)]
+    self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
+
+  def _backward_fn(self, j: int, grads_only: bool = False):
+    """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
+    without the update), on the arguments :meth:`backward_args` gives."""
+    s, take = self.stages[j], not self.stats_in_forward
+    if j == self.num_stages - 1:
+      return functools.partial(loss_grads if grads_only else loss_step, s)
+    if self.reconstructs[j]:
+      return functools.partial(reverse_grads, s) if grads_only else functools.partial(
+          reverse_backward_step, s, take)
+    return functools.partial(recompute_grads, s, j > 0) if grads_only else functools.partial(
+        recompute_backward_step, s, take, j > 0)
+
+  def _donated(self, j: int):
+    """A reconstructing backward donates its state and ``(y, dy)``; the
+    others their state (a buffered input may be a probe's too)."""
+    messages = self.donate_messages and self.reconstructs[j] and j < self.num_stages - 1
+    return (0, 1, 2) if messages else 0
+
+  def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
+                    stashed=None) -> tuple:
+    """The arguments of stage ``j``'s backward after its state.
+
+    Args:
+      j: the stage.
+      x: its input (buffered); y: its output (a reconstructing stage rebuilds
+        ``x`` from it); dy: the output's cotangent; labels: ``int32[B]``
+        (last stage); stashed: the forward's weights (methods that stash).
+
+    Returns:
+      ``(x, labels)`` for the last stage, ``(y, dy)`` for a reconstructing
+      stage, ``(x, dy)`` otherwise; plus ``stashed`` when the method stashes
+      weights.
+    """
+    if j == self.num_stages - 1:
+      return (x, labels)
+    args = (y, dy) if self.reconstructs[j] else (x, dy)
+    return args + (stashed,) if self.method.stashes_weights else args
+
+  def backward(self, j: int, train_state: StageState, *args):
+    """Runs stage ``j``'s jitted backward step (donating ``train_state``).
+
+    Returns ``(new_state, x~, dx)`` for a reconstructing stage, ``(new_state,
+    dx, loss)`` for the last one, ``(new_state, dx)`` otherwise.
+    """
+    return self._backward[j](train_state, *args)
+
+  def gradient(self, j: int, train_state: StageState, *args) -> PyTree:
+    """The gradient stage ``j``'s backward would apply, without applying it
+    or donating anything (a separate jit, compiled on first use)."""
+    if not hasattr(self, "_gradient"):
+      self._gradient = [jax.jit(self._backward_fn(i, grads_only=True))
+                        for i in range(self.num_stages)]
+    out = self._gradient[j](train_state, *args)
+    return out[2] if self.reconstructs[j] or j == self.num_stages - 1 else out[1]
+
+  def forward_params(self, j: int, train_state: StageState):
+    """The weights stage ``j``'s forward uses: predicted, or the current ones."""
+    predict = self._predict[j]
+    if predict is None:
+      return train_state.params
+    return predict(train_state.params, train_state.opt_state)
+
+  def forward(self, j: int, train_state: StageState, x, params=None):
+    """Stage ``j``'s jitted forward: ``(y, batch_stats)``, with ``params``
+    if given (see :meth:`forward_params`), else the current weights."""
+    if params is None:
+      return self._forward[j](train_state, x)
+    return self._forward[j](train_state, x, params)
+
+  def jitted_steps(self, j: int) -> tuple:
+    """Stage ``j``'s jitted ``(forward, backward)`` (e.g. to ``.lower()``
+    them for XLA's memory analysis); arguments as :meth:`forward` and
+    :meth:`backward`."""
+    return self._forward[j], self._backward[j]
+
+  def evaluate(self, j: int, train_state: StageState, x):
+    """Stage ``j``'s forward with the running BatchNorm statistics."""
+    return self._eval[j](train_state, x)
+
+  def backprop(self, train_states: list, images, labels):
+    """``jax.grad`` of the composed model and every stage's update
+    (donating ``train_states``): ``(new_states, loss)``."""
+    return self._backprop(train_states, images, labels)
