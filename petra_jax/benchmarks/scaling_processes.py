@@ -101,9 +101,9 @@ def measure(args) -> tuple[dict, dict]:
   singles, multis = [], []
   for _ in range(args.repeats):
     singles.append(run_child([sys.executable, *module, "--role=single", *child_args(args)],
-                              env, args.timeout))
+                             env, args.timeout))
     multis.append(run_child([os.path.join(_REPO, "launch", "local.sh"), str(args.processes),
-                              "--role=worker", *child_args(args)], multi_env, args.timeout))
+                             "--role=worker", *child_args(args)], multi_env, args.timeout))
   return _median(singles), _median(multis)
 
 
