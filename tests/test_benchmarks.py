@@ -11,9 +11,11 @@ import pytest
 
 from petra_jax import data, models
 
-from petra_jax.engine import schedule
-from petra_jax.benchmarks import memory, throughput, timeline
+from petra_jax.benchmarks import memory, memory_live, memory_model, throughput, timeline
+from petra_jax.engine import quantize, schedule
+from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost
 from petra_jax.engine.stage import Stage
+from petra_jax.engine.timing import stage_cost
 from conftest import REPO_ROOT
 
 REPO = str(REPO_ROOT)
@@ -55,7 +57,7 @@ def test_throughput_report_schema():
   assert r["balancing"][-1]["groups"] == r["balancing"][-1]["equal_groups"]
   assert len(r["block_gflops"]) == 5 and all(b["flops_speedup"] > 0 for b in r["balancing"])
   assert set(r["schedules"]) == {"gpipe", "1f1b", "petra"}
-  sizes = memory.stage_bytes(_tiny_revnet(), IMAGE, 4)
+  sizes = memory_model.stage_bytes(_tiny_revnet(), IMAGE, 4)
   for method, by_k in r["schedules"].items():
     assert set(by_k) == {"1", "4", "8"}
     for k, v in by_k.items():
@@ -89,7 +91,7 @@ def test_schedule_table_from_given_costs():
 
 
 def test_stage_cost_last_stage_is_backward_only():
-  assert throughput.stage_cost([1, 2, 3], [10, 20, 30]) == [11, 22, 30]
+  assert stage_cost([1, 2, 3], [10, 20, 30]) == [11, 22, 30]
 
 
 def test_simulated_speedup_formula():
@@ -99,7 +101,7 @@ def test_simulated_speedup_formula():
   fwd, bwd = [0.5, 1.0, 0.0], [0.0, 0.5, 3.0]
   assert throughput.simulated_speedup(costs, fwd, bwd) == pytest.approx(12 / 7.5)
   # Stage 2: 4 + 3 (its backward send) = 7 < 7.5.
-  assert throughput.group_cost(costs, 2, 2, fwd, bwd) == pytest.approx(7.0)
+  assert group_cost(costs, 2, 2, fwd, bwd) == pytest.approx(7.0)
   # Balanced stages on J devices: speed-up J.
   assert throughput.simulated_speedup([3.0] * 10) == pytest.approx(10.0)
 
@@ -108,7 +110,7 @@ def _brute_force(costs, k, fwd=None, bwd=None):
   n, best = len(costs), float("inf")
   for cuts in itertools.combinations(range(1, n), k - 1):
     bounds = (0, *cuts, n)
-    worst = max(throughput.group_cost(costs, a, b - 1, fwd, bwd)
+    worst = max(group_cost(costs, a, b - 1, fwd, bwd)
                 for a, b in zip(bounds, bounds[1:]))
     best = min(best, worst)
   return best
@@ -122,28 +124,28 @@ def test_balanced_partition_matches_brute_force(seed):
   fwd, bwd = list(rng.uniform(0, 1, n)), list(rng.uniform(0, 1, n))
   for k in range(1, n + 1):
     for sends in ((None, None), (fwd, bwd)):
-      groups, worst = throughput.balanced_partition(costs, k, *sends)
+      groups, worst = balanced_partition(costs, k, *sends)
       assert worst == pytest.approx(_brute_force(costs, k, *sends))
       assert len(groups) == k and groups[0][0] == 0 and groups[-1][1] == n - 1
       assert all(b + 1 == c for (_, b), (c, _) in zip(groups, groups[1:]))
-      assert max(throughput.group_cost(costs, a, b, *sends) for a, b in groups) == \
+      assert max(group_cost(costs, a, b, *sends) for a, b in groups) == \
           pytest.approx(worst)
 
 
 def test_balanced_partition_rejects_bad_group_count():
   with pytest.raises(ValueError):
-    throughput.balanced_partition([1.0, 2.0], 3)
+    balanced_partition([1.0, 2.0], 3)
 
 
 @pytest.mark.parametrize("n,k,sizes", [(10, 4, [3, 3, 2, 2]), (10, 10, [1] * 10),
                                        (7, 1, [7]), (18, 5, [4, 4, 4, 3, 3])])
 def test_equal_partition_sizes(n, k, sizes):
-  groups = throughput.equal_partition(n, k)
+  groups = equal_partition(n, k)
   assert [b - a + 1 for a, b in groups] == sizes
   assert groups[0][0] == 0 and groups[-1][1] == n - 1
   assert all(b + 1 == c for (_, b), (c, _) in zip(groups, groups[1:]))
   with pytest.raises(ValueError):
-    throughput.equal_partition(n, n + 1)
+    equal_partition(n, n + 1)
 
 
 # --- memory --------------------------------------------------------------------
@@ -152,32 +154,53 @@ def test_equal_partition_sizes(n, k, sizes):
 def test_measured_stored_bytes_match_formula():
   stages = _tiny_revnet()
   J, batch = len(stages), 4
-  live = memory.measure_live(stages, IMAGE, batch)
-  sizes = memory.stage_bytes(stages, IMAGE, batch)
-  analytic = memory.stored_bytes(sizes, "petra")
+  live = memory_live.measure_live(stages, IMAGE, batch)
+  sizes = memory_model.stage_bytes(stages, IMAGE, batch)
+  analytic = memory_model.stored_bytes(sizes, "petra")
   assert live["petra"] == analytic
-  assert live["delayed"] == memory.stored_bytes(sizes, "delayed")
+  assert live["delayed"] == memory_model.stored_bytes(sizes, "delayed")
   for j, (s, b) in enumerate(zip(stages, live["petra"])):
     tau = schedule.delay(j, J)
     assert tau == 2 * (J - 1 - j)
     assert b == (0 if s.reversible else tau * sizes[j]["input_bytes"])
   assert live["petra"][0] == schedule.delay(0, J) * batch * int(np.prod(IMAGE)) * 4
   # Table 3 leaves the first stage's input out (it re-reads the dataset).
-  table3_petra = memory.stored_bytes(sizes, "petra", first_input=False)
+  table3_petra = memory_model.stored_bytes(sizes, "petra", first_input=False)
   assert table3_petra[0] == 0 and table3_petra[1:] == analytic[1:]
+
+
+def test_stored_bytes_rev_stash_and_first_input_by_hand():
+  """stem, rev, rev, head (tau = 6, 4, 2, 0): a reversible stage buffers its
+  input only under a method that does not reconstruct it, one stream (x1)
+  or both; weights are stashed per micro-batch in flight."""
+  sizes = [{"reversible": rev, "input_bytes": inp, "input_x1_bytes": x1, "param_bytes": par}
+           for rev, inp, x1, par in ((False, 100, 100, 1), (True, 40, 20, 2),
+                                     (True, 40, 20, 3), (False, 20, 20, 4))]
+  stored = memory_model.stored_bytes
+  assert stored(sizes, "petra") == [600, 0, 0, 0]
+  assert stored(sizes, "approximate_input") == [6 * 101, 4 * 2, 2 * 3, 0]
+  assert stored(sizes, "dsp") == [600, 4 * 40, 2 * 40, 0]
+  assert stored(sizes, "dsp", rev_stash="x1") == [600, 4 * 20, 2 * 20, 0]
+  assert stored(sizes, "delayed", rev_stash="x1") == [6 * 101, 4 * 22, 2 * 23, 0]
+  assert stored(sizes, "delayed", first_input=False) == [6 * 1, 4 * 42, 2 * 43, 0]
+  assert stored(sizes, "petra", first_input=False) == [0, 0, 0, 0]
+  with pytest.raises(ValueError, match="rev_stash"):
+    stored(sizes, "dsp", rev_stash="x2")
+  with pytest.raises(ValueError, match="Unknown method"):
+    stored(sizes, "backprop")
 
 
 def test_device_memory_per_stage():
   stages = _tiny_revnet()
   batch = 4
-  rows = memory.device_memory(stages, IMAGE, batch)
-  sizes = memory.stage_bytes(stages, IMAGE, batch)
+  rows = memory_live.device_memory(stages, IMAGE, batch)
+  sizes = memory_model.stage_bytes(stages, IMAGE, batch)
   assert [r["name"] for r in rows] == [s.name for s in stages]
   for j, (r, s) in enumerate(zip(rows, stages)):
     # Independent lower bounds: the parameters plus one momentum slot each,
     # the PETRA buffers from shapes, and the forward's own output activation.
     assert r["state_bytes"] >= 2 * sizes[j]["param_bytes"]
-    assert r["buffer_bytes"] == memory.stored_bytes(sizes, "petra")[j]
+    assert r["buffer_bytes"] == memory_model.stored_bytes(sizes, "petra")[j]
     if j + 1 < len(stages):
       assert r["forward_bytes"] >= sizes[j + 1]["input_bytes"]
     assert r["total_bytes"] == (r["state_bytes"] + r["buffer_bytes"]
@@ -187,10 +210,10 @@ def test_device_memory_per_stage():
 
 def test_revnet18_matches_reference_numbers():
   stages = models.build_model("revnet18", width=64, num_classes=10)
-  sizes = memory.stage_bytes(stages, (32, 32, 3), 64)
-  petra = [b / memory.MIB for b in memory.stored_bytes(sizes, "petra")]
+  sizes = memory_model.stage_bytes(stages, (32, 32, 3), 64)
+  petra = [b / memory_model.MIB for b in memory_model.stored_bytes(sizes, "petra")]
   assert petra == pytest.approx([13.5, 0, 0, 384, 0, 128, 0, 32, 0, 0])
-  delayed = sum(memory.stored_bytes(sizes, "delayed")) / memory.MIB
+  delayed = sum(memory_model.stored_bytes(sizes, "delayed")) / memory_model.MIB
   assert delayed == pytest.approx(1911.3, rel=1e-3)  # the reference counts conv biases
 
 
@@ -198,12 +221,12 @@ def test_table3_revnet50_imagenet():
   d = data.DATASETS["imagenet"]
   stages = models.build_model("revnet50", width=64, num_classes=d.num_classes,
                               imagenet_stem=True)
-  rows = memory.table3(memory.stage_bytes(stages, d.image_shape, 64))
+  rows = memory_model.table3(memory_model.stage_bytes(stages, d.image_shape, 64))
   assert [r["method"] for r in rows] == ["delayed", "dsp", "approximate_input", "petra"]
   assert [(r["input_buffer"], r["param_buffer"]) for r in rows] == [
       (True, True), (True, False), (False, True), (False, False)]
   assert rows[0]["saving_pct"] == 0
-  for r, (_, paper) in zip(rows, memory.PAPER_TABLE3):
+  for r, (_, paper) in zip(rows, memory_model.PAPER_TABLE3):
     assert abs(r["saving_pct"] - paper) < 2.0
 
 
@@ -234,7 +257,7 @@ def test_bytes_per_tick_by_hand_and_live_in_every_format():
   # 4096 + 4096 + 2048 + 2048. Backward: rev0 -> stem delta (4096), down ->
   # rev0 (x~, delta) (2 x 4096), rev1 -> down delta (2048), head -> rev1
   # (x~, delta) (2 x 2048).
-  assert memory.bytes_per_tick(memory.stage_bytes(_tiny_revnet(), IMAGE, 4)) == (
+  assert memory_model.bytes_per_tick(memory_model.stage_bytes(_tiny_revnet(), IMAGE, 4)) == (
       12288 + 18432)
   rows = {r["format"]: r for r in memory.quantization(
       lambda w: _tiny_revnet(), IMAGE, 4, live={"width": 2, "batch_size": 4,
@@ -249,17 +272,17 @@ def test_bytes_per_tick_by_hand_and_live_in_every_format():
 def test_table3_extended_rows():
   d = data.DATASETS["cifar10"]
   build = lambda name: models.build_model(name, width=4)  # noqa: E731
-  sizes = memory.stage_bytes(build("revnet18"), d.image_shape, 8)
-  inv = memory.stage_bytes(build("revnet18_inv"), d.image_shape, 8)
-  int8 = memory.stage_bytes(build("revnet18"), d.image_shape, 8,
-                            formats=memory.quantize_lib.MessageFormats(buffer="int8"))
-  rows = memory.table3_extended(sizes, {"int8": int8}, inv)
-  assert [r["method"] for r in rows] == list(memory.TABLE3_METHODS) + ["petra"] * 2
+  sizes = memory_model.stage_bytes(build("revnet18"), d.image_shape, 8)
+  inv = memory_model.stage_bytes(build("revnet18_inv"), d.image_shape, 8)
+  int8 = memory_model.stage_bytes(build("revnet18"), d.image_shape, 8,
+                            formats=quantize.MessageFormats(buffer="int8"))
+  rows = memory_model.table3_extended(sizes, {"int8": int8}, inv)
+  assert [r["method"] for r in rows] == list(memory_model.TABLE3_METHODS) + ["petra"] * 2
   petra, inv_row, int8_row = rows[3], rows[4], rows[5]
   assert inv_row["model"] == "_inv" and int8_row["buffer_format"] == "int8"
   # Only stem and head buffer in the _inv model (stem's input excluded: the head's);
   # int8 buffers: a quarter of PETRA's buffers plus the scales.
-  model_gb = sum(r["param_bytes"] for r in sizes) / memory.GB
+  model_gb = sum(r["param_bytes"] for r in sizes) / memory_model.GB
   petra_buffers = petra["memory_gb"] - model_gb
   int8_buffers = int8_row["memory_gb"] - model_gb
   assert 3.5 < petra_buffers / int8_buffers <= 4.0

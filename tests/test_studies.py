@@ -1,24 +1,172 @@
-"""The small-scale study commands write their table and figure."""
+"""The small-scale studies: the numbers in their tables, checked by hand.
+
+The study commands are run with a stand-in trainer that writes a
+``metrics.jsonl`` chosen here and returns its last evaluation, so every
+figure a table shows is known in advance; one real tiny run checks the
+table against the metrics file that training wrote.
+"""
+
+import json
+import math
+import os
+
+import pytest
 
 from petra_jax import studies
 
 
-def test_ksweep_writes_markdown_and_png(cifar10_dir, tmp_path):
+def _write_metrics(workdir, records):
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w", encoding="utf-8") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+
+
+def _records(losses, evals, recon=()):
+  """Train losses at steps 1, 2, ...; then ``(wall_time, accuracy)`` evaluations;
+  then reconstruction errors."""
+  out = [{"step": i + 1, "epoch": (i + 1) / len(losses), "train_loss": v}
+         for i, v in enumerate(losses)]
+  out += [{"step": len(losses), "epoch": 1.0 * (i + 1), "test_loss": 1.0,
+           "test_accuracy": acc, "wall_time": wall} for i, (wall, acc) in enumerate(evals)]
+  out += [{"step": len(losses), "epoch": 1.0, f"reconstruction_error/stage_{j}": e}
+          for j, e in enumerate(recon)]
+  return out
+
+
+class FakeTrainer:
+  """Stands in for ``train.train_and_evaluate``: writes ``records(config)``
+  and returns the last evaluation, as the trainer does; keeps every config."""
+
+  def __init__(self, records):
+    self.records, self.configs = records, []
+
+  def __call__(self, config, workdir):
+    self.configs.append(config)
+    records = self.records(config)
+    _write_metrics(workdir, records)
+    last = [r for r in records if "test_accuracy" in r][-1]
+    return {"test_loss": 1.0, "test_accuracy": last["test_accuracy"],
+            "wall_time": last["wall_time"]}
+
+
+def _run(monkeypatch, tmp_path, fake, argv):
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  out = tmp_path / "docs"
+  rc = studies.main([*argv, "--width=4", "--batch-size=16", f"--out={out}",
+                     f"--workdir={tmp_path / 'runs'}"])
+  assert rc == 0
+  return out
+
+
+def _table_rows(text):
+  """The markdown table's data rows, as lists of cell strings."""
+  lines = [l for l in text.splitlines() if l.startswith("| `")]
+  return [[c.strip() for c in l.strip("|").split("|")] for l in lines]
+
+
+# Accuracy, last train loss and wall time of each method's stand-in run.
+TABLE4_RUNS = {"backprop": (0.60, 1.25, 10.0), "delayed": (0.50, 1.50, 20.0),
+               "dsp": (0.45, 1.75, 30.0), "approximate_input": (0.40, 2.00, 40.0),
+               "petra": (0.55, 2.25, 50.0)}
+
+
+def test_table4_rows_by_hand(monkeypatch, tmp_path):
+  def records(config):
+    acc, loss, wall = TABLE4_RUNS[config.method]
+    return _records([3.0, loss], [(wall / 2, 0.1), (wall, acc)])
+  fake = FakeTrainer(records)
+  out = _run(monkeypatch, tmp_path, fake, ["table4", "--compensation=spike"])
+  rows = _table_rows((out / "table4.md").read_text())
+  # Paper Table 4: (delayed, input buffer, param. buffer) and its CIFAR-100 accuracy.
+  expected = [["`backprop`", "no", "-", "-", "60.0", "1.250", "10", "77.5"],
+              ["`delayed`", "yes", "yes", "yes", "50.0", "1.500", "20", "76.5"],
+              ["`dsp`", "yes", "yes", "no", "45.0", "1.750", "30", "76.4"],
+              ["`approximate_input`", "yes", "no", "yes", "40.0", "2.000", "40", "75.4"],
+              ["`petra`", "yes", "no", "no", "55.0", "2.250", "50", "75.9"]]
+  assert rows == expected
+  assert [c.method for c in fake.configs] == list(TABLE4_RUNS)
+  for c in fake.configs:
+    assert c.accumulation_steps == 1 and c.batch_size == 16 and c.model.width == 4
+    # The compensation applies to the delayed methods only.
+    assert c.compensation.name == ("none" if c.method == "backprop" else "spike")
+  assert (out / "table4.png").stat().st_size > 1000
+
+
+def test_ksweep_micro_batches_by_hand(monkeypatch, tmp_path):
+  def records(config):
+    k = config.accumulation_steps
+    return _records([2.0, 1.0 + k / 8], [(5.0 * k, 0.3 + k / 100)])
+  fake = FakeTrainer(records)
+  out = _run(monkeypatch, tmp_path, fake, ["ksweep", "--ks=2,4"])
+  rows = _table_rows((out / "ksweep.md").read_text())
+  # 16 images per update split into k micro-batches.
+  assert rows == [["`backprop`", "1", "16", "31.0", "1.125", "5"],
+                  ["`petra_k2`", "2", "8", "32.0", "1.250", "10"],
+                  ["`petra_k4`", "4", "4", "34.0", "1.500", "20"]]
+  assert [(c.method, c.accumulation_steps, c.batch_size) for c in fake.configs] == [
+      ("backprop", 1, 16), ("petra", 2, 16), ("petra", 4, 16)]
+
+
+def test_compensation_gaps_and_equal_wall_time_by_hand(monkeypatch, tmp_path):
+  # backprop evaluates at 10, 20, 30 s; each PETRA row ends at its own time.
+  petra = {((), "none"): (0.65, 15.0), ((), "spike"): (0.55, 25.0),
+           ((1, 2, 2, 5), "none"): (0.45, 35.0), ((1, 2, 2, 5), "spike"): (0.35, 5.0)}
+
+  def records(config):
+    if config.method == "backprop":
+      return _records([2.0, 1.0], [(10.0, 0.5), (20.0, 0.6), (30.0, 0.7)])
+    acc, wall = petra[(tuple(config.model.stage_sizes), config.compensation.name)]
+    return _records([2.0, 1.5], [(wall, acc)], recon=(1e-3, 3e-3))
+  fake = FakeTrainer(records)
+  out = _run(monkeypatch, tmp_path, fake, ["compensation", "--ks=2", "--stages=10,4",
+                                           "--compensations=none,spike"])
+  rows = _table_rows((out / "compensation.md").read_text())
+  # gap = 100 (0.7 - acc); backprop at the row's wall time: its last evaluation
+  # at or before it (none before 10 s); mean reconstruction error (1e-3 + 3e-3) / 2.
+  assert rows == [
+      ["`backprop_k2`", "1", "2", "-", "70.0", "+0.0", "nan", "30", "nan"],
+      ["`petra_J10_k2_none`", "10", "2", "none", "65.0", "+5.0", "50.0", "15", "2.00e-03"],
+      ["`petra_J10_k2_spike`", "10", "2", "spike", "55.0", "+15.0", "60.0", "25", "2.00e-03"],
+      ["`petra_J4_k2_none`", "4", "2", "none", "45.0", "+25.0", "70.0", "35", "2.00e-03"],
+      ["`petra_J4_k2_spike`", "4", "2", "spike", "35.0", "+35.0", "nan", "5", "2.00e-03"]]
+  assert all(c.accumulation_steps == 2 for c in fake.configs)
+  assert (out / "compensation_accuracy.png").stat().st_size > 1000
+
+
+def test_summaries_of_a_hand_written_metrics_file(tmp_path):
+  records = _records([2.0, 1.0], [(10.0, 0.25), (20.0, 0.5)], recon=(1e-2, 3e-2, 2e-2))
+  assert math.isnan(studies._at_wall_time(records, 9.0))  # no evaluation yet
+  assert studies._at_wall_time(records, 10.0) == 0.25
+  assert studies._at_wall_time(records, 19.9) == 0.25
+  assert studies._at_wall_time(records, 25.0) == 0.5
+  assert studies._mean_reconstruction_error(records) == pytest.approx(2e-2)
+  assert math.isnan(studies._mean_reconstruction_error(records[:2]))
+
+
+def test_ksweep_table_matches_its_metrics_files(cifar10_dir, tmp_path):
+  """A real tiny run: the table's accuracy, loss and micro-batch are those of
+  the metrics each run wrote."""
   out, work = tmp_path / "docs", tmp_path / "runs"
   rc = studies.main(["ksweep", "--ks=2", "--width=4", "--batch-size=16", "--steps-per-epoch=4",
                      "--log-every=1", f"--data-dir={cifar10_dir}", f"--out={out}",
                      f"--workdir={work}"])
   assert rc == 0
   text = (out / "ksweep.md").read_text()
-  assert "| `backprop` | 1 | 16 |" in text and "| `petra_k2` | 2 | 8 |" in text
   assert "python -m petra_jax.studies ksweep --ks=2 --width=4" in text
+  for row, (name, k) in zip(_table_rows(text), (("backprop", 1), ("petra_k2", 2))):
+    with open(work / name / "metrics.jsonl", encoding="utf-8") as f:
+      records = [json.loads(line) for line in f]
+    losses = [r["train_loss"] for r in records if "train_loss" in r]
+    last_eval = [r for r in records if "test_accuracy" in r][-1]
+    assert len(losses) == 4  # one per update, --log-every=1
+    assert row == [f"`{name}`", str(k), str(16 // k), f"{100 * last_eval['test_accuracy']:.1f}",
+                   f"{losses[-1]:.3f}", f"{last_eval['wall_time']:.0f}"]
   assert (out / "ksweep.png").stat().st_size > 1000
-  assert (work / "petra_k2" / "metrics.jsonl").exists()
 
 
 def test_unknown_study_is_rejected(capsys):
-  try:
+  with pytest.raises(SystemExit) as e:
     studies.main(["table5"])
-  except SystemExit as e:
-    assert e.code != 0
-  assert "invalid choice" in capsys.readouterr().err
+  assert e.value.code == 2
+  assert "invalid choice: 'table5'" in capsys.readouterr().err

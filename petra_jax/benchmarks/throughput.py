@@ -47,7 +47,6 @@ def _request_cpu_devices(count: int) -> None:
 if __name__ == "__main__":  # before JAX starts: one device to run, one to send to
   _request_cpu_devices(2)
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
@@ -59,12 +58,14 @@ import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models  # noqa: E402
+from petra_jax.benchmarks import cli  # noqa: E402
+from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
+from petra_jax.engine import quantize as quantize_lib  # noqa: E402
 from petra_jax.engine import schedule  # noqa: E402
-from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402,F401
-from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402,F401
+from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
 from petra_jax.engine.stage import Stage  # noqa: E402
-from petra_jax.benchmarks.memory import stage_bytes  # noqa: E402
+from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402
 
 PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
@@ -160,12 +161,9 @@ def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Dev
       bwd = (acts[j], acts[j]) if pipe.reconstructs[j - 1] else (acts[j],)
     rows.append({"send_forward": put(fwd) if fwd is not None else 0.0,
                  "send_backward": put(bwd) if bwd is not None else 0.0,
-                 "bytes_forward": _nbytes(fwd), "bytes_backward": _nbytes(bwd)})
+                 "bytes_forward": quantize_lib.nbytes(fwd),
+                 "bytes_backward": quantize_lib.nbytes(bwd)})
   return rows
-
-
-def _nbytes(tree) -> int:
-  return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
 
 
 # ----------------------------------------------------------------------------
@@ -236,18 +234,17 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
       (reversible stages reconstruct) and sends (:func:`transfer_times`).
     rows_stored: the same for steps that recompute from a buffered input
       (``gpipe`` and ``1f1b`` store every input).
-    sizes: :func:`petra_jax.benchmarks.memory.stage_bytes` rows.
+    sizes: :func:`petra_jax.benchmarks.memory_model.stage_bytes` rows.
     ks: micro-batches per update.
 
   Returns:
     ``{method: {str(k): {"simulated_ms_per_update", "bubble_fraction",
     "stored_bytes_per_stage", "formula_bubble_fraction"}}}``:
     :func:`petra_jax.engine.schedule.ms_per_update` (event-driven, steady state,
-    sends included) and :func:`petra_jax.benchmarks.memory.stored_bytes`;
+    sends included) and :func:`petra_jax.benchmarks.memory_model.stored_bytes`;
     the formula is 1F1B's and GPipe's ``(J-1)/(k+J-1)`` at equal stage costs
     (0 for PETRA's stream).
   """
-  from petra_jax.benchmarks import memory  # pylint: disable=g-import-not-at-top
   J, out = len(rows), {}
   for method, r in (("gpipe", rows_stored), ("1f1b", rows_stored), ("petra", rows)):
     kind = "stream" if method == "petra" else method
@@ -256,7 +253,7 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
       sim = schedule.ms_per_update(
           kind, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
           [x.get("send_forward", 0.0) for x in r], [x.get("send_backward", 0.0) for x in r])
-      sim["stored_bytes_per_stage"] = memory.stored_bytes(sizes, method, accumulation_steps=k)
+      sim["stored_bytes_per_stage"] = stored_bytes(sizes, method, accumulation_steps=k)
       sim["formula_bubble_fraction"] = 0.0 if kind == "stream" else (J - 1) / (k + J - 1)
       out[method][str(k)] = sim
   return out
@@ -370,23 +367,19 @@ def _print_report(r: dict, name: str) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """``python -m petra_jax.benchmarks.throughput``; see the module docstring."""
-  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.throughput",
-                              description=__doc__.splitlines()[0])
-  p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
-  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
-  p.add_argument("--batch-size", type=int, default=64, help="micro-batch size")
-  p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
+  p = cli.parser("petra_jax.benchmarks.throughput", __doc__, model="revnet18",
+                 dataset="cifar10", width=64, batch_size=64,
+                 width_help="base width (paper: 64)", batch_help="micro-batch size")
   p.add_argument("--iters", type=int, default=5, help="measured calls per timing")
   p.add_argument("--warmup", type=int, default=1, help="unmeasured calls first")
   p.add_argument("--image-size", type=int, default=None,
                  help="override the dataset's image side (tiny smoke runs)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
-  d = data_lib.DATASETS[args.dataset]
-  shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
-  stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
-                              imagenet_stem=d.imagenet_stem)
-  report = benchmark(stages, shape, d.num_classes, args.batch_size, args.iters, args.warmup)
+  shape = cli.image_shape(args.dataset, args.image_size)
+  stages = cli.build(args.model, args.dataset, args.width)
+  num_classes = data_lib.DATASETS[args.dataset].num_classes
+  report = benchmark(stages, shape, num_classes, args.batch_size, args.iters, args.warmup)
   report.update(model=args.model, dataset=args.dataset, width=args.width)
   if args.json:
     print(json.dumps(report))

@@ -13,7 +13,6 @@ fill and how many F/B slots stayed idle (bubbles).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import sys
 from typing import Optional, Sequence
@@ -30,7 +29,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models  # noqa: E402
+from petra_jax.benchmarks import cli  # noqa: E402
 from petra_jax.engine import observers  # noqa: E402
 from petra_jax.engine.methods import METHODS  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
@@ -157,12 +156,8 @@ def run_timeline(stages, image_shape: Sequence[int], num_ticks: int,
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """``python -m petra_jax.benchmarks.timeline``; see the module docstring."""
-  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.timeline",
-                              description=__doc__.splitlines()[0])
-  p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
-  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
-  p.add_argument("--width", type=int, default=4)
-  p.add_argument("--batch-size", type=int, default=8)
+  p = cli.parser("petra_jax.benchmarks.timeline", __doc__, model="revnet18", dataset="cifar10",
+                 width=4, batch_size=8)
   p.add_argument("--image-size", type=int, default=None,
                  help="override the dataset's image side (the schedule does not depend on it)")
   p.add_argument("--ticks", type=int, default=30)
@@ -170,11 +165,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--accumulation-steps", type=int, default=1, help="k (gpipe, 1f1b rounds)")
   p.add_argument("--out", default="docs/timeline.png")
   args = p.parse_args(argv)
-  d = data_lib.DATASETS[args.dataset]
-  shape = d.image_shape if args.image_size is None else (args.image_size, args.image_size, 3)
-  stages = models.build_model(args.model, width=args.width, num_classes=d.num_classes,
-                              imagenet_stem=d.imagenet_stem)
-  timeline, table = run_timeline(stages, shape, args.ticks, args.batch_size, d.num_classes,
+  shape = cli.image_shape(args.dataset, args.image_size)
+  stages = cli.build(args.model, args.dataset, args.width)
+  num_classes = data_lib.DATASETS[args.dataset].num_classes
+  timeline, table = run_timeline(stages, shape, args.ticks, args.batch_size, num_classes,
                                  method=args.method, accumulation_steps=args.accumulation_steps)
   if sorted(timeline) != sorted(table_events(table, args.ticks)):
     raise SystemExit("error: the engine ran other tasks than its schedule table prescribes.")
