@@ -67,45 +67,19 @@ class DatasetInfo:
 
 
 DATASETS: dict[str, DatasetInfo] = {
-    "cifar10": DatasetInfo(
-        tfds_name="cifar10",
-        num_classes=10,
-        image_shape=(32, 32, 3),
-        mean=(0.4914, 0.4822, 0.4465),
-        std=(0.2470, 0.2435, 0.2616),
-        auto_download=True,
-        size="about 170 MB",
-    ),
-    "cifar100": DatasetInfo(
-        tfds_name="cifar100",
-        num_classes=100,
-        image_shape=(32, 32, 3),
-        mean=(0.5071, 0.4865, 0.4409),
-        std=(0.2673, 0.2564, 0.2762),
-        auto_download=True,
-        size="about 170 MB",
-    ),
-    "imagenet32": DatasetInfo(
-        tfds_name="imagenet_resized/32x32",
-        num_classes=1000,
-        image_shape=(32, 32, 3),
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        test_split="validation",
-        size="about 3.7 GB",
-    ),
-    "imagenet": DatasetInfo(
-        tfds_name="imagenet2012",
-        num_classes=1000,
-        image_shape=(224, 224, 3),
-        mean=IMAGENET_MEAN,
-        std=IMAGENET_STD,
-        test_split="validation",
-        imagenet_stem=True,
-        lazy=True,
-        manual_archives=("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"),
-        size="about 150 GB",
-    ),
+    "cifar10": DatasetInfo("cifar10", 10, (32, 32, 3), mean=(0.4914, 0.4822, 0.4465),
+                           std=(0.2470, 0.2435, 0.2616), auto_download=True,
+                           size="about 170 MB"),
+    "cifar100": DatasetInfo("cifar100", 100, (32, 32, 3), mean=(0.5071, 0.4865, 0.4409),
+                            std=(0.2673, 0.2564, 0.2762), auto_download=True,
+                            size="about 170 MB"),
+    "imagenet32": DatasetInfo("imagenet_resized/32x32", 1000, (32, 32, 3), IMAGENET_MEAN,
+                              IMAGENET_STD, test_split="validation", size="about 3.7 GB"),
+    "imagenet": DatasetInfo("imagenet2012", 1000, (224, 224, 3), IMAGENET_MEAN, IMAGENET_STD,
+                            test_split="validation", imagenet_stem=True, lazy=True,
+                            manual_archives=("ILSVRC2012_img_train.tar",
+                                             "ILSVRC2012_img_val.tar"),
+                            size="about 150 GB"),
 }
 
 
