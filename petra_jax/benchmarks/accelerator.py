@@ -62,6 +62,7 @@ from typing import Optional, Sequence
 import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 import flax
 import jax
+import jaxlib
 import ml_collections
 import numpy as np
 
@@ -237,7 +238,7 @@ def init_variables(stages, images, seed: int = 0) -> list[dict]:
 
 def _versions() -> dict:
   return {"python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else "",
+          "jaxlib": jaxlib.__version__,
           "flax": flax.__version__, "numpy": np.__version__}
 
 
