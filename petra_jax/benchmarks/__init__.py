@@ -6,6 +6,7 @@ Run as modules::
   python -m petra_jax.benchmarks.memory --model=revnet50 --dataset=imagenet
   python -m petra_jax.benchmarks.timeline --model=revnet18 --width=4
   python -m petra_jax.benchmarks.scaling --processes=2
+  python -m petra_jax.benchmarks.accelerator --micro-batches=64,256 --dtypes=float32,bfloat16
 
 Modules:
 
@@ -18,6 +19,9 @@ Modules:
 * ``scaling_processes``: core pinning and the child processes;
   ``scaling_roles``: what each child measures; ``scaling``: the report and
   its command.
+* ``accelerator``: images/s of backprop, petra and 1f1b on one device, the
+  device's busy fraction per tick, and the reconstruction error under the
+  default vs highest matmul precision.
 
 See ``docs/benchmarks.md`` for the measured numbers.
 """
