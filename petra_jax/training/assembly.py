@@ -94,7 +94,6 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     step, state, extra, extra_arrays = restored
     if not state.in_flight():  # drained: the stream restarts at this step
       start_step, state.tick = step, 0
-    logging.info("resumed from %s/%d", ckpt.directory, step)
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                     truncate_to=extra.get("metrics_offset"))
   loss_log = LossLog(writer, k, config.log_every, steps_per_epoch, lr)

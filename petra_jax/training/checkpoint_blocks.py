@@ -13,13 +13,13 @@ stage it lands in by its leaf paths (:func:`opt_paths`,
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import jax
 import numpy as np
 
 from petra_jax.engine.state import PipelineState
+from petra_jax.training import console
 
 
 class CheckpointError(RuntimeError):
@@ -174,7 +174,7 @@ def check_layout(meta: dict, counts: list[int], directory: str, step: int) -> No
         f"{len(saved)} stages of {saved} blocks; resume it with "
         f"--config.model.stage_sizes=\"{tuple(saved)}\", or reshard a drained checkpoint "
         "(the last one of a run, or one taken with --config.checkpoint_drain=True).")
-  logging.info("resharding checkpoint %d: stages of %s blocks -> %s", step, saved, counts)
+  console.say(f"resharding checkpoint {step}: stages of {saved} blocks -> {counts}")
 
 
 def check_optimizer_fit(metas: list[dict], blocks_now: dict, where: str) -> None:

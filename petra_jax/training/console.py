@@ -132,7 +132,10 @@ def setup_summary(run) -> None:
   say(f"{c.method} {c.model.name} (width {c.model.width}) on {c.dataset}: {pipe.num_stages} "
       f"stages of {sizes} blocks on {', '.join(where)}; {len(run.train)} train / "
       f"{len(run.test)} test images")
-  resumed = f", resumed at update {run.step}" if run.restored_step is not None else ""
+  resumed = ""
+  if run.restored_step is not None:
+    resumed = (f", resumed at update {run.step} (resumed from "
+               f"{run.checkpointer.directory}/{run.restored_step})")
   say(f"{run.total_steps} updates of {c.batch_size} images ({c.accumulation_steps} "
       f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")
 
