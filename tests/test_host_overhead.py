@@ -75,3 +75,14 @@ def test_hollow_steps_keep_shapes_and_donation():
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.shape == w.shape and g.dtype == w.dtype
     np.testing.assert_array_equal(np.asarray(g), 0)
+
+
+def test_host_report_schema():
+  """The report's figures are consistent with each other (nothing is timed
+  against a threshold)."""
+  r = host.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=2, ticks=3, repeats=1)
+  assert r["num_stages"] == 5 and r["host_us_per_stage_tick"] > 0
+  assert r["ticks_per_second"] == pytest.approx(1e6 / (5 * r["host_us_per_stage_tick"]))
+  assert r["ratio_petra_backprop"] == pytest.approx(
+      r["petra_ms_per_tick"] / r["backprop_ms_per_step"])
+  assert len(r["rounds_hollow_ms"]) == len(r["rounds_petra_ms"]) == 1
