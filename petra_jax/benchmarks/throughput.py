@@ -24,6 +24,12 @@ fraction and stored bytes per stage at ``k`` in {1, 4, 8}
 (:func:`schedule_table`). The paper (Table 5) reports 3.0x for RevNet18 on 10 GPUs and 2.4x
 for RevNet34 on 18; Table 1's floor for ``petra / backprop`` on one device is
 4/3 (a reversible backward re-runs the forward).
+
+With ``--host`` it measures instead the engine's own host cost per stage and
+tick (no-op steps of the same signatures; :mod:`petra_jax.benchmarks.host`,
+which describes the method) and the tiny-model PETRA tick against a backprop
+step: ``--model=revnet18 --dataset=cifar10 --width=2 --batch-size=2 --host
+--json``.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models  # noqa: E402
-from petra_jax.benchmarks import cli  # noqa: E402
+from petra_jax.benchmarks import cli, host  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
 from petra_jax.engine import quantize as quantize_lib  # noqa: E402
 from petra_jax.engine import schedule  # noqa: E402
@@ -375,14 +381,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--image-size", type=int, default=None,
                  help="override the dataset's image side (tiny smoke runs)")
   p.add_argument("--json", action="store_true", help="print JSON")
+  p.add_argument("--host", action="store_true",
+                 help="host cost per stage and tick instead (petra_jax.benchmarks.host; "
+                      "--iters rounds of --ticks ticks)")
+  p.add_argument("--ticks", type=int, default=200, help="ticks per timed round (--host)")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)
   stages = cli.build(args.model, args.dataset, args.width)
   num_classes = data_lib.DATASETS[args.dataset].num_classes
-  report = benchmark(stages, shape, num_classes, args.batch_size, args.iters, args.warmup)
+  if args.host:
+    report = host.benchmark(stages, shape, num_classes, args.batch_size, args.ticks, args.iters)
+  else:
+    report = benchmark(stages, shape, num_classes, args.batch_size, args.iters, args.warmup)
   report.update(model=args.model, dataset=args.dataset, width=args.width)
   if args.json:
     print(json.dumps(report))
+  elif args.host:
+    host.print_report(report, args.model)
   else:
     _print_report(report, args.model)
   return 0

@@ -17,7 +17,7 @@ format of its kind.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -119,16 +119,50 @@ class Messenger:
       return self._stochastic_encoders[kind](x, self._base_key, m, _payload_code(kind, j))
     return self._encoders[kind](x, None)
 
+  def route(self, kind: str, src: int, dst: int, first: bool = True) -> Callable:
+    """The one function that encodes and moves every ``kind`` payload from
+    stage ``src`` to stage ``dst``, decided once (the engine builds its
+    routes when it is built, not per message).
+
+    Args:
+      kind: ``forward`` or ``backward``.
+      src, dst: the sending and the receiving stage.
+      first: for ``backward``, whether the payload's first element (the
+        sender's input, for a reconstructing receiver) travels; else it is
+        None.
+
+    Returns:
+      ``(payload, m) -> payload on dst's device`` (as :meth:`encode` then
+      :meth:`move`): the payload itself when nothing is encoded and both
+      stages share a device; a ``jax.device_put`` when nothing is encoded
+      and both are this process's; the general path otherwise.
+    """
+    if not self.formats.active and self.local[src] and self.local[dst]:
+      if self.devices[src] == self.devices[dst]:
+        return lambda x, m: x
+      device = self.devices[dst]
+      return lambda x, m: transport.send(x, device)
+
+    def general(x, m):
+      spec = self.encoded_spec(kind, max(src, dst))  # the input of the later stage
+      if kind == "backward":
+        spec = (spec if first else None, spec)
+      return self.move(self.encode(kind, x, src, m), src, dst, spec)
+    return general
+
   def move(self, x, src: int, dst: int, spec):
     """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.
 
-    Within this process ``transport.send``; across processes
+    Within this process ``transport.send`` (nothing when both stages share a
+    device: the payload is already there); across processes
     ``transport.transfer`` (``spec``: ``x``'s shapes, for the receiver).
     Every process calls it for every message, in the schedule's order.
     Returns the payload on ``dst``'s device, or None if ``dst`` is another
     process's (or neither stage is this process's: nothing is run).
     """
     if self.local[src] and self.local[dst]:
+      if self.devices[src] == self.devices[dst]:  # already there
+        return x
       return transport.send(x, self.devices[dst])
     if not (self.local[src] or self.local[dst]):
       return None

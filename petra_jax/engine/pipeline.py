@@ -2,8 +2,10 @@
 
 Each stage ``j`` lives on one device (``jax.device_put``) and owns a carried
 :class:`petra_jax.engine.state.StageState`. :meth:`Pipeline.run_tick` runs
-one tick of a :class:`petra_jax.engine.schedule.Schedule`, one small function
-per task kind:
+one tick of a :class:`petra_jax.engine.schedule.Schedule`: each task calls
+its stage's function of its kind, built once with the pipeline (the
+method's rules, the stage's device and routes decided there, not per task;
+a message between two stages on one device is not moved):
 
 * ``forward`` (:meth:`Pipeline._forward_task`): ``x_{j+1} = F_j(x_j,
   theta_j^t)``, sent to stage ``j+1``; the input is kept if the stage buffers
@@ -22,7 +24,7 @@ backward at one stage both use ``theta_j^t`` (the forward comes first in the
 table); the update follows. The jitted steps (:mod:`petra_jax.engine.steps`)
 are compiled once per stage and donate the carried state; messages are
 encoded and moved by :mod:`petra_jax.engine.messages`; nothing waits for the
-devices (losses stay device arrays). Diagnostics are
+devices (losses stay device arrays, nothing is read back). Diagnostics are
 :class:`petra_jax.engine.state.Observer`\\ s called around tasks; without
 observers the tick runs no diagnostic code.
 """
@@ -40,13 +42,14 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine import transport
 from petra_jax.engine.messages import Messenger
-from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
+from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.state import (Observer, PipelineState, StageState, TaskResult, TickOutput,
                                     copy_tree, take)
 from petra_jax.engine.steps import BN_POLICIES, StageSteps
 
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
+_NOTHING = TaskResult()
 Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labels [B])
 
 
@@ -123,8 +126,8 @@ class Pipeline:
                             donate_messages=self.formats.backward == "none")
     self.reconstructs = self.steps.reconstructs
     self.observers = list(observers)
-    self._tasks = {FORWARD: self._forward_task, BACKWARD: self._backward_task,
-                   LOSS: self._loss_task, BACKPROP: self._backprop_task}
+    self._shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
+    self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
 
   # -- where the data enters and the loss leaves ------------------------------
@@ -218,10 +221,10 @@ class Pipeline:
     Raises:
       ScheduleError: a task's input has not arrived.
     """
-    state, outputs = state.successor(), []
+    state, outputs, run = state.successor(), [], self._run_task
     for task in tick:
-      result = self._run_task(state, task, batches)
-      if result.loss is not None or (task.kind == LOSS and self.multiprocess):
+      result = run(state, task, batches)
+      if result.loss is not None or (self.multiprocess and task.kind == LOSS):
         outputs.append(TickOutput(task.micro_batch, result.loss))
     state.tick += 1
     return state, outputs
@@ -250,94 +253,123 @@ class Pipeline:
     return state, outs[0].loss
 
   def _run_plain(self, state, task, batches) -> TaskResult:
-    return self._tasks[task.kind](state, task, batches)
+    return self._tasks[task.kind][task.stage](state, task.micro_batch, batches)
 
   def _run_observed(self, state, task, batches) -> TaskResult:
     for obs in self.observers:
       obs.before_task(self, state, task)
-    result = self._tasks[task.kind](state, task, batches)
+    result = self._tasks[task.kind][task.stage](state, task.micro_batch, batches)
     for obs in self.observers:
       obs.after_task(self, state, task, result)
     return result
 
-  # -- one function per task kind ----------------------------------------------
+  # -- one function per task kind and stage ---------------------------------
+
+  def _plan(self) -> dict:
+    """``{kind: [stage j's task function]}``: every static decision of a
+    task (its device, routes, what it keeps) taken once, here. A task
+    function is ``(state, m, batches) -> TaskResult``; it calls the steps
+    through :class:`StageSteps`' lists, so steps replaced in place
+    (:meth:`StageSteps.make_hollow`) are seen."""
+    J = self.num_stages
+    return {FORWARD: [self._forward_task(j) for j in range(J - 1)],
+            BACKWARD: [self._backward_task(j) for j in range(J - 1)],
+            LOSS: [None] * (J - 1) + [self._loss_task(J - 1)],
+            BACKPROP: [self._backprop_task]}
 
   def _feed(self, state: PipelineState, m: int, batches: Batches):
-    """Micro-batch ``m``'s images to stage 0, its labels to the last stage."""
+    """Micro-batch ``m``'s images to stage 0, its labels to the last stage
+    (no ``device_put`` for an array already there)."""
     images, labels = batches(m)
-    state.inbox[0][m] = transport.send(images, self.devices[0]) if self.local[0] else None
+    state.inbox[0][m] = (transport.send_if_elsewhere(images, self.devices[0], self._shardings[0])
+                         if self.local[0] else None)
     if self.local[-1]:
-      state.labels[m] = transport.send(labels, self.devices[-1])
+      state.labels[m] = transport.send_if_elsewhere(labels, self.devices[-1],
+                                                    self._shardings[-1])
 
-  def _forward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
-    j, m = task.stage, task.micro_batch
-    if j == 0:
-      self._feed(state, m, batches)
-    x, y = take(state.inbox[j], m, "input", j), None
-    if self.local[j]:
-      st = state.train_states[j]
-      params = self.steps.forward_params(j, st)
-      y, stats = self.steps.forward(j, st, x, None if params is st.params else params)
-      if self.steps.stats_in_forward:
-        state.train_states[j] = st.replace(batch_stats=stats)
-      if self.method.stashes_weights:  # copied: the backward donates the live ones
-        state.weight_stash[j][m] = copy_tree(params)
-      if self.steps.buffers_input[j]:
-        state.buffers[j][m] = self.messages.encode("buffer", x, j, m)
-      y = self.messages.encode("forward", y, j, m)
-    state.inbox[j + 1][m] = self.messages.move(
-        y, j, j + 1, self.messages.encoded_spec("forward", j + 1))
-    return TaskResult()
+  def _forward_task(self, j: int) -> Callable:
+    """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
+    steps, local, feed = self.steps, self.local[j], self._feed if j == 0 else None
+    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
+    send = self.messages.route("forward", j, j + 1)
+    encode = self.messages.encode
 
-  def _backward_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
-    del batches
-    j, m = task.stage, task.micro_batch
-    message = take(state.grad_inbox[j], m, "cotangent", j)
-    x_tilde = x = dx = None
-    if self.local[j]:
-      y, dy = message
-      if self.steps.buffers_input[j]:
-        x = take(state.buffers[j], m, "buffered input", j)
-      stashed = (take(state.weight_stash[j], m, "stashed weights", j)
-                 if self.method.stashes_weights else None)
-      args = self.steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
-      if self.reconstructs[j]:
-        state.train_states[j], x_tilde, dx = self.steps.backward(j, state.train_states[j], *args)
-        x = x_tilde
-      else:
-        state.train_states[j], dx = self.steps.backward(j, state.train_states[j], *args)
-    if j > 0:
-      state.grad_inbox[j - 1][m] = self._send_back(j, m, x, dx)
-    return TaskResult(x_tilde=x_tilde)
+    def task(state: PipelineState, m: int, batches) -> TaskResult:
+      if feed is not None:
+        feed(state, m, batches)
+      x, y = take(state.inbox[j], m, "input", j), None
+      if local:
+        st = state.train_states[j]
+        params = steps.forward_params(j, st)
+        y, stats = steps.forward(j, st, x, None if params is st.params else params)
+        if steps.stats_in_forward:
+          state.train_states[j] = st.replace(batch_stats=stats)
+        if stashes:  # copied: the backward donates the live ones
+          state.weight_stash[j][m] = copy_tree(params)
+        if buffers:
+          state.buffers[j][m] = encode("buffer", x, j, m)
+      state.inbox[j + 1][m] = send(y, m)
+      return _NOTHING
+    return task
 
-  def _loss_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
-    del batches
-    j, m = task.stage, task.micro_batch
-    x, loss, dx = take(state.inbox[j], m, "input", j), None, None
-    if self.local[j]:
-      labels = take(state.labels, m, "labels", j)
-      state.train_states[j], dx, loss = self.steps.backward(j, state.train_states[j], x, labels)
-    state.grad_inbox[j - 1][m] = self._send_back(j, m, x, dx)
-    if self.multiprocess:  # metrics are written by process 0
-      loss = self.messages.move(loss, j, 0, _LOSS_SPEC)
-    return TaskResult(loss=loss)
+  def _backward_task(self, j: int) -> Callable:
+    """Stage ``j``'s backward and update; ``(x~_j or None, delta_j)`` to ``j-1``."""
+    steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
+    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
+    send = self._send_back(j)
 
-  def _backprop_task(self, state: PipelineState, task: Task, batches) -> TaskResult:
-    m = task.micro_batch
+    def task(state: PipelineState, m: int, batches) -> TaskResult:
+      message = take(state.grad_inbox[j], m, "cotangent", j)
+      x_tilde = x = dx = None
+      if local:
+        y, dy = message
+        if buffers:
+          x = take(state.buffers[j], m, "buffered input", j)
+        stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
+        args = steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
+        if reconstructs:
+          state.train_states[j], x_tilde, dx = steps.backward(j, state.train_states[j], *args)
+          x = x_tilde
+        else:
+          state.train_states[j], dx = steps.backward(j, state.train_states[j], *args)
+      if send is not None:
+        state.grad_inbox[j - 1][m] = send(x, dx, m)
+      return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
+    return task
+
+  def _loss_task(self, j: int) -> Callable:
+    """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""
+    steps, local, multiprocess = self.steps, self.local[j], self.multiprocess
+    send = self._send_back(j)
+
+    def task(state: PipelineState, m: int, batches) -> TaskResult:
+      x, loss, dx = take(state.inbox[j], m, "input", j), None, None
+      if local:
+        labels = take(state.labels, m, "labels", j)
+        state.train_states[j], dx, loss = steps.backward(j, state.train_states[j], x, labels)
+      state.grad_inbox[j - 1][m] = send(x, dx, m)
+      if multiprocess:  # metrics are written by process 0
+        loss = self.messages.move(loss, j, 0, _LOSS_SPEC)
+      return TaskResult(loss=loss)
+    return task
+
+  def _backprop_task(self, state: PipelineState, m: int, batches) -> TaskResult:
+    """``jax.grad`` of the composed model on one device."""
     self._feed(state, m, batches)
     images = take(state.inbox[0], m, "input", 0)
     labels = take(state.labels, m, "labels", 0)
     state.train_states, loss = self.steps.backprop(state.train_states, images, labels)
     return TaskResult(loss=loss)
 
-  def _send_back(self, j: int, m: int, x, dx):
-    """``(y_{j-1} or None, delta_j)`` of micro-batch ``m`` to stage ``j-1``:
-    its output (this stage's input ``x``, reconstructed or buffered) only if
-    it reconstructs."""
+  def _send_back(self, j: int) -> Optional[Callable]:
+    """``(x, dx, m) ->`` ``(y_{j-1} or None, delta_j)`` of micro-batch ``m``
+    on stage ``j-1``: its output (this stage's input ``x``, reconstructed
+    or buffered) only if it reconstructs. None for stage 0."""
+    if j == 0:
+      return None
     back = self.reconstructs[j - 1]
-    payload = self.messages.encode("backward", (x if back else None, dx), j, m)
-    spec = self.messages.encoded_spec("backward", j)
-    return self.messages.move(payload, j, j - 1, (spec if back else None, spec))
+    route = self.messages.route("backward", j, j - 1, first=back)
+    return lambda x, dx, m: route((x if back else None, dx), m)
 
   # -- evaluation ------------------------------------------------------------
 

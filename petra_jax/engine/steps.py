@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import quantize as quantize_lib
@@ -106,6 +107,20 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
   return [_update(s, g, n, True) for s, g, n in zip(states, grads, new_stats)], loss
 
 
+def noop_step(fn: Callable) -> Callable:
+  """A step with ``fn``'s signature and outputs that computes nothing.
+
+  Its body traces ``fn`` only for its output shapes (``jax.eval_shape``)
+  and returns zeros of those shapes: jitted with ``fn``'s donation, it costs
+  the host exactly what dispatching ``fn`` costs, without ``fn``'s work
+  (the host-overhead benchmark, :mod:`petra_jax.benchmarks.host`).
+  """
+  def body(*args):
+    shapes = jax.eval_shape(fn, *args)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return body
+
+
 class StageSteps:
   """Every stage's jitted steps, and the rule of what a backward takes.
 
@@ -154,6 +169,20 @@ class StageSteps:
     self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
                       for j in range(self.num_stages)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
+    self.hollow = False
+
+  def make_hollow(self) -> None:
+    """Replaces every stage's forward, backward and predictor by a
+    :func:`noop_step` of the same signature and donation, in place (the
+    engine's task functions see the change). For measuring the engine's
+    own host cost only: the pipeline then trains nothing."""
+    for j, s in enumerate(self.stages):
+      self._forward[j] = jax.jit(noop_step(functools.partial(forward_step, s)))
+      self._backward[j] = jax.jit(noop_step(self._backward_fn(j)),
+                                  donate_argnums=self._donated(j))
+      if self._predict[j] is not None:
+        self._predict[j] = jax.jit(noop_step(self._predict[j]))
+    self.hollow = True
 
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient

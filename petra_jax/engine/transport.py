@@ -61,6 +61,16 @@ def send(x: PyTree, device: jax.Device) -> PyTree:
   return jax.device_put(x, device)
 
 
+def send_if_elsewhere(x, device: jax.Device, sharding) -> Any:
+  """:func:`send` for one array, skipped when ``x`` is already a committed
+  array on ``device`` (``sharding``: ``SingleDeviceSharding(device)``, built
+  once by the caller): a same-device ``jax.device_put`` returns the same
+  buffer, at a dispatch's host cost."""
+  if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
+    return x
+  return send(x, device)
+
+
 def is_local(device: jax.Device) -> bool:
   """Whether ``device`` belongs to this process (always True single-process)."""
   return device.process_index == jax.process_index()

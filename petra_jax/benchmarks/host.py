@@ -1,0 +1,148 @@
+"""The engine's host cost per stage and tick, and the tiny-model tick/step ratio.
+
+``python -m petra_jax.benchmarks.throughput --model=revnet18 --dataset=cifar10
+--width=2 --batch-size=2 --host [--iters=N] --json`` runs :func:`benchmark`.
+
+**Isolation method.** Two PETRA pipelines of the same stages run the same
+stream tick table on one device: the *real* one, and a *hollow* one whose
+every jitted step (forward, backward, the last stage's loss step, predictor)
+is replaced by a jitted no-op of the same signature and donation
+(:meth:`petra_jax.engine.steps.StageSteps.make_hollow`: the body traces the
+real step only for ``jax.eval_shape`` and returns zeros of its output
+shapes). Both are filled (``2(J-1)`` ticks, every step compiled) and
+warmed up; then ``ticks`` steady-state ticks (every stage runs a forward and a
+backward) are run back to back, the ticks' task tuples built before the
+clock starts, and the clock stops after ``jax.block_until_ready`` of the
+final state. For the hollow pipeline the devices have next to nothing to do,
+so the time is the host's: every jit dispatch, message move and the engine's
+bookkeeping. ``host_us_per_stage_tick`` is that time over ``ticks x J``.
+
+The same clock gives the real tiny-model numbers: ms per steady-state PETRA
+tick (one micro-batch through every stage, forward and backward) and per
+``backprop`` step (``jax.grad`` of the composed model, one jitted call), run
+back to back in the same way, and their ratio. Each figure is the median of
+``repeats`` rounds, the variants interleaved within a round so that a
+drifting machine affects them alike. ``ticks_per_second`` (``1e6 / (J x
+host_us_per_stage_tick)``) is how many ticks one host loop can drive at
+``J`` stages when the devices cost nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+import optax
+
+from petra_jax.engine import schedule
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stage import Stage
+
+
+def hollow_pipeline(stages: Sequence[Stage], tx, device, method: str = "petra") -> Pipeline:
+  """A pipeline whose steps compute nothing (see the module docstring)."""
+  pipe = Pipeline(stages, tx, [device], method=method)
+  pipe.steps.make_hollow()
+  return pipe
+
+
+class _Driver:
+  """One pipeline run tick after tick over a long stream table."""
+
+  def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int):
+    self.pipe, self.batch = pipe, (lambda m: (images, labels))
+    self.state = pipe.init(seed, images)
+    self.table = pipe.schedule(num_ticks)
+    self.next = 0
+
+  def run(self, n: int) -> float:
+    """Seconds to run the next ``n`` ticks, waited for at the end."""
+    ticks = [self.table[t] for t in range(self.next, self.next + n)]
+    self.next += n
+    start = time.perf_counter()
+    state = self.state
+    for tick in ticks:
+      state, _ = self.pipe.run_tick(state, tick, self.batch)
+    jax.block_until_ready(state.train_states)
+    self.state = state
+    return time.perf_counter() - start
+
+
+def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -> float:
+  """Seconds for ``n`` backprop steps back to back, waited for at the end."""
+  table = pipe.schedule(1)[0]
+  batch = lambda m: (images, labels)  # noqa: E731
+  start = time.perf_counter()
+  state = state_box[0]
+  for _ in range(n):
+    state, _ = pipe.run_tick(state, table, batch)
+  jax.block_until_ready(state.train_states)
+  state_box[0] = state
+  return time.perf_counter() - start
+
+
+def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
+              batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0) -> dict:
+  """Host cost per stage and tick, and the real PETRA tick against backprop.
+
+  Args:
+    stages: the model (``J`` stages).
+    input_shape: one example's shape, e.g. ``(32, 32, 3)``.
+    num_classes: classes of the head.
+    batch_size: micro-batch size.
+    ticks: ticks (or backprop steps) per timed round.
+    repeats: timed rounds; every figure is their median.
+    seed: initialisation and data seed.
+
+  Returns:
+    A JSON-able dict: ``host_us_per_stage_tick``, ``ticks_per_second``,
+    ``petra_ms_per_tick``, ``backprop_ms_per_step``,
+    ``ratio_petra_backprop``, ``num_stages``, ``ticks``, ``repeats``,
+    ``batch_size``, ``device`` and the per-round lists ``rounds_*``.
+  """
+  J, device = len(stages), jax.devices()[0]
+  rng = np.random.default_rng(seed)
+  images = jax.device_put(rng.normal(size=(batch_size, *input_shape)).astype(np.float32),
+                          device)
+  labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32), device)
+  tx = optax.sgd(1e-3, momentum=0.9)
+  fill = schedule.drain_ticks(J) + 2
+  total = fill + (repeats + 1) * ticks + 1
+  drivers = {"hollow": _Driver(hollow_pipeline(stages, tx, device), images, labels, total, seed),
+             "petra": _Driver(Pipeline(stages, tx, [device]), images, labels, total, seed)}
+  backprop = Pipeline(stages, tx, [device], method="backprop")
+  bp_state = [backprop.init(seed, images)]
+  for d in drivers.values():  # fill, compile and warm up
+    d.run(fill)
+    d.run(ticks)
+  _backprop_seconds(backprop, bp_state, images, labels, max(2, ticks // 10))
+  rounds = {"hollow": [], "petra": [], "backprop": []}
+  for _ in range(repeats):
+    for name, d in drivers.items():
+      rounds[name].append(d.run(ticks) / ticks)
+    rounds["backprop"].append(_backprop_seconds(backprop, bp_state, images, labels, ticks) / ticks)
+  med = {k: statistics.median(v) for k, v in rounds.items()}
+  host_us = 1e6 * med["hollow"] / J
+  return {
+      "host_us_per_stage_tick": host_us,
+      "ticks_per_second": 1.0 / med["hollow"],
+      "petra_ms_per_tick": 1e3 * med["petra"],
+      "backprop_ms_per_step": 1e3 * med["backprop"],
+      "ratio_petra_backprop": med["petra"] / med["backprop"],
+      "num_stages": J, "ticks": ticks, "repeats": repeats, "batch_size": batch_size,
+      "device": str(device),
+      **{f"rounds_{k}_ms": [1e3 * x for x in v] for k, v in rounds.items()},
+  }
+
+
+def print_report(r: dict, name: str) -> None:
+  """The human-readable form of :func:`benchmark`'s report."""
+  print(f"{name}: {r['num_stages']} stages, batch {r['batch_size']}, {r['device']}, "
+        f"median of {r['repeats']} rounds of {r['ticks']} ticks:")
+  print(f"  host cost per stage and tick (no-op steps) {r['host_us_per_stage_tick']:8.1f} us"
+        f"  ({r['ticks_per_second']:.0f} ticks/s at {r['num_stages']} stages)")
+  print(f"  PETRA tick {r['petra_ms_per_tick']:.3f} ms, backprop step "
+        f"{r['backprop_ms_per_step']:.3f} ms: {r['ratio_petra_backprop']:.2f}x")

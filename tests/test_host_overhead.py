@@ -1,0 +1,88 @@
+"""The host-overhead benchmark's no-op pipeline runs the real engine's tasks."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from petra_jax import models
+from petra_jax.benchmarks import host
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stage import Stage
+
+IMAGE = (8, 8, 3)
+
+
+def _tiny_revnet():
+  return [Stage("stem", models.Stem(2), False),
+          Stage("rev0", models.BasicResidual(2), True),
+          Stage("down", models.BasicDownsample(4, 2), False),
+          Stage("rev1", models.BasicResidual(4), True),
+          Stage("head", models.Head(10), False)]
+
+
+def _batch(m):
+  rng = np.random.default_rng(m)
+  return (rng.normal(size=(2, *IMAGE)).astype(np.float32),
+          rng.integers(0, 10, 2).astype(np.int32))
+
+
+def _record(pipe, calls):
+  """Wraps every jitted step of ``pipe`` (in place) to log ``(kind, stage)``."""
+  steps = pipe.steps
+  for kind, fns in (("forward", steps._forward), ("backward", steps._backward)):
+    for j, fn in enumerate(fns):
+      def logged(*args, fn=fn, kind=kind, j=j):
+        calls.append((kind, j))
+        return fn(*args)
+      fns[j] = logged
+
+
+@pytest.mark.parametrize("method", ["petra", "delayed"])
+def test_hollow_pipeline_runs_the_same_steps_as_the_real_one(method):
+  tx = optax.sgd(0.1, momentum=0.9)
+  device = jax.devices()[0]
+  real = Pipeline(_tiny_revnet(), tx, [device], method=method)
+  hollow = host.hollow_pipeline(_tiny_revnet(), tx, device, method=method)
+  assert hollow.steps.hollow and not real.steps.hollow
+  logs = {"real": [], "hollow": []}
+  outputs = {}
+  for name, pipe in (("real", real), ("hollow", hollow)):
+    _record(pipe, logs[name])
+    state = pipe.init(0, _batch(0)[0])
+    state, outputs[name] = pipe.run(state, pipe.schedule(6), _batch)
+    assert state.in_flight() == 0
+    jax.block_until_ready(state.train_states)
+  assert logs["real"] == logs["hollow"]
+  J, M = 5, 6  # independent count: J-1 forwards, J-1 backwards, 1 loss step per micro-batch
+  assert logs["real"].count(("forward", 0)) == M
+  assert sum(k == "forward" for k, _ in logs["real"]) == (J - 1) * M
+  assert sum(k == "backward" for k, _ in logs["real"]) == J * M
+  assert [o.micro_batch for o in outputs["real"]] == [o.micro_batch for o in outputs["hollow"]]
+  # the no-op steps compute nothing: zeros where the real loss is positive
+  assert all(float(o.loss) > 0 for o in outputs["real"])
+  assert all(float(o.loss) == 0 for o in outputs["hollow"])
+
+
+def test_hollow_steps_keep_shapes_and_donation():
+  pipe = host.hollow_pipeline(_tiny_revnet(), optax.sgd(0.1), jax.devices()[0])
+  state = pipe.init(0, _batch(0)[0])
+  x = jax.numpy.asarray(_batch(0)[0])
+  real = Pipeline(_tiny_revnet(), optax.sgd(0.1), jax.devices()[:1])
+  want = jax.eval_shape(real.steps._forward[0], state.train_states[0], x)
+  got = pipe.steps.forward(0, state.train_states[0], x)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.shape == w.shape and g.dtype == w.dtype
+    np.testing.assert_array_equal(np.asarray(g), 0)
+
+
+def test_host_report_schema():
+  """The report's figures are consistent with each other (nothing is timed
+  against a threshold)."""
+  r = host.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=2, ticks=3, repeats=1)
+  assert r["num_stages"] == 5 and r["host_us_per_stage_tick"] > 0
+  assert r["ticks_per_second"] == pytest.approx(1e6 / (5 * r["host_us_per_stage_tick"]))
+  assert r["ratio_petra_backprop"] == pytest.approx(
+      r["petra_ms_per_tick"] / r["backprop_ms_per_step"])
+  assert len(r["rounds_hollow_ms"]) == len(r["rounds_petra_ms"]) == 1
