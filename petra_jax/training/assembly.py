@@ -33,7 +33,7 @@ from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import distributed
 from petra_jax.training import metrics as metrics_lib
 from petra_jax.training import validation
-from petra_jax.training.loss_log import LossLog
+from petra_jax.training.loss_log import LossLog, LossRelay
 
 
 @dataclasses.dataclass
@@ -64,6 +64,7 @@ class Run:
   start: float = dataclasses.field(default_factory=time.time)
   result: dict = dataclasses.field(default_factory=dict)
   drain_points: dict = dataclasses.field(default_factory=dict)
+  relay: Optional[LossRelay] = None  # the losses on their way to loss_log
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -105,7 +106,17 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              steps_per_epoch, total_steps, step=step,
              restored_step=None if restored is None else step,
              reconstruction=probes.get("reconstruction"),
-             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points)
+             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points,
+             relay=_loss_relay(pipe, loss_log))
+
+
+def _loss_relay(pipe: Pipeline, loss_log: LossLog) -> LossRelay:
+  """Multi-process: the losses cross from the last stage to process 0 once
+  per flush (the pipeline leaves them where they are computed)."""
+  if not pipe.multiprocess:
+    return LossRelay(loss_log)
+  J, spec_move = pipe.num_stages, pipe.messages.move
+  return LossRelay(loss_log, lambda x, spec: spec_move(x, J - 1, 0, spec))
 
 
 def _open_data(config):
@@ -219,7 +230,7 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
                                                            delays, schedule=schedule),
-                  formats=message_formats(config))
+                  formats=message_formats(config), send_losses=False)
   return pipe, sizes, probes
 
 
