@@ -16,10 +16,12 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
+from petra_jax.data.batches import host_fold_in
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
 from petra_jax.engine import quantize as quantize_lib
@@ -246,7 +248,9 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
   """
   k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
   batch_fn = data_lib.make_train_batch_fn(info, pipe.input_device) if pipe.owns_input else None
-  data_key = jax.random.key(config.seed + 1)
+  # fold_in on the host (host_fold_in, bit for bit jax's): no device
+  # round trip per micro-batch.
+  data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
   epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
       len(train), config.batch_size, config.seed, epoch, steps_per_epoch))
 
@@ -255,7 +259,7 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
     sl = epoch_rows(epoch)[row][(m % k) * micro:(m % k + 1) * micro]
     if batch_fn is None:
       return None, data_lib.read_labels(train, sl)
-    return batch_fn(train, sl, jax.random.fold_in(data_key, m))
+    return batch_fn(train, sl, host_fold_in(data_key, m))
   return batches
 
 
