@@ -39,6 +39,7 @@ def _args(data_dir, workdir, *extra):
           "--config.accumulation_steps=2", f"--config.steps_per_epoch={STEPS}",
           "--config.num_epochs=1", "--config.log_every=1", "--config.checkpoint_every=2",
           "--config.eval_every=0", "--config.eval_batch_size=2000",
+          "--config.distributed.preemption_check_every=1",  # a stop at the next update
           f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
 
 
