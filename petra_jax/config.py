@@ -49,6 +49,9 @@ def _distributed_config() -> ml_collections.ConfigDict:
   c.initialization_timeout_s = 120  # wait this long for every process to join
   c.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
   c.shutdown_timeout_s = 30   # wait this long for the others at exit
+  # SIGTERM/SIGINT: the processes agree to stop only every this many updates
+  # (a collective); a stop comes at most this many - 1 updates late.
+  c.preemption_check_every = 10
   return c
 
 

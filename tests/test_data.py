@@ -147,6 +147,17 @@ def test_augment_is_a_normalized_padded_crop_and_flip():
   assert any((dy, dx) != (4, 4) for dy, dx, _ in chosen)
 
 
+def test_host_fold_in_is_jax_fold_in_bit_for_bit():
+  for seed in (0, 1, 7, 2**31 - 1):
+    base = np.asarray(jax.random.key_data(jax.random.key(seed, impl="threefry2x32")))
+    for m in (0, 1, 2, 63, 12345, 2**31, 2**32 - 1):
+      want = jax.random.key_data(jax.random.fold_in(
+          jax.random.key(seed, impl="threefry2x32"), m))
+      np.testing.assert_array_equal(data.batches.host_fold_in(base, m), want)
+  with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+    data.batches.host_fold_in(base, 2**32)
+
+
 def test_augment_deterministic_per_key():
   images = np.random.default_rng(0).integers(0, 256, (16, 32, 32, 3), np.uint8)
   f = jax.jit(data.augment)
@@ -290,6 +301,9 @@ def test_in_memory_datasets_read_back(name, num_train, num_test, num_classes, no
   np.testing.assert_allclose(  # == augment on the gathered images
       x, data.augment(jax.random.key(0), train.images[idx], info.mean, info.std),
       atol=1e-6)
+  # The key's data from the host (no device read-back): the same batch.
+  key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
+  np.testing.assert_array_equal(batch_fn(train, idx, key_data)[0], x)
 
   batches = list(data.eval_batches(test, info, batch_size=2))
   assert [v for _, _, v in batches] == [2, 2, 1]
@@ -317,6 +331,8 @@ def test_imagenet_lazy_train_batches(tiny_dir):
   np.testing.assert_array_equal(y, train.read(idx)[1])
   # Same key, same batch; another key, other crops.
   np.testing.assert_array_equal(x, batch_fn(train, idx, jax.random.key(0))[0])
+  np.testing.assert_array_equal(
+      x, batch_fn(train, idx, np.asarray(jax.random.key_data(jax.random.key(0))))[0])
   assert not np.allclose(x, batch_fn(train, idx, jax.random.key(1))[0])
   # Undo torchvision's normalisation: pixels in 0..255, rows rise (no flip) or
   # fall (flip).

@@ -92,3 +92,72 @@ def test_second_run_on_a_busy_workdir_is_refused(cifar10_dir, tmp_path):
   finally:
     first.kill()
     first.wait()
+
+
+def test_processes_agree_to_stop_only_every_n_updates(monkeypatch):
+  # Multi-process: the collective runs at the multiples of
+  # distributed.preemption_check_every only; one process checks every update.
+  import types
+  import ml_collections
+  from petra_jax.training import distributed, loop
+  calls = []
+  monkeypatch.setattr(distributed, "any_process", lambda flag: calls.append(flag) or flag)
+  config = ml_collections.ConfigDict({"distributed": {"preemption_check_every": 4}})
+  run = types.SimpleNamespace(config=config, pipe=types.SimpleNamespace(multiprocess=True))
+  stop = preemption.StopOnSignal()
+  stop.request()
+  stopped = []
+  for step in range(1, 13):
+    run.step = step
+    if loop._stop_requested(run, stop):  # pylint: disable=protected-access
+      stopped.append(step)
+  assert stopped == [4, 8, 12] and len(calls) == 3
+  run.pipe.multiprocess = False
+  run.step = 5
+  assert loop._stop_requested(run, stop) and len(calls) == 3  # pylint: disable=protected-access
+
+
+def test_loss_relay_delivers_each_loss_once_per_flush_in_order():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from petra_jax.training.loss_log import LossRelay
+
+  class Log:
+    def __init__(self):
+      self.got = []
+
+    def add(self, m, loss):
+      self.got.append((m, np.float32(loss)))
+
+  values = np.random.default_rng(0).standard_normal(7).astype(np.float32)
+  # One process: straight through, None skipped.
+  log = Log()
+  relay = LossRelay(log)
+  relay.add(0, jnp.float32(values[0]))
+  relay.add(1, None)
+  assert log.got == [(0, values[0])]
+  # Multi-process: nothing moves until flush, then one vector of every loss.
+  log, moved = Log(), []
+
+  def move(vector, spec):
+    moved.append(spec.shape)
+    return vector
+
+  relay = LossRelay(log, move)
+  for m, v in enumerate(values[:5]):
+    relay.add(m, jnp.float32(v))
+  assert log.got == [] and moved == []
+  relay.flush()
+  relay.flush()  # nothing pending: no transfer
+  for m, v in enumerate(values[5:], 5):
+    relay.add(m, jnp.float32(v))
+  relay.flush()
+  assert moved == [(5,), (2,)]
+  assert [m for m, _ in log.got] == list(range(7))
+  assert np.array_equal(np.array([v for _, v in log.got]), values)  # bit for bit
+  # A process that is neither end: its None losses travel as None.
+  relay = LossRelay(log, lambda vector, spec: moved.append(vector) or None)
+  relay.add(0, None)
+  relay.flush()
+  assert moved[-1] is None

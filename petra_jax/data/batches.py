@@ -83,7 +83,48 @@ def _decode_lazy_batch(
   return np.stack(images), labels
 
 
-TrainBatchFn = Callable[[Any, np.ndarray, jax.Array], tuple[jax.Array, np.ndarray]]
+TrainBatchFn = Callable[[Any, np.ndarray, Any], tuple[jax.Array, np.ndarray]]
+
+_MASK32 = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def host_fold_in(key_data: np.ndarray, data: int) -> np.ndarray:
+  """``jax.random.fold_in`` of a threefry key, on the host with Python ints.
+
+  Bit for bit ``key_data(fold_in(wrap_key_data(key_data), data))``: the
+  Threefry-2x32 block cipher (20 rounds; Salmon et al., 2011, as in
+  ``jax._src.prng.threefry_2x32``) of the counter ``(0, data)`` under the key.
+  No device is touched, so a batch's randomness needs no read-back.
+
+  Args:
+    key_data: uint32 ``[2]``, a threefry key's data
+      (``np.asarray(jax.random.key_data(jax.random.key(seed)))``).
+    data: the integer folded in, ``0 <= data < 2**32``.
+
+  Returns:
+    uint32 ``[2]``, the new key's data.
+
+  Raises:
+    ValueError: ``data`` outside ``[0, 2**32)``.
+  """
+  if not 0 <= data <= _MASK32:
+    raise ValueError(f"fold_in data must be in [0, 2**32), got {data}.")
+  k0, k1 = int(key_data[0]), int(key_data[1])
+  ks = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+  x0, x1 = ks[0], (data + ks[1]) & _MASK32
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = (x0 + x1) & _MASK32
+      x1 = (((x1 << r) | (x1 >> (32 - r))) & _MASK32) ^ x0
+    x0 = (x0 + ks[(i + 1) % 3]) & _MASK32
+    x1 = (x1 + ks[(i + 2) % 3] + i + 1) & _MASK32
+  return np.array([x0, x1], np.uint32)
+
+
+def _augment_key_data(key_data, images, mean, std):
+  """``augment`` keyed by threefry key data (uint32 ``[2]``), jittable."""
+  return augment(jax.random.wrap_key_data(key_data, impl="threefry2x32"), images, mean, std)
 
 
 def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
@@ -101,25 +142,30 @@ def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
 
   Returns:
     ``fn(split, indices, key) -> (images, labels)``: ``split`` from
-    ``open_split``; ``indices`` int ``[B]``; ``key`` a PRNG key (the batch's
-    randomness, as a function of the key only); ``images`` float32
-    ``[B, H, W, C]`` on ``device``; ``labels`` int32 ``[B]`` (NumPy).
+    ``open_split``; ``indices`` int ``[B]``; ``key`` a threefry PRNG key, or
+    its key data as NumPy uint32 ``[2]`` (e.g. from :func:`host_fold_in`:
+    the same batch, with no device read-back); the batch's randomness is a
+    function of the key only; ``images`` float32 ``[B, H, W, C]`` on
+    ``device``; ``labels`` int32 ``[B]`` (NumPy).
   """
   normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
   if not info.lazy:
     augment_fn = jax.jit(functools.partial(augment, mean=info.mean, std=info.std))
+    augment_data_fn = jax.jit(functools.partial(_augment_key_data, mean=info.mean, std=info.std))
 
-    def in_memory_fn(split: Split, indices: np.ndarray, key: jax.Array):
+    def in_memory_fn(split: Split, indices: np.ndarray, key):
       images = jax.device_put(split.images[indices], device)
+      if isinstance(key, np.ndarray):  # key data: shipped with the images
+        return augment_data_fn(jax.device_put(key, device), images), split.labels[indices]
       return augment_fn(jax.device_put(key, device), images), split.labels[indices]
 
     return in_memory_fn
 
   size = info.image_shape[0]
 
-  def lazy_fn(split: LazySplit, indices: np.ndarray, key: jax.Array):
-    seeds = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
-                                  ).integers(0, 2**63, len(indices))
+  def lazy_fn(split: LazySplit, indices: np.ndarray, key):
+    data = key if isinstance(key, np.ndarray) else np.asarray(jax.random.key_data(key))
+    seeds = np.random.default_rng(data.ravel()).integers(0, 2**63, len(indices))
     transform = functools.partial(imagenet_train_image, size=size)
     images, labels = _decode_lazy_batch(split, indices, transform, seeds.tolist())
     return normalize_fn(jax.device_put(images, device)), labels

@@ -83,6 +83,9 @@ class Pipeline:
     formats: the format of forward messages, backward messages and input
       buffers (:class:`petra_jax.engine.quantize.MessageFormats`); default: all
       float, as computed.
+    send_losses: multi-process: move each loss to process 0 on the tick it is
+      computed (True), or leave it on the last stage's process for the caller
+      to gather (False: the training loop's ``loss_log.LossRelay``).
 
   Attributes:
     steps: the stages' jitted steps and backward rule
@@ -103,7 +106,8 @@ class Pipeline:
                *, method: str = "petra", accumulation_steps: int = 1,
                bn_stats: str = "backward", observers: Sequence[Observer] = (),
                predictors: Optional[Sequence[Optional[Callable]]] = None,
-               formats: Optional[quantize_lib.MessageFormats] = None):
+               formats: Optional[quantize_lib.MessageFormats] = None,
+               send_losses: bool = True):
     self.method = methods_lib.get(method)
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
@@ -120,6 +124,7 @@ class Pipeline:
     # its own devices; messages to or from the others go through transport.
     self.local = [transport.is_local(d) for d in self.devices]
     self.multiprocess = not all(self.local)
+    self.send_losses = send_losses
     self.formats = formats or quantize_lib.MessageFormats()
     self.messages = Messenger(self.stages, self.devices, self.local, self.formats)
     self.steps = StageSteps(stages, self.method, bn_stats, predictors,
@@ -216,7 +221,8 @@ class Pipeline:
       ``(new_state, outputs)``: the state after the tick, and the losses of
       the micro-batches whose ``loss`` (or ``backprop``) task ran.
       Multi-process: the loss is on stage 0's device on process 0, None on
-      the others.
+      the others (with ``send_losses=False``: on the last stage's device, on
+      its process).
 
     Raises:
       ScheduleError: a task's input has not arrived.
@@ -348,7 +354,7 @@ class Pipeline:
         labels = take(state.labels, m, "labels", j)
         state.train_states[j], dx, loss = steps.backward(j, state.train_states[j], x, labels)
       state.grad_inbox[j - 1][m] = send(x, dx, m)
-      if multiprocess:  # metrics are written by process 0
+      if multiprocess and self.send_losses:  # metrics are written by process 0
         loss = self.messages.move(loss, j, 0, _LOSS_SPEC)
       return TaskResult(loss=loss)
     return task

@@ -16,10 +16,12 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
+from petra_jax.data.batches import host_fold_in
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
 from petra_jax.engine import quantize as quantize_lib
@@ -33,7 +35,7 @@ from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import distributed
 from petra_jax.training import metrics as metrics_lib
 from petra_jax.training import validation
-from petra_jax.training.loss_log import LossLog
+from petra_jax.training.loss_log import LossLog, LossRelay
 
 
 @dataclasses.dataclass
@@ -64,6 +66,7 @@ class Run:
   start: float = dataclasses.field(default_factory=time.time)
   result: dict = dataclasses.field(default_factory=dict)
   drain_points: dict = dataclasses.field(default_factory=dict)
+  relay: Optional[LossRelay] = None  # the losses on their way to loss_log
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -105,7 +108,17 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
              steps_per_epoch, total_steps, step=step,
              restored_step=None if restored is None else step,
              reconstruction=probes.get("reconstruction"),
-             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points)
+             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points,
+             relay=_loss_relay(pipe, loss_log))
+
+
+def _loss_relay(pipe: Pipeline, loss_log: LossLog) -> LossRelay:
+  """Multi-process: the losses cross from the last stage to process 0 once
+  per flush (the pipeline leaves them where they are computed)."""
+  if not pipe.multiprocess:
+    return LossRelay(loss_log)
+  J, spec_move = pipe.num_stages, pipe.messages.move
+  return LossRelay(loss_log, lambda x, spec: spec_move(x, J - 1, 0, spec))
 
 
 def _open_data(config):
@@ -219,7 +232,7 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
                                                            delays, schedule=schedule),
-                  formats=message_formats(config))
+                  formats=message_formats(config), send_losses=False)
   return pipe, sizes, probes
 
 
@@ -235,7 +248,9 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
   """
   k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
   batch_fn = data_lib.make_train_batch_fn(info, pipe.input_device) if pipe.owns_input else None
-  data_key = jax.random.key(config.seed + 1)
+  # fold_in on the host (host_fold_in, bit for bit jax's): no device
+  # round trip per micro-batch.
+  data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
   epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
       len(train), config.batch_size, config.seed, epoch, steps_per_epoch))
 
@@ -244,7 +259,7 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
     sl = epoch_rows(epoch)[row][(m % k) * micro:(m % k + 1) * micro]
     if batch_fn is None:
       return None, data_lib.read_labels(train, sl)
-    return batch_fn(train, sl, jax.random.fold_in(data_key, m))
+    return batch_fn(train, sl, host_fold_in(data_key, m))
   return batches
 
 

@@ -52,9 +52,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     for t in range(run.state.tick, len(run.schedule)):
       tick = run.schedule[t]
       run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-      for out in outputs:
-        if out.loss is not None:  # (None off process 0)
-          run.loss_log.add(out.micro_batch, out.loss)
+      for out in outputs:  # (loss None off the last stage's process)
+        run.relay.add(out.micro_batch, out.loss)
       if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
         save_checkpoint(run)
       if _update_fed(run, tick):
@@ -74,10 +73,13 @@ def on_update(run: Run) -> None:
   c, step = run.config, run.step
   if step == run.total_steps:
     return
+  epoch_end = step % run.steps_per_epoch == 0
+  evaluating = epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0
+  if step % c.log_every == 0 or evaluating:
+    run.relay.flush()  # multi-process: the losses so far reach process 0
   if step % c.log_every == 0:
     _log_diagnostics(run)
-  epoch_end = step % run.steps_per_epoch == 0
-  if epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0:
+  if evaluating:
     evaluate_and_log(run)
   if c.checkpoint_every and step % c.checkpoint_every == 0 and not c.checkpoint_drain:
     save_checkpoint(run)
@@ -85,6 +87,7 @@ def on_update(run: Run) -> None:
 
 def finish(run: Run) -> dict:
   """After the last tick: the last losses, evaluation and checkpoint."""
+  run.relay.flush()
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
   evaluate_and_log(run)
@@ -114,6 +117,7 @@ def save_checkpoint(run: Run) -> None:
 
   Multi-process: every process calls it at the same step and saves its part.
   """
+  run.relay.flush()  # (process 0's loss log holds every loss computed so far)
   # Checkpoints up to the last update whose losses are all known finite are
   # good; older good ones beyond keep_checkpoints can go. Newer ones still
   # have micro-batches in flight whose loss may yet be NaN: kept until then.
@@ -128,9 +132,11 @@ def preempt(run: Run, signal_name: str) -> None:
   """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
 
   The signal is acted on at the first update boundary after it (at most k
-  ticks); a run re-started with the same command resumes there with the
-  losses of an uninterrupted run. Multi-process: every process saves its
-  part of the same step and exits 75; process 0 prints the line.
+  ticks); multi-process, at the first whose step is a multiple of
+  ``distributed.preemption_check_every`` (:func:`_stop_requested`). A run
+  re-started with the same command resumes there with the losses of an
+  uninterrupted run. Multi-process: every process saves its part of the same
+  step and exits 75; process 0 prints the line.
   """
   if run.checkpointer.latest_step() != run.step:
     save_checkpoint(run)
@@ -213,9 +219,18 @@ def _update_fed(run: Run, tick) -> bool:
 
 def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
   """Whether to stop at this update: a signal here, or (multi-process) on
-  any process. Every process of the run gets the same answer at the same
-  update (a small collective at every update boundary), so all of them save
-  the same step."""
+  any process.
+
+  One process: at every update. Multi-process: the processes agree only at
+  the updates ``s`` that are multiples of ``N = distributed.
+  preemption_check_every`` (a small collective there, none in between), so
+  every process gets the same answer at the same update and all of them save
+  the same step. A signal that arrives during update ``s`` is acted on at
+  the first multiple of N at or after ``s``: at most ``N - 1`` updates later
+  than in one process (none with N = 1).
+  """
   if not run.pipe.multiprocess:
     return stop.requested
+  if run.step % run.config.distributed.preemption_check_every:
+    return False
   return distributed.any_process(stop.requested)

@@ -1,10 +1,17 @@
-"""The training-loss log: per-micro-batch losses in, ``train_loss`` lines out."""
+"""The training-loss log: per-micro-batch losses in, ``train_loss`` lines out.
+
+:class:`LossLog` turns losses into lines (process 0 writes them);
+:class:`LossRelay` brings a multi-process run's losses from the last stage's
+process to process 0's log, batched.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -98,3 +105,59 @@ class LossLog:
     self.next_step, self.last_loss = meta["next_step"], meta["last_loss"]
     self.window = [arrays[-(i + 1)] for i in range(meta["window"])]
     self.losses = {m: v for m, v in arrays.items() if m >= 0}
+
+
+class LossRelay:
+  """The losses on their way to the :class:`LossLog` of process 0.
+
+  One process: every loss goes to the log as it arrives (``move`` None).
+  Multi-process: the last stage computes the losses on its own process;
+  they wait there and cross to process 0 in one transfer per :meth:`flush`
+  (a float32 vector, the same values bit for bit), instead of one transfer
+  per tick. Every process calls :meth:`add` for every loss task (its loss,
+  or None where it is not this process's) and :meth:`flush` at the same
+  points, so both ends agree on the vector's length.
+
+  Args:
+    loss_log: process 0's :class:`LossLog` (unused elsewhere).
+    move: ``(vector or None, spec) -> vector on process 0 or None``: the
+      pipeline's message route from the last stage to stage 0
+      (``Messenger.move``); None for one process.
+  """
+
+  def __init__(self, loss_log: LossLog, move: Optional[Callable] = None):
+    self.loss_log, self.move = loss_log, move
+    self.pending: list = []  # (micro_batch, loss or None), in arrival order
+
+  def add(self, micro_batch: int, loss: Optional[jax.Array]):
+    """Micro-batch ``micro_batch``'s float32 scalar loss (None off the last
+    stage's process). One process: straight to the log.
+
+    Raises:
+      Diverged: a line written now has a NaN/Inf mean (process 0).
+    """
+    if self.move is None:
+      if loss is not None:
+        self.loss_log.add(micro_batch, loss)
+      return
+    self.pending.append((micro_batch, loss))
+
+  def flush(self):
+    """Sends the pending losses to process 0's log (multi-process: every
+    process at the same point; a transfer between the last stage's process
+    and process 0, asynchronous like any other message).
+
+    Raises:
+      Diverged: a line written now has a NaN/Inf mean (process 0).
+    """
+    if not self.pending:
+      return
+    batches = [m for m, _ in self.pending]
+    losses = [loss for _, loss in self.pending]
+    self.pending = []
+    vector = jnp.stack(losses) if losses[0] is not None else None
+    received = self.move(vector, jax.ShapeDtypeStruct((len(batches),), jnp.float32))
+    if received is None:  # not process 0
+      return
+    for m, loss in zip(batches, list(received)):
+      self.loss_log.add(m, loss)

@@ -80,6 +80,8 @@ RANGES = (
     Range("grad_quality_every", 0, why="0: off"),
     Range("checkpoint_every", 0, why="0: off"),
     Range("keep_checkpoints", 1, why="0 would delete every checkpoint to resume from"),
+    Range("distributed.preemption_check_every", 1,
+          why="updates between the processes' agreements to stop"),
     Range("optim.learning_rate", 0,
           why="0: 0.1 * batch_size / 256; a negative rate climbs the loss"),
     Range("optim.momentum", 0, 1, why="1 or more never forgets a gradient"),
