@@ -129,6 +129,11 @@ class Pipeline:
     self._shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
     self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
+    # A stage's forward then backward in one tick run as one jitted call
+    # (not with observers, which are called around each task, nor across
+    # processes, whose message order every process must share).
+    self._pairs = (None if self.observers or self.multiprocess
+                   else [self._pair_task(j) for j in range(J - 1)])
 
   # -- where the data enters and the loss leaves ------------------------------
 
@@ -221,11 +226,20 @@ class Pipeline:
     Raises:
       ScheduleError: a task's input has not arrived.
     """
-    state, outputs, run = state.successor(), [], self._run_task
-    for task in tick:
+    state, outputs, run, pairs = state.successor(), [], self._run_task, self._pairs
+    i, n = 0, len(tick)
+    while i < n:
+      task = tick[i]
+      if pairs is not None and task.kind == FORWARD and i + 1 < n:
+        after = tick[i + 1]
+        if after.stage == task.stage and after.kind == BACKWARD:
+          pairs[task.stage](state, task.micro_batch, after.micro_batch, batches)
+          i += 2
+          continue
       result = run(state, task, batches)
       if result.loss is not None or (self.multiprocess and task.kind == LOSS):
         outputs.append(TickOutput(task.micro_batch, result.loss))
+      i += 1
     state.tick += 1
     return state, outputs
 
@@ -335,6 +349,34 @@ class Pipeline:
       if send is not None:
         state.grad_inbox[j - 1][m] = send(x, dx, m)
       return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
+    return task
+
+  def _pair_task(self, j: int) -> Callable:
+    """Stage ``j``'s forward of ``m`` then backward of ``n`` in one jitted
+    call (:meth:`StageSteps.forward_backward`): what the two tasks do, in
+    their order, with the same results."""
+    steps, feed, reconstructs = self.steps, self._feed if j == 0 else None, self.reconstructs[j]
+    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
+    send, send_back, encode = self.messages.route("forward", j, j + 1), self._send_back(j), \
+        self.messages.encode
+
+    def task(state: PipelineState, m: int, n: int, batches) -> None:
+      if feed is not None:
+        feed(state, m, batches)
+      x = take(state.inbox[j], m, "input", j)
+      y, dy = take(state.grad_inbox[j], n, "cotangent", j)
+      xb = take(state.buffers[j], n, "buffered input", j) if buffers else None
+      stashed = take(state.weight_stash[j], n, "stashed weights", j) if stashes else None
+      args = steps.backward_args(j, x=xb, y=y, dy=dy, stashed=stashed)
+      (out, kept), back = steps.forward_backward(j, state.train_states[j], x, *args)
+      state.train_states[j], dx = back[0], back[-1]
+      if stashes:
+        state.weight_stash[j][m] = kept
+      if buffers:
+        state.buffers[j][m] = encode("buffer", x, j, m)
+      state.inbox[j + 1][m] = send(out, m)
+      if send_back is not None:
+        state.grad_inbox[j - 1][n] = send_back(back[1] if reconstructs else xb, dx, n)
     return task
 
   def _loss_task(self, j: int) -> Callable:
