@@ -303,80 +303,95 @@ class Pipeline:
 
   def _forward_task(self, j: int) -> Callable:
     """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
-    steps, local, feed = self.steps, self.local[j], self._feed if j == 0 else None
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send = self.messages.route("forward", j, j + 1)
-    encode = self.messages.encode
+    steps, local, stashes = self.steps, self.local[j], self.method.stashes_weights
+    begin, end = self._forward_halves(j)
 
     def task(state: PipelineState, m: int, batches) -> TaskResult:
-      if feed is not None:
-        feed(state, m, batches)
-      x, y = take(state.inbox[j], m, "input", j), None
+      x, y, kept = begin(state, m, batches), None, None
       if local:
         st = state.train_states[j]
         params = steps.forward_params(j, st)
         y, stats = steps.forward(j, st, x, None if params is st.params else params)
         if steps.stats_in_forward:
           state.train_states[j] = st.replace(batch_stats=stats)
-        if stashes:  # copied: the backward donates the live ones
-          state.weight_stash[j][m] = copy_tree(params)
-        if buffers:
-          state.buffers[j][m] = encode("buffer", x, j, m)
-      state.inbox[j + 1][m] = send(y, m)
+        kept = copy_tree(params) if stashes else None  # copied: the backward donates
+      end(state, m, x, y, kept)
       return _NOTHING
     return task
+
+  def _forward_halves(self, j: int) -> tuple:
+    """``(begin, end)`` of stage ``j``'s forward around its step: ``begin(state,
+    m, batches) -> x`` feeds stage 0 and takes the input; ``end(state, m, x,
+    y, kept)`` keeps the stashed weights and the input (if the method does)
+    and sends ``y`` to ``j+1``."""
+    feed, local, buffers = self._feed if j == 0 else None, self.local[j], self.steps.buffers_input[j]
+    send, encode = self.messages.route("forward", j, j + 1), self.messages.encode
+
+    def begin(state: PipelineState, m: int, batches):
+      if feed is not None:
+        feed(state, m, batches)
+      return take(state.inbox[j], m, "input", j)
+
+    def end(state: PipelineState, m: int, x, y, kept) -> None:
+      if kept is not None:
+        state.weight_stash[j][m] = kept
+      if local and buffers:
+        state.buffers[j][m] = encode("buffer", x, j, m)
+      state.inbox[j + 1][m] = send(y, m)
+    return begin, end
 
   def _backward_task(self, j: int) -> Callable:
     """Stage ``j``'s backward and update; ``(x~_j or None, delta_j)`` to ``j-1``."""
     steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send = self._send_back(j)
+    begin, end = self._backward_halves(j)
 
     def task(state: PipelineState, m: int, batches) -> TaskResult:
-      message = take(state.grad_inbox[j], m, "cotangent", j)
-      x_tilde = x = dx = None
-      if local:
-        y, dy = message
-        if buffers:
-          x = take(state.buffers[j], m, "buffered input", j)
-        stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
-        args = steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
-        if reconstructs:
-          state.train_states[j], x_tilde, dx = steps.backward(j, state.train_states[j], *args)
-          x = x_tilde
-        else:
-          state.train_states[j], dx = steps.backward(j, state.train_states[j], *args)
-      if send is not None:
-        state.grad_inbox[j - 1][m] = send(x, dx, m)
+      x, args = begin(state, m)
+      out = steps.backward(j, state.train_states[j], *args) if local else (None, None)
+      x_tilde = end(state, m, x, out)
       return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
     return task
 
+  def _backward_halves(self, j: int) -> tuple:
+    """``(begin, end)`` of stage ``j``'s backward around its step: ``begin(state,
+    m) -> (buffered x, step args)`` takes the message, buffer and stash;
+    ``end(state, m, x, step outputs) -> x~ or None`` keeps the new state and
+    sends ``(x~ or x or None, delta_j)`` to ``j-1``."""
+    steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
+    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
+    send = self._send_back(j)
+
+    def begin(state: PipelineState, m: int):
+      y, dy = take(state.grad_inbox[j], m, "cotangent", j)
+      if not local:
+        return None, None
+      x = take(state.buffers[j], m, "buffered input", j) if buffers else None
+      stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
+      return x, steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
+
+    def end(state: PipelineState, m: int, x, out):
+      x_tilde = None
+      if local:
+        state.train_states[j] = out[0]
+        x_tilde = x = out[1] if reconstructs else x
+      if send is not None:
+        state.grad_inbox[j - 1][m] = send(x, out[-1], m)
+      return x_tilde
+    return begin, end
+
   def _pair_task(self, j: int) -> Callable:
     """Stage ``j``'s forward of ``m`` then backward of ``n`` in one jitted
-    call (:meth:`StageSteps.forward_backward`): what the two tasks do, in
-    their order, with the same results."""
-    steps, feed, reconstructs = self.steps, self._feed if j == 0 else None, self.reconstructs[j]
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send, send_back, encode = self.messages.route("forward", j, j + 1), self._send_back(j), \
-        self.messages.encode
+    call (:meth:`StageSteps.forward_backward`), with the two tasks' results
+    (a local stage's only)."""
+    steps = self.steps
+    (f_begin, f_end), (b_begin, b_end) = self._forward_halves(j), self._backward_halves(j)
 
     def task(state: PipelineState, m: int, n: int, batches) -> None:
-      if feed is not None:
-        feed(state, m, batches)
-      x = take(state.inbox[j], m, "input", j)
-      y, dy = take(state.grad_inbox[j], n, "cotangent", j)
-      xb = take(state.buffers[j], n, "buffered input", j) if buffers else None
-      stashed = take(state.weight_stash[j], n, "stashed weights", j) if stashes else None
-      args = steps.backward_args(j, x=xb, y=y, dy=dy, stashed=stashed)
-      (out, kept), back = steps.forward_backward(j, state.train_states[j], x, *args)
-      state.train_states[j], dx = back[0], back[-1]
-      if stashes:
-        state.weight_stash[j][m] = kept
-      if buffers:
-        state.buffers[j][m] = encode("buffer", x, j, m)
-      state.inbox[j + 1][m] = send(out, m)
-      if send_back is not None:
-        state.grad_inbox[j - 1][n] = send_back(back[1] if reconstructs else xb, dx, n)
+      x = f_begin(state, m, batches)
+      xb, args = b_begin(state, n)
+      (y, kept), out = steps.forward_backward(j, state.train_states[j], x, *args)
+      f_end(state, m, x, y, kept)
+      b_end(state, n, xb, out)
     return task
 
   def _loss_task(self, j: int) -> Callable:
