@@ -7,10 +7,10 @@ its stage's function of its kind, built once with the pipeline (the
 method's rules, the stage's device and routes decided there, not per task;
 a message between two stages on one device is not moved):
 
-* ``forward`` (:meth:`Pipeline._forward_task`): ``x_{j+1} = F_j(x_j,
+* ``forward`` (:func:`petra_jax.engine.tasks.forward_task`): ``x_{j+1} = F_j(x_j,
   theta_j^t)``, sent to stage ``j+1``; the input is kept if the stage buffers
   it, the weights if the method stashes them (:mod:`petra_jax.engine.methods`);
-* ``backward`` (:meth:`Pipeline._backward_task`): a reconstructing stage
+* ``backward`` (:func:`petra_jax.engine.tasks.backward_task`): a reconstructing stage
   rebuilds its input from its output with its *current* weights and takes
   the vjp there (paper Eq. 5); any other stage recomputes from its buffered
   input. Then the optax update; ``(x~_j, delta_j)`` goes to stage ``j-1``;
@@ -18,6 +18,10 @@ a message between two stages on one device is not moved):
   backward at once (Alg. 1, l. 27-30);
 * ``backprop`` (:meth:`Pipeline._backprop_task`): ``jax.grad`` of the
   composed model on one device.
+
+Where a tick has a stage's forward then its backward (the steady state),
+both run as one jitted call (:func:`petra_jax.engine.tasks.pair_task`), with
+the two tasks' results; not with observers, nor across processes.
 
 A task consumes a message sent on an earlier tick. A tick's forward and
 backward at one stage both use ``theta_j^t`` (the forward comes first in the
@@ -40,16 +44,15 @@ from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
-from petra_jax.engine import transport
+from petra_jax.engine import tasks, transport
 from petra_jax.engine.messages import Messenger
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.state import (Observer, PipelineState, StageState, TaskResult, TickOutput,
-                                    copy_tree, take)
+                                    take)
 from petra_jax.engine.steps import BN_POLICIES, StageSteps
 
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
-_NOTHING = TaskResult()
 Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labels [B])
 
 
@@ -133,7 +136,7 @@ class Pipeline:
     # (not with observers, which are called around each task, nor across
     # processes, whose message order every process must share).
     self._pairs = (None if self.observers or self.multiprocess
-                   else [self._pair_task(j) for j in range(J - 1)])
+                   else [tasks.pair_task(self, j) for j in range(J - 1)])
 
   # -- where the data enters and the loss leaves ------------------------------
 
@@ -286,8 +289,8 @@ class Pipeline:
     through :class:`StageSteps`' lists, so steps replaced in place
     (:meth:`StageSteps.make_hollow`) are seen."""
     J = self.num_stages
-    return {FORWARD: [self._forward_task(j) for j in range(J - 1)],
-            BACKWARD: [self._backward_task(j) for j in range(J - 1)],
+    return {FORWARD: [tasks.forward_task(self, j) for j in range(J - 1)],
+            BACKWARD: [tasks.backward_task(self, j) for j in range(J - 1)],
             LOSS: [None] * (J - 1) + [self._loss_task(J - 1)],
             BACKPROP: [self._backprop_task]}
 
@@ -300,99 +303,6 @@ class Pipeline:
     if self.local[-1]:
       state.labels[m] = transport.send_if_elsewhere(labels, self.devices[-1],
                                                     self._shardings[-1])
-
-  def _forward_task(self, j: int) -> Callable:
-    """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
-    steps, local, stashes = self.steps, self.local[j], self.method.stashes_weights
-    begin, end = self._forward_halves(j)
-
-    def task(state: PipelineState, m: int, batches) -> TaskResult:
-      x, y, kept = begin(state, m, batches), None, None
-      if local:
-        st = state.train_states[j]
-        params = steps.forward_params(j, st)
-        y, stats = steps.forward(j, st, x, None if params is st.params else params)
-        if steps.stats_in_forward:
-          state.train_states[j] = st.replace(batch_stats=stats)
-        kept = copy_tree(params) if stashes else None  # copied: the backward donates
-      end(state, m, x, y, kept)
-      return _NOTHING
-    return task
-
-  def _forward_halves(self, j: int) -> tuple:
-    """``(begin, end)`` of stage ``j``'s forward around its step: ``begin(state,
-    m, batches) -> x`` feeds stage 0 and takes the input; ``end(state, m, x,
-    y, kept)`` keeps the stashed weights and the input (if the method does)
-    and sends ``y`` to ``j+1``."""
-    feed, local, buffers = self._feed if j == 0 else None, self.local[j], self.steps.buffers_input[j]
-    send, encode = self.messages.route("forward", j, j + 1), self.messages.encode
-
-    def begin(state: PipelineState, m: int, batches):
-      if feed is not None:
-        feed(state, m, batches)
-      return take(state.inbox[j], m, "input", j)
-
-    def end(state: PipelineState, m: int, x, y, kept) -> None:
-      if kept is not None:
-        state.weight_stash[j][m] = kept
-      if local and buffers:
-        state.buffers[j][m] = encode("buffer", x, j, m)
-      state.inbox[j + 1][m] = send(y, m)
-    return begin, end
-
-  def _backward_task(self, j: int) -> Callable:
-    """Stage ``j``'s backward and update; ``(x~_j or None, delta_j)`` to ``j-1``."""
-    steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
-    begin, end = self._backward_halves(j)
-
-    def task(state: PipelineState, m: int, batches) -> TaskResult:
-      x, args = begin(state, m)
-      out = steps.backward(j, state.train_states[j], *args) if local else (None, None)
-      x_tilde = end(state, m, x, out)
-      return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
-    return task
-
-  def _backward_halves(self, j: int) -> tuple:
-    """``(begin, end)`` of stage ``j``'s backward around its step: ``begin(state,
-    m) -> (buffered x, step args)`` takes the message, buffer and stash;
-    ``end(state, m, x, step outputs) -> x~ or None`` keeps the new state and
-    sends ``(x~ or x or None, delta_j)`` to ``j-1``."""
-    steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send = self._send_back(j)
-
-    def begin(state: PipelineState, m: int):
-      y, dy = take(state.grad_inbox[j], m, "cotangent", j)
-      if not local:
-        return None, None
-      x = take(state.buffers[j], m, "buffered input", j) if buffers else None
-      stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
-      return x, steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
-
-    def end(state: PipelineState, m: int, x, out):
-      x_tilde = None
-      if local:
-        state.train_states[j] = out[0]
-        x_tilde = x = out[1] if reconstructs else x
-      if send is not None:
-        state.grad_inbox[j - 1][m] = send(x, out[-1], m)
-      return x_tilde
-    return begin, end
-
-  def _pair_task(self, j: int) -> Callable:
-    """Stage ``j``'s forward of ``m`` then backward of ``n`` in one jitted
-    call (:meth:`StageSteps.forward_backward`), with the two tasks' results
-    (a local stage's only)."""
-    steps = self.steps
-    (f_begin, f_end), (b_begin, b_end) = self._forward_halves(j), self._backward_halves(j)
-
-    def task(state: PipelineState, m: int, n: int, batches) -> None:
-      x = f_begin(state, m, batches)
-      xb, args = b_begin(state, n)
-      (y, kept), out = steps.forward_backward(j, state.train_states[j], x, *args)
-      f_end(state, m, x, y, kept)
-      b_end(state, n, xb, out)
-    return task
 
   def _loss_task(self, j: int) -> Callable:
     """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""
