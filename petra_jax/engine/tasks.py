@@ -110,7 +110,7 @@ def pair_task(pipe: "Pipeline", j: int) -> Callable:
   call (:meth:`StageSteps.forward_backward`), with the two tasks' results
   (a local stage's only)."""
   steps = pipe.steps
-  (f_begin, f_end), (b_begin, b_end) = forward_halves(pipe, j), _backward_halves(j)
+  (f_begin, f_end), (b_begin, b_end) = forward_halves(pipe, j), backward_halves(pipe, j)
 
   def task(state: PipelineState, m: int, n: int, batches) -> None:
     x = f_begin(state, m, batches)
