@@ -192,9 +192,10 @@ def test_steps_compile_once(monkeypatch):
   state = pipe.init(0, x)
   state, _ = run_ticks(pipe, state, 3 * len(stages), batches_of())
   J = len(stages)
-  expected = collections.Counter({("forward_step", j): 1 for j in range(J - 1)})
+  # Twice each: alone (fill, drain) and inside the fused step (steady state).
+  expected = collections.Counter({("forward_step", j): 2 for j in range(J - 1)})
   for j, s in enumerate(stages[:-1]):
-    expected["reverse_backward_step" if s.reversible else "recompute_backward_step", j] = 1
+    expected["reverse_backward_step" if s.reversible else "recompute_backward_step", j] = 2
   expected["loss_step", J - 1] = 1  # (the head never runs a separate forward)
   assert traces == expected
 

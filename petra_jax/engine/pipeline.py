@@ -7,10 +7,10 @@ its stage's function of its kind, built once with the pipeline (the
 method's rules, the stage's device and routes decided there, not per task;
 a message between two stages on one device is not moved):
 
-* ``forward`` (:meth:`Pipeline._forward_task`): ``x_{j+1} = F_j(x_j,
+* ``forward`` (:func:`petra_jax.engine.tasks.forward_task`): ``x_{j+1} = F_j(x_j,
   theta_j^t)``, sent to stage ``j+1``; the input is kept if the stage buffers
   it, the weights if the method stashes them (:mod:`petra_jax.engine.methods`);
-* ``backward`` (:meth:`Pipeline._backward_task`): a reconstructing stage
+* ``backward`` (:func:`petra_jax.engine.tasks.backward_task`): a reconstructing stage
   rebuilds its input from its output with its *current* weights and takes
   the vjp there (paper Eq. 5); any other stage recomputes from its buffered
   input. Then the optax update; ``(x~_j, delta_j)`` goes to stage ``j-1``;
@@ -18,6 +18,10 @@ a message between two stages on one device is not moved):
   backward at once (Alg. 1, l. 27-30);
 * ``backprop`` (:meth:`Pipeline._backprop_task`): ``jax.grad`` of the
   composed model on one device.
+
+Where a tick has a stage's forward then its backward (the steady state),
+both run as one jitted call (:func:`petra_jax.engine.tasks.pair_task`), with
+the two tasks' results; not with observers, nor across processes.
 
 A task consumes a message sent on an earlier tick. A tick's forward and
 backward at one stage both use ``theta_j^t`` (the forward comes first in the
@@ -40,16 +44,15 @@ from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
-from petra_jax.engine import transport
+from petra_jax.engine import tasks, transport
 from petra_jax.engine.messages import Messenger
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.state import (Observer, PipelineState, StageState, TaskResult, TickOutput,
-                                    copy_tree, take)
+                                    take)
 from petra_jax.engine.steps import BN_POLICIES, StageSteps
 
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
-_NOTHING = TaskResult()
 Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labels [B])
 
 
@@ -134,6 +137,11 @@ class Pipeline:
     self._shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
     self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
+    # A stage's forward then backward in one tick run as one jitted call
+    # (not with observers, which are called around each task, nor across
+    # processes, whose message order every process must share).
+    self._pairs = (None if self.observers or self.multiprocess
+                   else [tasks.pair_task(self, j) for j in range(J - 1)])
 
   # -- where the data enters and the loss leaves ------------------------------
 
@@ -227,11 +235,20 @@ class Pipeline:
     Raises:
       ScheduleError: a task's input has not arrived.
     """
-    state, outputs, run = state.successor(), [], self._run_task
-    for task in tick:
+    state, outputs, run, pairs = state.successor(), [], self._run_task, self._pairs
+    i, n = 0, len(tick)
+    while i < n:
+      task = tick[i]
+      if pairs is not None and task.kind == FORWARD and i + 1 < n:
+        after = tick[i + 1]
+        if after.stage == task.stage and after.kind == BACKWARD:
+          pairs[task.stage](state, task.micro_batch, after.micro_batch, batches)
+          i += 2
+          continue
       result = run(state, task, batches)
       if result.loss is not None or (self.multiprocess and task.kind == LOSS):
         outputs.append(TickOutput(task.micro_batch, result.loss))
+      i += 1
     state.tick += 1
     return state, outputs
 
@@ -278,8 +295,8 @@ class Pipeline:
     through :class:`StageSteps`' lists, so steps replaced in place
     (:meth:`StageSteps.make_hollow`) are seen."""
     J = self.num_stages
-    return {FORWARD: [self._forward_task(j) for j in range(J - 1)],
-            BACKWARD: [self._backward_task(j) for j in range(J - 1)],
+    return {FORWARD: [tasks.forward_task(self, j) for j in range(J - 1)],
+            BACKWARD: [tasks.backward_task(self, j) for j in range(J - 1)],
             LOSS: [None] * (J - 1) + [self._loss_task(J - 1)],
             BACKPROP: [self._backprop_task]}
 
@@ -292,56 +309,6 @@ class Pipeline:
     if self.local[-1]:
       state.labels[m] = transport.send_if_elsewhere(labels, self.devices[-1],
                                                     self._shardings[-1])
-
-  def _forward_task(self, j: int) -> Callable:
-    """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
-    steps, local, feed = self.steps, self.local[j], self._feed if j == 0 else None
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send = self.messages.route("forward", j, j + 1)
-    encode = self.messages.encode
-
-    def task(state: PipelineState, m: int, batches) -> TaskResult:
-      if feed is not None:
-        feed(state, m, batches)
-      x, y = take(state.inbox[j], m, "input", j), None
-      if local:
-        st = state.train_states[j]
-        params = steps.forward_params(j, st)
-        y, stats = steps.forward(j, st, x, None if params is st.params else params)
-        if steps.stats_in_forward:
-          state.train_states[j] = st.replace(batch_stats=stats)
-        if stashes:  # copied: the backward donates the live ones
-          state.weight_stash[j][m] = copy_tree(params)
-        if buffers:
-          state.buffers[j][m] = encode("buffer", x, j, m)
-      state.inbox[j + 1][m] = send(y, m)
-      return _NOTHING
-    return task
-
-  def _backward_task(self, j: int) -> Callable:
-    """Stage ``j``'s backward and update; ``(x~_j or None, delta_j)`` to ``j-1``."""
-    steps, local, reconstructs = self.steps, self.local[j], self.reconstructs[j]
-    stashes, buffers = self.method.stashes_weights, steps.buffers_input[j]
-    send = self._send_back(j)
-
-    def task(state: PipelineState, m: int, batches) -> TaskResult:
-      message = take(state.grad_inbox[j], m, "cotangent", j)
-      x_tilde = x = dx = None
-      if local:
-        y, dy = message
-        if buffers:
-          x = take(state.buffers[j], m, "buffered input", j)
-        stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
-        args = steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
-        if reconstructs:
-          state.train_states[j], x_tilde, dx = steps.backward(j, state.train_states[j], *args)
-          x = x_tilde
-        else:
-          state.train_states[j], dx = steps.backward(j, state.train_states[j], *args)
-      if send is not None:
-        state.grad_inbox[j - 1][m] = send(x, dx, m)
-      return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
-    return task
 
   def _loss_task(self, j: int) -> Callable:
     """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""

@@ -90,6 +90,34 @@ def loss_step(stage: Stage, state: StageState, x, labels):
   return _update(state, grads, stats, True), dx, loss
 
 
+def fused_step(forward_fn: Callable, backward_fn: Callable, predict: Optional[Callable],
+               stats_in_forward: bool, stash: bool, state: StageState, x, *backward_args):
+  """One stage's forward and backward of one tick in one call (steady state).
+
+  Both use ``theta_j^t`` (the forward first: with ``stats_in_forward`` its
+  BatchNorm statistics replace the state's before the backward, as two
+  separate steps would); the backward's update follows.
+
+  Args:
+    forward_fn: ``(state, x, params) -> (y, stats)`` (:func:`forward_step`).
+    backward_fn: the stage's backward step on ``(state, *backward_args)``.
+    predict: None or ``(params, opt_state) -> params``: the forward's weights.
+    stats_in_forward: the ``"forward"`` BatchNorm policy.
+    stash: whether to return the forward's weights (methods that stash).
+    state: the stage's state (donated by the jit).
+    x: the forward's input (any message format).
+
+  Returns:
+    ``((y, forward weights or None), backward_fn's outputs)``.
+  """
+  params = None if predict is None else predict(state.params, state.opt_state)
+  y, stats = forward_fn(state, x, params)
+  kept = (state.params if params is None else params) if stash else None
+  if stats_in_forward:
+    state = state.replace(batch_stats=stats)
+  return (y, kept), backward_fn(state, *backward_args)
+
+
 def eval_step(stage: Stage, state: StageState, x):
   """Stage forward with the running BatchNorm statistics (evaluation)."""
   return forward(stage, state.params, state.batch_stats, x, train=False)[0]
@@ -157,8 +185,8 @@ class StageSteps:
                donate_messages: bool = True):
     self.stages, self.method = list(stages), method
     self.donate_messages = donate_messages
-    self._predict = [None if p is None else jax.jit(p)
-                     for p in (predictors or [None] * len(stages))]
+    self._predictors = list(predictors or [None] * len(stages))
+    self._predict = [None if p is None else jax.jit(p) for p in self._predictors]
     self.num_stages = len(stages)
     self.stats_in_forward = bn_stats == "forward"
     # Stage j rebuilds its input from its output, or buffers it (methods.py).
@@ -168,6 +196,7 @@ class StageSteps:
     self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
     self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
                       for j in range(self.num_stages)]
+    self._fused = [self._fused_jit(j) for j in range(self.num_stages - 1)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
     self.hollow = False
 
@@ -182,7 +211,19 @@ class StageSteps:
                                   donate_argnums=self._donated(j))
       if self._predict[j] is not None:
         self._predict[j] = jax.jit(noop_step(self._predict[j]))
+      if j < self.num_stages - 1:
+        self._fused[j] = self._fused_jit(j, hollow=True)
     self.hollow = True
+
+  def _fused_jit(self, j: int, hollow: bool = False):
+    """Stage ``j``'s jitted :func:`fused_step` (a :func:`noop_step` of it if
+    ``hollow``), donating the state and what the backward donates."""
+    fn = functools.partial(fused_step, functools.partial(forward_step, self.stages[j]),
+                           self._backward_fn(j), self._predictors[j], self.stats_in_forward,
+                           self.method.stashes_weights)
+    donated = self._donated(j)
+    donated = (0, 2, 3) if donated != 0 else 0  # after the forward's input
+    return jax.jit(noop_step(fn) if hollow else fn, donate_argnums=donated)
 
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
@@ -229,6 +270,13 @@ class StageSteps:
     dx, loss)`` for the last one, ``(new_state, dx)`` otherwise.
     """
     return self._backward[j](train_state, *args)
+
+  def forward_backward(self, j: int, train_state: StageState, x, *args) -> tuple:
+    """Stage ``j``'s forward on ``x`` then its backward on ``args`` (as
+    :meth:`backward_args` gives them) in one jitted call (:func:`fused_step`,
+    donating ``train_state``): ``((y, forward weights or None), backward's
+    outputs)``; the forward weights only for methods that stash them."""
+    return self._fused[j](train_state, x, *args)
 
   def gradient(self, j: int, train_state: StageState, *args) -> PyTree:
     """The gradient stage ``j``'s backward would apply, without applying it
