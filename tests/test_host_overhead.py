@@ -28,12 +28,14 @@ def _batch(m):
 
 
 def _record(pipe, calls):
-  """Wraps every jitted step of ``pipe`` (in place) to log ``(kind, stage)``."""
+  """Wraps every jitted step of ``pipe`` (in place) to log ``(kind, stage)``;
+  a fused forward+backward call logs both, in that order."""
   steps = pipe.steps
-  for kind, fns in (("forward", steps._forward), ("backward", steps._backward)):
+  for kinds, fns in ((("forward",), steps._forward), (("backward",), steps._backward),
+                     (("forward", "backward"), steps._fused)):
     for j, fn in enumerate(fns):
-      def logged(*args, fn=fn, kind=kind, j=j):
-        calls.append((kind, j))
+      def logged(*args, fn=fn, kinds=kinds, j=j):
+        calls.extend((kind, j) for kind in kinds)
         return fn(*args)
       fns[j] = logged
 
