@@ -83,13 +83,26 @@ wait_all() {
   for ((i = 0; i < N; i++)); do index[${pids[$i]}]=$i; done
   while ((${#running[@]} > 0)); do
     done_pid=""
-    wait -n -p done_pid "${running[@]}"
+    wait -n -p done_pid "${running[@]}" 2>/dev/null
     rc=$?
-    [[ -z "${done_pid:-}" ]] && continue  # (a trapped signal interrupted the wait)
+    if [[ -z "${done_pid:-}" ]]; then
+      # A trapped signal interrupted the wait, or bash already reaped a
+      # process ("no such job"): take the first one that is gone.
+      for pid in "${running[@]}"; do
+        if ! kill -0 "$pid" 2>/dev/null; then
+          done_pid=$pid
+          wait "$pid" 2>/dev/null
+          rc=$?
+          break
+        fi
+      done
+      [[ -z "$done_pid" ]] && continue
+    fi
     i=${index[$done_pid]}
     status[$i]=$rc
-    running=("${running[@]/$done_pid/}")
-    running=(${running[@]})
+    local rest=() pid
+    for pid in "${running[@]}"; do [[ "$pid" != "$done_pid" ]] && rest+=("$pid"); done
+    running=("${rest[@]}")
     if ((rc != 0 && rc != PREEMPTED)) && [[ -z "$timer" ]]; then
       if ((rc > 128)); then how="was killed by signal $((rc - 128))"; else how="exited with an error"; fi
       echo "launch/local.sh: process $i $how (status $rc), first to fail" >&2

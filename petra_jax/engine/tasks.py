@@ -87,9 +87,10 @@ def backward_halves(pipe: "Pipeline", j: int) -> tuple:
   send = pipe._send_back(j)
 
   def begin(state: PipelineState, m: int):
-    y, dy = take(state.grad_inbox[j], m, "cotangent", j)
-    if not local:
+    message = take(state.grad_inbox[j], m, "cotangent", j)
+    if not local:  # another process's stage: only the transfer runs here
       return None, None
+    y, dy = message
     x = take(state.buffers[j], m, "buffered input", j) if buffers else None
     stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
     return x, steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
