@@ -96,7 +96,7 @@ wait_all() {
           break
         fi
       done
-      [[ -z "$done_pid" ]] && continue
+      [[ -z "${done_pid:-}" ]] && continue
     fi
     i=${index[$done_pid]}
     status[$i]=$rc

@@ -110,6 +110,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 500
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
+  c.data_parallel = 1         # D: devices per stage (state replicated, micro-batch sharded over a "data" axis);
+                              # a run uses num_devices x D devices (0 = all: stages over all local devices / D groups)
   c.platform = ""             # the platform this run expects: "gpu", "tpu" or "cpu"; "" = whatever JAX picks.
                               # If "gpu"/"tpu" (or $JAX_PLATFORMS names one) but JAX runs on the CPU,
                               # the run says so and names the install (pip install -e '.[cuda12]' / '.[tpu]')

@@ -12,7 +12,8 @@ then is evaluated on 40 test images with ``train.evaluate``. A
 micro-batches 0, 3 and 6. Process 0 prints ``RESULT {"losses": [...], "test":
 {...}, "grad_quality": {...}}`` (losses and figures as ``float.hex``, exact).
 ``--die_after=T`` makes the last process kill itself (SIGKILL) at tick T.
-``--quantize=FMT`` sends forward and backward messages in ``FMT``; every
+``--data_parallel=D`` puts each stage on ``D`` devices (launch with
+``LOCAL_DEVICES``: a multiple of ``D``). ``--quantize=FMT`` sends forward and backward messages in ``FMT``; every
 process then prints ``RECEIVED [dtypes]``: the dtypes of the message leaves
 that arrived at its stages from the other process.
 
@@ -82,21 +83,22 @@ def _received_dtypes(pipe, state) -> set:
   return out
 
 
-def run(data_dir: str, die_after: int, fmt: str = "none") -> dict:
+def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1) -> dict:
   config = config_lib.get_config()
   train.initialize_distributed(config)  # from $JAX_* when launched by local.sh
   print(f"BALANCE {check_balance()}", flush=True)
   devices = jax.devices()
   probe = observers.GradientProbe(PROBE_EVERY)
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), devices, observers=[probe],
-                  formats=quantize.MessageFormats(forward=fmt, backward=fmt))
+                  formats=quantize.MessageFormats(forward=fmt, backward=fmt),
+                  data_parallel=data_parallel)
   info = data_lib.get_dataset_info("cifar10")
   open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
   n_train = MICRO_BATCH * NUM_MICRO_BATCHES
   train_split = open_fn("cifar10", "train", data_dir, limit=n_train)
   test_split = open_fn("cifar10", "test", data_dir, limit=NUM_TEST)
   state = pipe.init(0, jnp.zeros((MICRO_BATCH,) + info.image_shape))
-  batch_fn = data_lib.make_train_batch_fn(info, pipe.devices[0])
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch)
   key = jax.random.key(1)
   losses, received = {}, set()
 
@@ -135,9 +137,10 @@ def main():
   parser.add_argument("--data_dir", required=True)
   parser.add_argument("--die_after", type=int, default=0)
   parser.add_argument("--quantize", default="none", choices=quantize.FORMATS)
+  parser.add_argument("--data_parallel", type=int, default=1)
   args = parser.parse_args()
   try:
-    result = run(args.data_dir, args.die_after, args.quantize)
+    result = run(args.data_dir, args.die_after, args.quantize, args.data_parallel)
   except transport.PeerError as e:
     distributed.exit_now(f"error: process {jax.process_index()}: {e}")
   if jax.process_index() == 0:

@@ -127,7 +127,7 @@ def _augment_key_data(key_data, images, mean, std):
   return augment(jax.random.wrap_key_data(key_data, impl="threefry2x32"), images, mean, std)
 
 
-def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
+def make_train_batch_fn(info: DatasetInfo, device) -> TrainBatchFn:
   """The training-batch function of a dataset (paper Sec. 4 augmentation).
 
   In-memory datasets: gather uint8 images, ship them to ``device``, then
@@ -138,7 +138,8 @@ def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
 
   Args:
     info: the dataset's registry entry.
-    device: where the images go (the first stage's device).
+    device: where the images go: the first stage's device, or the sharding
+      of its batched inputs (``Placement.batch``, data parallelism).
 
   Returns:
     ``fn(split, indices, key) -> (images, labels)``: ``split`` from
@@ -155,9 +156,9 @@ def make_train_batch_fn(info: DatasetInfo, device: jax.Device) -> TrainBatchFn:
 
     def in_memory_fn(split: Split, indices: np.ndarray, key):
       images = jax.device_put(split.images[indices], device)
-      if isinstance(key, np.ndarray):  # key data: shipped with the images
-        return augment_data_fn(jax.device_put(key, device), images), split.labels[indices]
-      return augment_fn(jax.device_put(key, device), images), split.labels[indices]
+      if isinstance(key, np.ndarray):  # key data: shipped with the images, to their devices
+        return augment_data_fn(key, images), split.labels[indices]
+      return augment_fn(key, images), split.labels[indices]
 
     return in_memory_fn
 

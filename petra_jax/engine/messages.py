@@ -45,15 +45,18 @@ class Messenger:
 
   Args:
     stages: the model's stages (their shapes give the message specs).
-    devices: each stage's device.
+    placements: each stage's :class:`petra_jax.engine.placement.Placement`
+      (a payload goes to the receiver's ``batch`` placement: every payload
+      is batched, ``[B, ...]``).
     local: per stage, whether this process runs it.
     formats: the format of each payload kind; default: all float, as
       computed.
   """
 
-  def __init__(self, stages: Sequence[Stage], devices: Sequence[jax.Device],
-               local: Sequence[bool], formats: Optional[quantize_lib.MessageFormats] = None):
-    self.stages, self.devices, self.local = list(stages), list(devices), list(local)
+  def __init__(self, stages: Sequence[Stage], placements: Sequence, local: Sequence[bool],
+               formats: Optional[quantize_lib.MessageFormats] = None):
+    self.stages, self.placements, self.local = list(stages), list(placements), list(local)
+    self.devices = [p.device for p in self.placements]
     self.formats = formats or quantize_lib.MessageFormats()
     self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
                       for kind in quantize_lib.KINDS}
@@ -138,10 +141,10 @@ class Messenger:
       and both are this process's; the general path otherwise.
     """
     if not self.formats.active and self.local[src] and self.local[dst]:
-      if self.devices[src] == self.devices[dst]:
+      if self.placements[src] == self.placements[dst]:
         return lambda x, m: x
-      device = self.devices[dst]
-      return lambda x, m: transport.send(x, device)
+      where = self.placements[dst].batch
+      return lambda x, m: transport.send(x, where)
 
     def general(x, m):
       spec = self.encoded_spec(kind, max(src, dst))  # the input of the later stage
@@ -161,10 +164,10 @@ class Messenger:
     process's (or neither stage is this process's: nothing is run).
     """
     if self.local[src] and self.local[dst]:
-      if self.devices[src] == self.devices[dst]:  # already there
+      if self.placements[src] == self.placements[dst]:  # already there
         return x
-      return transport.send(x, self.devices[dst])
+      return transport.send(x, self.placements[dst].batch)
     if not (self.local[src] or self.local[dst]):
       return None
-    x = transport.transfer(x, self.devices[src], self.devices[dst], spec)
+    x = transport.transfer(x, self.placements[src], self.placements[dst], spec)
     return x if self.local[dst] else None

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import placement as placement_lib
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
@@ -58,8 +59,7 @@ Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labe
 
 def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
   """Contiguous blocks of stages per device: stage ``j`` -> ``devices[j*n//J]``."""
-  n = len(devices)
-  return [devices[j * n // num_stages] for j in range(num_stages)]
+  return [p.device for p in placement_lib.assign(num_stages, devices)]
 
 
 class Pipeline:
@@ -89,20 +89,27 @@ class Pipeline:
     send_losses: multi-process: move each loss to process 0 on the tick it is
       computed (True), or leave it on the last stage's process for the caller
       to gather (False: the training loop's ``loss_log.LossRelay``).
+    data_parallel: ``D``, devices per stage (:mod:`petra_jax.engine.placement`):
+      ``devices`` are cut into groups of ``D``; each stage's state is
+      replicated over its group and its micro-batches sharded over it.
 
   Attributes:
     steps: the stages' jitted steps and backward rule
       (:class:`petra_jax.engine.steps.StageSteps`).
     messages: how payloads are encoded, shaped and moved
       (:class:`petra_jax.engine.messages.Messenger`).
-    devices: each stage's device; local: whether this process runs it.
+    placements: each stage's :class:`petra_jax.engine.placement.Placement`
+      (its device, or its group of ``D`` devices).
+    devices: each stage's device (its group's first); local: whether this
+      process runs it.
     reconstructs: per stage, whether its backward rebuilds its input
       (``steps.reconstructs``).
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
       unknown ``bn_stats`` policy or method, a reconstructing method on a
-      model without reversible stages, or ``backprop`` on several devices.
+      model without reversible stages, ``backprop`` on several device
+      groups, or a number of devices that is not a multiple of ``D``.
   """
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
@@ -110,7 +117,7 @@ class Pipeline:
                bn_stats: str = "backward", observers: Sequence[Observer] = (),
                predictors: Optional[Sequence[Optional[Callable]]] = None,
                formats: Optional[quantize_lib.MessageFormats] = None,
-               send_losses: bool = True):
+               send_losses: bool = True, data_parallel: int = 1):
     self.method = methods_lib.get(method)
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
@@ -120,21 +127,22 @@ class Pipeline:
     self.txs = [tx] * J if hasattr(tx, "update") else list(tx)
     if len(self.txs) != J:
       raise ValueError(f"{len(self.txs)} optimizers for {J} stages: give one, or one per stage.")
-    self.devices = assign_devices(J, devices or jax.local_devices())
-    if not self.method.pipelined and len(set(self.devices)) > 1:
-      raise ValueError("backprop runs on one device: build the Pipeline with devices=[d].")
+    self.placements = placement_lib.assign(J, devices or jax.local_devices(), data_parallel)
+    self.devices = [p.device for p in self.placements]
+    if not self.method.pipelined and len(set(self.placements)) > 1:
+      raise ValueError("backprop runs on one device (or one group of data_parallel devices): "
+                       "build the Pipeline with devices=[d] (or D devices).")
     # Multi-process (jax.distributed): this process runs only the stages on
     # its own devices; messages to or from the others go through transport.
     self.local = [transport.is_local(d) for d in self.devices]
     self.multiprocess = not all(self.local)
     self.send_losses = send_losses
     self.formats = formats or quantize_lib.MessageFormats()
-    self.messages = Messenger(self.stages, self.devices, self.local, self.formats)
+    self.messages = Messenger(self.stages, self.placements, self.local, self.formats)
     self.steps = StageSteps(stages, self.method, bn_stats, predictors,
                             donate_messages=self.formats.backward == "none")
     self.reconstructs = self.steps.reconstructs
     self.observers = list(observers)
-    self._shardings = [jax.sharding.SingleDeviceSharding(d) for d in self.devices]
     self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
     # A stage's forward then backward in one tick run as one jitted call
@@ -196,8 +204,8 @@ class Pipeline:
 
     states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
     self.messages.start(seed, sample_input, self.multiprocess)
-    states = [transport.send(s, d) if s is not None else None
-              for s, d in zip(states, self.devices)]
+    states = [transport.send(s, p.replicated) if s is not None else None
+              for s, p in zip(states, self.placements)]
     return PipelineState.empty(states)
 
   def schedule(self, num_micro_batches: int) -> Schedule:
@@ -304,11 +312,11 @@ class Pipeline:
     """Micro-batch ``m``'s images to stage 0, its labels to the last stage
     (no ``device_put`` for an array already there)."""
     images, labels = batches(m)
-    state.inbox[0][m] = (transport.send_if_elsewhere(images, self.devices[0], self._shardings[0])
+    first, last = self.placements[0], self.placements[-1]
+    state.inbox[0][m] = (transport.send_if_elsewhere(images, first.batch, first.batch_sharding)
                          if self.local[0] else None)
     if self.local[-1]:
-      state.labels[m] = transport.send_if_elsewhere(labels, self.devices[-1],
-                                                    self._shardings[-1])
+      state.labels[m] = transport.send_if_elsewhere(labels, last.batch, last.batch_sharding)
 
   def _loss_task(self, j: int) -> Callable:
     """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""
@@ -360,7 +368,7 @@ class Pipeline:
     """
     J = self.num_stages
     specs = self.message_specs(images) if self.multiprocess else [None] * (J + 1)
-    x = transport.send(images, self.devices[0]) if self.local[0] else None
+    x = transport.send(images, self.placements[0].batch) if self.local[0] else None
     for j in range(J):
       if j > 0:
         x = self.messages.move(x, j - 1, j, specs[j])

@@ -91,7 +91,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
   ckpt = _checkpointer(config, workdir, pipe, sizes)
-  restored = ckpt.restore(state, pipe.devices)
+  restored = ckpt.restore(state, [p.state_sharding for p in pipe.placements])
   step, extra, extra_arrays, start_step = 0, {}, {}, 0
   if restored is not None:
     step, state, extra, extra_arrays = restored
@@ -215,7 +215,7 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
     logging.info("stages of %s blocks each", sizes)
   devices = distributed.devices(config)
   if not methods_lib.get(config.method).pipelined:
-    devices = devices[:1]
+    devices = devices[:config.data_parallel]
   probes = {}
   if config.reconstruction_error_every:
     probes["reconstruction"] = observers.ReconstructionProbe(config.reconstruction_error_every, k)
@@ -232,7 +232,8 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
                                                            delays, schedule=schedule),
-                  formats=message_formats(config), send_losses=False)
+                  formats=message_formats(config), send_losses=False,
+                  data_parallel=config.data_parallel)
   return pipe, sizes, probes
 
 
@@ -247,7 +248,7 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
   not own stage 0 read only labels (images None).
   """
   k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
-  batch_fn = data_lib.make_train_batch_fn(info, pipe.input_device) if pipe.owns_input else None
+  batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch) if pipe.owns_input else None
   # fold_in on the host (host_fold_in, bit for bit jax's): no device
   # round trip per micro-batch.
   data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))

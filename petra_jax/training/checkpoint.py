@@ -214,7 +214,9 @@ class Checkpointer:
     Args:
       template: a freshly initialised state of this pipeline (gives the
         stage pytree structure, shapes; None for other processes' stages).
-      devices: the device of each stage (``Pipeline.devices``).
+      devices: where each stage's state goes: its device, or its sharding
+        (``Placement.state_sharding``: a data-parallel stage's replicated
+        state).
 
     Returns:
       ``(step, state, extra, extra_arrays)``, or None if there is no

@@ -129,9 +129,11 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
 
 def abstract(shape, dtype, device) -> jax.ShapeDtypeStruct:
   """An array of ``shape`` and ``dtype`` (a name, e.g. ``"float32"``) on
-  ``device``, as orbax's restore asks for it."""
-  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype),
-                              sharding=jax.sharding.SingleDeviceSharding(device))
+  ``device`` (a ``jax.Device``, or a sharding: a data-parallel stage's
+  replicated state), as orbax's restore asks for it."""
+  sharding = (jax.sharding.SingleDeviceSharding(device) if isinstance(device, jax.Device)
+              else device)
+  return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
 
 def entries_abstract(entries: list, device) -> dict:

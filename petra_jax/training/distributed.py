@@ -64,9 +64,10 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
 
 
 def devices(config: ml_collections.ConfigDict) -> list:
-  """The stages' devices: the first ``num_devices`` (0: all) of each
-  process, in process order (stage 0 on process 0)."""
-  n = config.num_devices
+  """The stages' devices: the first ``num_devices x data_parallel`` (0: all)
+  of each process, in process order (stage 0 on process 0); consecutive
+  groups of ``data_parallel`` are the stages' device groups."""
+  n = config.num_devices * config.data_parallel
   if jax.process_count() == 1:
     local = jax.local_devices()
     return local[:n] if n else local

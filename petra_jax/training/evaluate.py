@@ -82,7 +82,7 @@ def _batches(pipe: Pipeline, split, info, batch_size: int):
   feed stage 0, images are only their shape (``predict`` needs no more)."""
   n = len(split)
   if pipe.owns_input:
-    return data_lib.eval_batches(split, info, batch_size, pipe.input_device)
+    return data_lib.eval_batches(split, info, batch_size, pipe.placements[0].batch)
   like = jax.ShapeDtypeStruct((batch_size,) + info.image_shape, jnp.float32)
   return ((like, data_lib.read_labels(split, np.arange(s, min(s + batch_size, n))),
            min(batch_size, n - s)) for s in range(0, n, batch_size))

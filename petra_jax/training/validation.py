@@ -75,6 +75,7 @@ RANGES = (
     Range("eval_batch_size", 1, why="images per evaluation batch"),
     Range("log_every", 1, why="updates between train_loss lines"),
     Range("num_devices", 0, why="0: all local devices"),
+    Range("data_parallel", 1, why="devices per stage"),
     Range("seed", 0, why="NumPy's generators take no negative seed"),
     Range("reconstruction_error_every", 0, why="0: off"),
     Range("grad_quality_every", 0, why="0: off"),
@@ -123,10 +124,27 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   _check_ranges(config)
   _check_batch(config)
   _check_stages(config)
-  if config.num_devices > num_local_devices:
+  _check_devices(config, num_local_devices)
+
+
+def _check_devices(config, num_local_devices: int) -> None:
+  """``num_devices`` groups of ``data_parallel`` devices exist, and every
+  batch splits over a group."""
+  n, d = config.num_devices, config.data_parallel
+  if n * d > num_local_devices:
     raise ConfigError(
-        f"num_devices={config.num_devices} but only {num_local_devices} devices exist; "
-        "use --config.num_devices=0 for all of them.")
+        f"num_devices={n} x data_parallel={d} needs {n * d} devices but only "
+        f"{num_local_devices} exist; use --config.num_devices=0 for all of them.")
+  if not n and num_local_devices % d:
+    raise ConfigError(
+        f"data_parallel={d} does not divide the {num_local_devices} devices; set "
+        f"--config.num_devices to the number of groups of {d} devices.")
+  micro = config.batch_size // config.accumulation_steps
+  for name, size in (("micro-batch (batch_size / accumulation_steps)", micro),
+                     ("eval_batch_size", config.eval_batch_size)):
+    if size % d:
+      raise ConfigError(f"the {name} of {size} images does not split over data_parallel={d} "
+                        f"devices; use a multiple of {d}.")
 
 
 def validate_multiprocess(config: ml_collections.ConfigDict) -> None:
