@@ -12,10 +12,25 @@
 # --gpus-per-task=1 each process sees one GPU (set --config.num_devices to use
 # several GPUs per process with --ntasks-per-node=1 instead). Stage 0 runs on
 # task 0, which also writes WORKDIR/metrics.jsonl: WORKDIR should be on a
-# shared filesystem. Checkpointing is single-process for now: keep
-# --config.checkpoint_every=0. If a task dies, srun (--kill-on-bad-exit) stops
-# the others and names the failed task; the others also stop on their own
-# within --config.distributed.heartbeat_timeout_s (default 20 s).
+# shared filesystem (every process checkpoints its own stages there). If a
+# task dies, srun (--kill-on-bad-exit) stops the others and names the failed
+# task; the others also stop on their own within
+# --config.distributed.heartbeat_timeout_s (default 20 s).
+#
+# Placement with data parallelism (--config.data_parallel=D, each stage on D
+# devices: state replicated, micro-batch sharded): the data axis stays inside
+# a host and the pipeline axis spans the hosts. Every process contributes its
+# first num_devices x D devices, cut into groups of D consecutive devices, so
+# a stage's group never leaves its host: run one process per node, e.g.
+#   sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-task=8 launch/slurm.sh \
+#     --config=configs/imagenet.py --config.data_parallel=2 --workdir=...
+# (16 GPUs: 8 stages x 2). Why, in bytes (RevNet18-CIFAR, width 64,
+# micro-batch 64, float32; docs/benchmarks.md "Data parallelism"): a pipeline boundary carries 4-34 MB forward and 8-67 MB
+# backward per tick, but only the boundaries between hosts leave a host
+# (one per host pair; cut where messages are small: 4 MB / 8 MB after
+# stage 7); a data axis across hosts would all-reduce every stage's
+# gradients over the network, 44.7 MB of parameters x 2(D-1)/D per update,
+# all stages at once. Within a host the all-reduces ride NVLink / ICI.
 #
 # Environment: PYTHON (default: python on PATH, e.g. an activated venv).
 #SBATCH --job-name=petra

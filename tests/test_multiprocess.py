@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO_ROOT
@@ -92,6 +93,22 @@ def test_multiprocess_losses_equal_single_process(num_processes, single_process,
   # Time-balanced stage grouping: every process takes process 0's timings.
   balance = re.findall(r"BALANCE (\[.*\])", out)
   assert balance == ["[1, 4]"] * num_processes, out[-3000:]
+
+
+def test_two_processes_of_four_devices_with_data_parallel_equal_single_process(
+    single_process, worker_env, cifar10_dir):
+  # 2 processes x 4 devices, data_parallel=2: 4 groups of 2 devices, the
+  # stages' micro-batches sharded over each group and moved across the
+  # process boundary shard by shard. Equal to one device up to float32
+  # reduction order (batch sums over 2 shards).
+  env = dict(worker_env, LOCAL_DEVICES="4")
+  rc, out = _run([LAUNCH, "2", f"--data_dir={cifar10_dir}", "--data_parallel=2"], env)
+  assert rc == 0, out[-3000:]
+  result = _result(out)
+  got, want = ([float.fromhex(v) for v in r["losses"]] for r in (result, single_process))
+  assert len(got) == 8
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert result["test"]["test_accuracy"] == single_process["test"]["test_accuracy"]
 
 
 def test_int8_messages_cross_processes_as_int8(worker_env, cifar10_dir):
