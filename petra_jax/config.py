@@ -108,6 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_steps = 0             # stop after this many updates; 0 = num_epochs epochs (schedules still span num_epochs)
   c.eval_every = 1            # epochs between test evaluations; 0 = at the end only
   c.eval_batch_size = 500
+  c.prefetch = 4              # micro-batches decoded ahead in background threads (lazy datasets: ImageNet); 0 = off
   c.log_every = 50            # updates between train_loss lines in metrics.jsonl
   c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
   c.data_parallel = 1         # D: devices per stage (state replicated, micro-batch sharded over a "data" axis);

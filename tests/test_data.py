@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from petra_jax import data
-from petra_jax.data import prepare
+from petra_jax.data import prefetch, prepare
 
 CIFAR10 = data.DATASETS["cifar10"]
 
@@ -314,6 +314,21 @@ def test_in_memory_datasets_read_back(name, num_train, num_test, num_classes, no
     want = (test.images[2 * i:2 * i + valid] / 255.0 - np.array(mean)) / np.array(std)
     np.testing.assert_allclose(images[:valid], want, atol=1e-5)
     np.testing.assert_array_equal(labels, test.labels[2 * i:2 * i + valid])
+
+
+def test_imagenet_batches_decoded_ahead_in_threads_equal_direct_ones(tiny_dir):
+  info = data.get_dataset_info("imagenet")
+  train = data.open_split("imagenet", "train", data_dir=tiny_dir)
+  batch_fn = data.make_train_batch_fn(info, jax.devices()[0])
+  direct = lambda m: batch_fn(train, np.arange(4 * m, 4 * m + 4), jax.random.key(m))
+  fetch = prefetch.Prefetcher(direct, depth=2)
+  try:
+    for m in range(4):
+      (x, y), (x0, y0) = fetch(m), direct(m)
+      np.testing.assert_array_equal(x, x0)
+      np.testing.assert_array_equal(y, y0)
+  finally:
+    fetch.close()
 
 
 def test_imagenet_lazy_train_batches(tiny_dir):

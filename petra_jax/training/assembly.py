@@ -21,6 +21,7 @@ import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
+from petra_jax.data import prefetch
 from petra_jax.data.batches import host_fold_in
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
@@ -245,7 +246,9 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
   into ``k`` micro-batches; augmentation draws from ``fold_in(key(seed + 1),
   m)``. So the data position is the micro-batch index alone, which the
   schedule gives: a resumed run reads the same batches. Processes that do
-  not own stage 0 read only labels (images None).
+  not own stage 0 read only labels (images None). Lazy datasets (ImageNet)
+  decode the next ``config.prefetch`` micro-batches in background threads
+  (:class:`petra_jax.data.prefetch.Prefetcher`).
   """
   k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
   batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch) if pipe.owns_input else None
@@ -261,6 +264,8 @@ def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> 
     if batch_fn is None:
       return None, data_lib.read_labels(train, sl)
     return batch_fn(train, sl, host_fold_in(data_key, m))
+  if info.lazy and batch_fn is not None and config.prefetch:  # decoding off the tick
+    return prefetch.Prefetcher(batches, config.prefetch)
   return batches
 
 

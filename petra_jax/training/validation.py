@@ -73,6 +73,7 @@ RANGES = (
     Range("max_steps", 0, why="0: num_epochs epochs"),
     Range("eval_every", 0, why="0: evaluate at the end only"),
     Range("eval_batch_size", 1, why="images per evaluation batch"),
+    Range("prefetch", 0, why="0: off"),
     Range("log_every", 1, why="updates between train_loss lines"),
     Range("num_devices", 0, why="0: all local devices"),
     Range("data_parallel", 1, why="devices per stage"),
