@@ -88,3 +88,28 @@ def test_host_report_schema():
   assert r["ratio_petra_backprop"] == pytest.approx(
       r["petra_ms_per_tick"] / r["backprop_ms_per_step"])
   assert len(r["rounds_hollow_ms"]) == len(r["rounds_petra_ms"]) == 1
+
+
+def test_a_tick_moves_its_messages_in_one_batched_device_put(monkeypatch):
+  # 5 stages on 4 devices: a steady-state tick's forward and backward
+  # messages across the 3 device boundaries (6 payloads) leave in one
+  # jax.device_put, after the tick's computation.
+  from petra_jax.engine import messages, transport
+  from petra_jax.engine.state import Deferred
+  calls = []
+  real_send = transport.send
+
+  def counting_send(x, where):
+    calls.append(len(x) if isinstance(x, list) else 1)
+    return real_send(x, where)
+  pipe = Pipeline(_tiny_revnet(), optax.sgd(0.1), jax.devices()[:4])
+  state = pipe.init(0, np.zeros((2, *IMAGE), np.float32))
+  table = pipe.schedule(12)
+  state, _ = pipe.run(state, (table[t] for t in range(10)), _batch)  # steady state from here
+  monkeypatch.setattr(messages.transport, "send", counting_send)
+  moved_before = len(calls)
+  state, _ = pipe.run_tick(state, table[10], _batch)
+  # the feed's images (stage 0) and labels (last stage), then the 6 messages at once
+  assert calls[moved_before:] == [1, 1, 6]
+  waiting = [v for box in state.inbox + state.grad_inbox for v in box.values()]
+  assert waiting and not any(isinstance(v, Deferred) for v in waiting)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import transport
 from petra_jax.engine.stage import Stage, trace
+from petra_jax.engine.state import Deferred
 
 PyTree = Any
 
@@ -68,6 +69,10 @@ class Messenger:
     self._sample = None  # the training input's spec (multi-process runs)
     self._spec_cache: dict = {}  # (shape, dtype) -> message_specs
     self._encoded_cache: dict = {}  # (kind, j) -> encoded_spec
+    # With defer (set by the pipeline when stages sit on several devices or
+    # processes) a tick's moving payloads wait for flush(), at its end.
+    self.defer = False
+    self._deferred: list = []
 
   def start(self, seed: int, sample_input, multiprocess: bool) -> None:
     """Sets the run's stochastic-rounding key from ``seed`` and, in a
@@ -140,18 +145,47 @@ class Messenger:
       stages share a device; a ``jax.device_put`` when nothing is encoded
       and both are this process's; the general path otherwise.
     """
+    same = self.placements[src] == self.placements[dst]
     if not self.formats.active and self.local[src] and self.local[dst]:
-      if self.placements[src] == self.placements[dst]:
+      if same:
         return lambda x, m: x
+      if self.defer:
+        return lambda x, m: self._later(x, src, dst, None)
       where = self.placements[dst].batch
       return lambda x, m: transport.send(x, where)
+    moves = not same and (self.local[src] or self.local[dst])
 
     def general(x, m):
       spec = self.encoded_spec(kind, max(src, dst))  # the input of the later stage
       if kind == "backward":
         spec = (spec if first else None, spec)
-      return self.move(self.encode(kind, x, src, m), src, dst, spec)
+      x = self.encode(kind, x, src, m)
+      if moves and self.defer:
+        return self._later(x, src, dst, spec)
+      return self.move(x, src, dst, spec)
     return general
+
+  def _later(self, x, src: int, dst: int, spec) -> Deferred:
+    """Queues the move of ``x`` for :meth:`flush`; its placeholder."""
+    self._deferred.append(Deferred((x, src, dst, spec)))
+    return self._deferred[-1]
+
+  def flush(self) -> None:
+    """Runs the tick's deferred moves and sets each
+    :class:`petra_jax.engine.state.Deferred`'s ``value``: those within this
+    process as one batched ``jax.device_put``, then the cross-process
+    transfers in the order they were sent (the tick's task order: the same
+    on every process; None on the sending process)."""
+    within = [d for d in self._deferred if self.local[d.args[1]] and self.local[d.args[2]]]
+    if within:
+      values = transport.send([d.args[0] for d in within],
+                              [self.placements[d.args[2]].batch for d in within])
+      for d, v in zip(within, values):
+        d.value = v
+    for d in self._deferred:
+      if not (self.local[d.args[1]] and self.local[d.args[2]]):
+        d.value = self.move(*d.args)
+    self._deferred = []
 
   def move(self, x, src: int, dst: int, spec):
     """Payload ``x`` from stage ``src``'s device to stage ``dst``'s.

@@ -23,7 +23,12 @@ Where a tick has a stage's forward then its backward (the steady state),
 both run as one jitted call (:func:`petra_jax.engine.tasks.pair_task`), with
 the two tasks' results; not with observers, nor across processes.
 
-A task consumes a message sent on an earlier tick. A tick's forward and
+A task consumes a message sent on an earlier tick. So a tick whose
+stages sit on several devices dispatches all of its computation first and
+its moves after (:meth:`Messenger.flush`): the moves within a process as one
+batched ``jax.device_put``, then the cross-process transfers in the tick's
+task order (the same on every process), so no process waits for a message
+before it has queued its own work. A tick's forward and
 backward at one stage both use ``theta_j^t`` (the forward comes first in the
 table); the update follows. The jitted steps (:mod:`petra_jax.engine.steps`)
 are compiled once per stage and donate the carried state; messages are
@@ -50,7 +55,7 @@ from petra_jax.engine.messages import Messenger
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.state import (Observer, PipelineState, StageState, TaskResult, TickOutput,
-                                    take)
+                                    resolve, take)
 from petra_jax.engine.steps import BN_POLICIES, StageSteps
 
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
@@ -139,6 +144,9 @@ class Pipeline:
     self.send_losses = send_losses
     self.formats = formats or quantize_lib.MessageFormats()
     self.messages = Messenger(self.stages, self.placements, self.local, self.formats)
+    # Where messages move, a tick's compute is dispatched first and its
+    # moves after: one batched device_put, then the cross-process exchanges.
+    self.messages.defer = len(set(self.placements)) > 1
     self.steps = StageSteps(stages, self.method, bn_stats, predictors,
                             donate_messages=self.formats.backward == "none")
     self.reconstructs = self.steps.reconstructs
@@ -257,6 +265,10 @@ class Pipeline:
       if result.loss is not None or (self.multiprocess and task.kind == LOSS):
         outputs.append(TickOutput(task.micro_batch, result.loss))
       i += 1
+    if self.messages.defer:  # the tick's moving messages, after its compute
+      self.messages.flush()
+      resolve(state.inbox)
+      resolve(state.grad_inbox)
     state.tick += 1
     return state, outputs
 

@@ -147,17 +147,47 @@ def message_fields() -> list[dataclasses.Field]:
 _MESSAGE_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
 
 
+class Deferred:
+  """A message from another process that arrives at the end of its tick.
+
+  Multi-process ticks dispatch every local computation first and the
+  cross-process transfers after (:meth:`petra_jax.engine.messages.Messenger.flush`),
+  so a process never waits for a message it does not need yet. Until then
+  the receiving box holds this placeholder; :func:`resolve` swaps in the
+  payload (``value``) when the tick ends.
+  """
+  __slots__ = ("args", "value")
+
+  def __init__(self, args: tuple):
+    self.args, self.value = args, None
+
+
+def resolve(boxes) -> None:
+  """Replaces every :class:`Deferred` in the per-stage ``boxes`` (lists of
+  ``{micro-batch: payload}``) by its transferred payload."""
+  for box in boxes:
+    for m, v in box.items():
+      if isinstance(v, Deferred):
+        box[m] = v.value
+
+
 def take(box: dict, m: int, what: str, j: int):
   """Pops micro-batch ``m``'s entry of ``box`` (stage ``j``'s ``what``).
 
   Raises:
-    ScheduleError: ``box`` has no entry for ``m``.
+    ScheduleError: ``box`` has no entry for ``m``, or only a cross-process
+      message of the current tick (not transferred yet).
   """
   try:
-    return box.pop(m)
+    v = box.pop(m)
   except KeyError:
     raise ScheduleError(f"stage {j} has no {what} for micro-batch {m}: the schedule runs "
                         "a task before the message it consumes was sent.") from None
+  if isinstance(v, Deferred):
+    raise ScheduleError(f"stage {j}'s {what} for micro-batch {m} comes from another process "
+                        "on this very tick: a schedule's tasks consume messages of earlier "
+                        "ticks only.")
+  return v
 
 
 @jax.jit
