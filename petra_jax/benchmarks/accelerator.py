@@ -52,7 +52,6 @@ and later GPUs) and ``"highest"`` (full float32). On CPU both are float32.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -313,12 +312,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """``python -m petra_jax.benchmarks.accelerator``; see the module docstring."""
   args = parse_args(argv)
-  report = benchmark(args)
-  if args.json:
-    print(json.dumps(report))
-  else:
-    _print_report(report)
-  return 0
+  return cli.emit(benchmark(args), args.json, _print_report)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ shape, optionally at a smaller side for tiny smoke runs.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+import json
+from typing import Callable, Optional
 
 from petra_jax import data as data_lib
 from petra_jax import models
@@ -56,3 +57,13 @@ def image_shape(dataset: str, image_size: Optional[int] = None) -> tuple[int, ..
   if image_size is None:
     return tuple(data_lib.DATASETS[dataset].image_shape)
   return (image_size, image_size, 3)
+
+
+def emit(report: dict, as_json: bool, print_table: Callable[[dict], None]) -> int:
+  """Prints a benchmark's report: one JSON line with ``--json``, else its
+  table. Returns the exit status 0."""
+  if as_json:
+    print(json.dumps(report))
+  else:
+    print_table(report)
+  return 0

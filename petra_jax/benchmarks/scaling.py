@@ -202,12 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(RESULT + json.dumps(result), flush=True)
     return 0
   _check(args)
-  r = report(args, *measure(args))
-  if args.json:
-    print(json.dumps(r))
-  else:
-    print_table(r)
-  return 0
+  return cli.emit(report(args, *measure(args)), args.json, print_table)
 
 
 if __name__ == "__main__":
