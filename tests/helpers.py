@@ -73,3 +73,14 @@ def random_variables(stage, x, seed):
     return jnp.asarray(rng.uniform(0.5, 1.5, a.shape), jnp.float32)
 
   return jax.tree.map(fill, shapes)
+
+
+def tiny_revnet():
+  """stem, rev, downsample, rev, head: a 5-stage RevNet of width 2 (fast to compile)."""
+  from petra_jax import models  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stage import Stage  # pylint: disable=g-import-not-at-top
+  return [Stage("stem", models.Stem(2), False),
+          Stage("rev0", models.BasicResidual(2), True),
+          Stage("down", models.BasicDownsample(4, 2), False),
+          Stage("rev1", models.BasicResidual(4), True),
+          Stage("head", models.Head(10), False)]

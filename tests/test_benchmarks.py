@@ -16,6 +16,8 @@ from petra_jax.engine import quantize, schedule
 from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost
 from petra_jax.engine.stage import Stage
 from petra_jax.engine.timing import stage_cost
+
+from helpers import tiny_revnet
 from conftest import REPO_ROOT
 
 REPO = str(REPO_ROOT)
@@ -23,13 +25,7 @@ REPO = str(REPO_ROOT)
 IMAGE = (8, 8, 3)
 
 
-def _tiny_revnet():
-  """stem, rev, downsample, rev, head: a 5-stage RevNet of width 2 (fast to compile)."""
-  return [Stage("stem", models.Stem(2), False),
-          Stage("rev0", models.BasicResidual(2), True),
-          Stage("down", models.BasicDownsample(4, 2), False),
-          Stage("rev1", models.BasicResidual(4), True),
-          Stage("head", models.Head(10), False)]
+_tiny_revnet = tiny_revnet
 
 
 # --- throughput ----------------------------------------------------------------

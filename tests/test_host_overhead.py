@@ -10,15 +10,12 @@ from petra_jax.benchmarks import host
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
 
+from helpers import tiny_revnet
+
 IMAGE = (8, 8, 3)
 
 
-def _tiny_revnet():
-  return [Stage("stem", models.Stem(2), False),
-          Stage("rev0", models.BasicResidual(2), True),
-          Stage("down", models.BasicDownsample(4, 2), False),
-          Stage("rev1", models.BasicResidual(4), True),
-          Stage("head", models.Head(10), False)]
+_tiny_revnet = tiny_revnet
 
 
 def _batch(m):
