@@ -109,3 +109,39 @@ def test_channel_sum_matches_float64(n):
   a = jax.random.normal(jax.random.key(0), (n, 12)) * 5 + 3
   expected = np.asarray(a, np.float64).sum(0)
   _assert_close(batchnorm.channel_sum(a.reshape(n, 1, 1, 12)), expected, rtol=1e-6)
+
+
+def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
+  """A tiny RevNet18 (ReLUs fused into conv_bn) against the same with Flax's layer."""
+  from petra_jax.benchmarks import cli, profile_step
+  from petra_jax.engine import stage as stage_lib
+  x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
+  labels = jnp.arange(4) % 10
+
+  def loss_and_grad(layer, rename):
+    with profile_step.batchnorm_layer(layer):
+      stages = cli.build("revnet18", "cifar10", 2)
+      if rename:
+        variables = [_rename_all(v, "BatchNorm_", "FlaxBatchNorm_") for v in fast_vars]
+      else:
+        variables, a = [], x
+        for j, s in enumerate(stages):
+          variables.append(s.init(jax.random.key(j), a))
+          a = stage_lib.forward(s, variables[-1]["params"], variables[-1]["batch_stats"], a)[0]
+      params = [v["params"] for v in variables]
+      stats = [v["batch_stats"] for v in variables]
+      fn = lambda p: stage_lib.composed_loss(stages, p, stats, x, labels)  # noqa: E731
+      return variables, jax.value_and_grad(fn, has_aux=True)(params)
+  fast_vars, fast = loss_and_grad("fast", False)
+  _, ref = loss_and_grad("flax", True)
+  for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(_rename_all(ref))):
+    _assert_close(a, b, rtol=5e-5)
+
+
+def _rename_all(tree, old="FlaxBatchNorm_", new="BatchNorm_"):
+  """Module names ``old`` -> ``new`` in nested dicts, lists and tuples."""
+  if isinstance(tree, dict):
+    return {k.replace(old, new): _rename_all(v, old, new) for k, v in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return type(tree)(_rename_all(v, old, new) for v in tree)
+  return tree
