@@ -28,7 +28,9 @@ for the whole command**. Test accuracy per epoch: 54.2, 61.0, 66.6, 70.8, 73.4,
 44-51 s (about 1000 images/s), so a slower or busier machine will need more
 than 600 s. A second seed (``--config.seed=1``): 80.26 % in 577.5 s. With
 ``--config.num_epochs=10``: 79.67 % in 461.6 s; with 4 epochs
-(this recipe before 2026-11-24): 72.82 %.
+(this recipe before 2026-11-24): 72.82 %. These timings predate the fast
+BatchNorm (petra_jax.models.batchnorm, issue 23: per-step losses equal to
+float32 round-off); the recipe has not been re-timed since.
 
 Delay compensation (``compensation.name``, petra_jax.optim.compensation; default
 here since 2026-11-24): Nesterov look-ahead momentum with weight prediction.

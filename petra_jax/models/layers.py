@@ -14,6 +14,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from petra_jax.models import batchnorm
+
 # PyTorch's default initialisation (kaiming-uniform, a=sqrt(5)), as in the
 # authors' code: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
 torch_default_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
@@ -28,18 +30,21 @@ def torch_bias_init(fan_in: int):
 
 Conv = functools.partial(
     nn.Conv, use_bias=False, kernel_init=torch_default_init, padding="SAME")
-# BN momentum 0.1 in PyTorch terms is 0.9 in Flax terms; eps as PyTorch.
-BatchNorm = functools.partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+# BN momentum 0.1 in PyTorch terms is 0.9 in Flax terms; eps as PyTorch. Flax's
+# BatchNorm with a closed-form backward (petra_jax.models.batchnorm): same
+# variables, same values, about 3x faster on XLA-CPU.
+BatchNorm = functools.partial(batchnorm.BatchNorm, momentum=0.9, epsilon=1e-5)
 
 
-def conv_bn(x, features: int, kernel: int, stride: int, train: bool):
+def conv_bn(x, features: int, kernel: int, stride: int, train: bool, relu: bool = False):
   """``BN(conv_kxk stride s (x))``: ``[B, H, W, C_in] -> [B, H/s, W/s, features]``.
 
   Called inside an ``nn.compact`` method: creates one ``Conv`` and one
-  ``BatchNorm`` submodule of the caller.
+  ``BatchNorm`` submodule of the caller. With ``relu``, ``ReLU(BN(...))``, the
+  ReLU fused into the BatchNorm's pass (same values as ``nn.relu`` after it).
   """
   x = Conv(features, (kernel, kernel), strides=(stride, stride))(x)
-  return BatchNorm(use_running_average=not train)(x)
+  return BatchNorm(use_running_average=not train, relu=relu)(x)
 
 
 class Stem(nn.Module):
@@ -62,7 +67,7 @@ class Stem(nn.Module):
       x = Conv(channels, (7, 7), strides=(2, 2))(x)
     else:
       x = Conv(channels, (3, 3))(x)
-    x = nn.relu(BatchNorm(use_running_average=not train)(x))
+    x = BatchNorm(use_running_average=not train, relu=True)(x)
     if self.imagenet and self.two_streams:
       x = nn.max_pool(x, (2, 2), strides=(2, 2))
     elif self.imagenet:

@@ -72,8 +72,8 @@ class BasicResidual(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = nn.relu(conv_bn(x, self.features, 3, 1, train))
-    return nn.relu(conv_bn(x, self.features, 3, 1, train))
+    x = conv_bn(x, self.features, 3, 1, train, relu=True)
+    return conv_bn(x, self.features, 3, 1, train, relu=True)
 
 
 class BasicDownsample(nn.Module):
@@ -90,7 +90,7 @@ class BasicDownsample(nn.Module):
   def __call__(self, x, train: bool = True):
     x1, x2 = x
     y2 = conv_bn(x1, self.features, 3, self.stride, train)
-    h = nn.relu(conv_bn(nn.relu(y2), self.features, 3, 1, train))
+    h = conv_bn(nn.relu(y2), self.features, 3, 1, train, relu=True)
     return h + conv_bn(x2, self.features, 1, self.stride, train), y2
 
 
@@ -108,9 +108,9 @@ class BottleneckResidual(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = nn.relu(conv_bn(x, self.hidden, 1, 1, train))
-    x = nn.relu(conv_bn(x, self.hidden, 3, self.stride, train))
-    return nn.relu(conv_bn(x, self.features, 1, 1, train))
+    x = conv_bn(x, self.hidden, 1, 1, train, relu=True)
+    x = conv_bn(x, self.hidden, 3, self.stride, train, relu=True)
+    return conv_bn(x, self.features, 1, 1, train, relu=True)
 
 
 class BottleneckDownsample(nn.Module):
