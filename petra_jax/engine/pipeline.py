@@ -98,6 +98,7 @@ class Pipeline:
       unknown ``bn_stats`` policy or method, a reconstructing method on a
       model without reversible stages, or ``backprop`` on several devices.
   """
+  UPDATES = ("backward",)  # the Method.updates this class runs (the others: engine/local.py)
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
@@ -105,6 +106,9 @@ class Pipeline:
                predictors: Optional[Sequence[Optional[Callable]]] = None,
                formats: Optional[quantize_lib.MessageFormats] = None):
     self.method = methods_lib.get(method)
+    if self.method.updates not in self.UPDATES:
+      raise ValueError(f"method {method!r} runs in its own pipeline: build it with "
+                       "petra_jax.engine.local.pipeline_for.")
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
     self.num_stages = J = len(stages)
