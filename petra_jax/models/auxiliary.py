@@ -45,8 +45,9 @@ HEADS = ("linear", "mlp", "cnn")
 
 def head_features(y) -> jax.Array:
   """The head's input: the leaves of ``y`` at the first leaf's resolution,
-  concatenated on channels: ``float32[B, H, W, C_total]``."""
-  leaves = jax.tree.leaves(y)
+  concatenated on channels: ``float32[B, H, W, C_total]`` (a ``[B, C]``
+  feature vector is read as ``[B, 1, 1, C]``)."""
+  leaves = [a if a.ndim == 4 else a.reshape(a.shape[0], 1, 1, -1) for a in jax.tree.leaves(y)]
   same = [a for a in leaves if a.shape[1:3] == leaves[0].shape[1:3]]
   return jnp.concatenate(same, axis=-1).astype(jnp.float32)
 
