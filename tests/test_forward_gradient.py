@@ -160,3 +160,24 @@ def test_bad_options_are_one_clear_error():
   with pytest.raises(ValueError, match="guess="):
     fgp.ForwardGradientPipeline(
         tiny_revnet(), optax.sgd(0.1), method="forward_gradient", guess="x")
+
+
+def test_stream_sends_one_scalar_per_sample_per_upstream_stage():
+  """In the stream, the last stage sends float32[J-1, B] back; stage j
+  passes rows 0..j-1 on; each stage keeps tau_j guesses and inputs."""
+  stages = tiny_revnet()
+  J = len(stages)
+  pipe = fgp.ForwardGradientPipeline(stages, optax.sgd(0.1), jax.devices()[:1],
+                                     method="forward_gradient", guess="random",
+                                     perturb="activity")
+  x, _ = random_batch()
+  state = pipe.init(0, x)
+  from helpers import batches_of, run_ticks  # pylint: disable=g-import-not-at-top
+  state, outs = run_ticks(pipe, state, 3 * J, batches_of(), num_ticks=J)
+  assert [o.micro_batch for o in outs] == [0]
+  (message,) = state.grad_inbox[J - 2].values()
+  assert message.shape == (J - 1, x.shape[0]) and message.dtype == jnp.float32
+  table = pipe.schedule(3 * J)
+  state, _ = pipe.run(state, (table[t] for t in range(J, 2 * J)), batches_of())
+  for j in range(J - 1):  # tau_j micro-batches in flight at stage j
+    assert len(state.weight_stash[j]) == len(state.buffers[j]) == 2 * (J - 1 - j)
