@@ -91,9 +91,10 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
       args.seed = seed
       base = None
       for name, method, guess, perturb in ROWS:
-        r = run(args, f"{name}_J{J}_s{seed}", method, 1, **{
-            "model.stage_sizes": splits[J], "forward_gradient.guess": guess,
-            "forward_gradient.perturb": perturb})
+        options = {"model.stage_sizes": splits[J]}
+        if method == "forward_gradient":
+          options.update({"forward_gradient.guess": guess, "forward_gradient.perturb": perturb})
+        r = run(args, f"{name}_J{J}_s{seed}", method, 1, **options)
         base = base or r
         r = dict(r, name=f"{name}_J{J}_s{seed}", stages=J, seed=seed, perturb=perturb,
                  backprop_same_time=at_wall_time(base["records"], r["wall_time"]),

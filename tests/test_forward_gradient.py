@@ -15,7 +15,8 @@ from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.stage import Stage
 from petra_jax.models import auxiliary
 from petra_jax.training import validation
-from helpers import composed_loss, random_batch, rel_err, tiny_revnet
+from helpers import (batches_of, composed_loss, random_batch, random_variables, rel_err,
+                     run_ticks, tiny_revnet)
 
 
 class Lin(nn.Module):
@@ -34,40 +35,61 @@ def _dense_stages():
                                                                         False)]
 
 
+def _small_revnet():
+  """stem, rev, head: 3 stages with BatchNorm and a reversible coupling."""
+  blocks = tiny_revnet()
+  return [blocks[0], blocks[1], blocks[-1]]
+
+
 def _init(stages, x, seed=0):
   vs, h = [], x
   for j, s in enumerate(stages):
-    v = s.init(jax.random.key(seed + j), h)
+    v = random_variables(s, h, seed + j)
+    v = {"params": v["params"], "batch_stats": v.get("batch_stats", {})}
     vs.append(v)
     h = stage_lib.forward(s, v["params"], v["batch_stats"], h)[0]
   return [v["params"] for v in vs], [v["batch_stats"] for v in vs]
 
 
 def _directional(stages, params, stats, x, labels, j, param_tangent=None, act_tangent=None):
-  """mean_b s[b] along one tangent started at stage j, through the engine's functions."""
+  """s[b] along one tangent started at stage j, through the engine's functions."""
+  run = jax.jit(lambda p, v, a: _scalars(stages, p, stats, x, labels, v, a))
+  if act_tangent is None:
+    return run(params, {j: param_tangent}, {})[0]
+  return run(params, {}, {j: act_tangent})[0]
+
+
+def _scalars(stages, params, stats, x, labels, param_tangents, act_tangents=None):
+  """``[n, B]`` scalars of the tangents started at the stages of
+  ``param_tangents`` (or ``act_tangents``), in stage order, pushed through
+  every later stage as the pipeline does."""
+  act_tangents = act_tangents or {}
   h, tangents = x, None
   for i, (s, p, bs) in enumerate(zip(stages[:-1], params, stats)):
-    y, _, pushed, own = fg.push(s, p, bs, h, tangents, param_tangent if i == j else None)
-    if i == j:
-      tangents = fg.stack(pushed, own if act_tangent is None else act_tangent)
-    else:
-      tangents = pushed
+    y, _, pushed, own = fg.push(s, p, bs, h, tangents, param_tangents.get(i))
+    if i in act_tangents:
+      own = act_tangents[i]
+    tangents = pushed if own is None else fg.stack(pushed, own)
     h = y
-  return fg.loss_scalars(stages[-1], params[-1], stats[-1], h, labels, tangents)[0]
+  return fg.loss_scalars(stages[-1], params[-1], stats[-1], h, labels, tangents)
 
 
-def test_directional_derivative_equals_grad_dot_tangent():
+def test_directional_derivatives_equal_grad_dot_tangent():
+  """All stages' weight tangents at once (stacked as in the stream): row j
+  of the scalars averages to <dL/dtheta_j, v_j>."""
   stages = tiny_revnet()
   x, labels = random_batch()
   params, stats = _init(stages, x)
-  grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, labels))(params)
+  grads = jax.jit(jax.grad(lambda p: composed_loss(stages, p, stats, x, labels)))(params)
   rng = np.random.default_rng(1)
-  for j in range(len(stages) - 1):
-    v = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), params[j])
-    s = _directional(stages, params, stats, x, labels, j, param_tangent=v)
+  vs = {j: jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), params[j])
+        for j in range(len(stages) - 1)}
+  s = jax.jit(lambda p, v: _scalars(stages, p, stats, x, labels, v))(params, vs)
+  assert s.shape == (len(stages) - 1, x.shape[0])
+  for j, v in vs.items():
     ref = sum(float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(grads[j]),
                                                      jax.tree.leaves(v)))
-    assert abs(float(jnp.mean(s)) - ref) <= 1e-4 * max(1.0, abs(ref)), j
+    assert abs(float(jnp.mean(s[j])) - ref) <= 1e-4 * max(1.0, abs(ref)), j
 
 
 def test_activity_directional_derivative_per_sample_without_mixing():
@@ -86,7 +108,7 @@ def test_activity_directional_derivative_per_sample_without_mixing():
 
 
 def test_update_with_the_true_gradient_as_guess_is_sgd():
-  stages = tiny_revnet()
+  stages = _small_revnet()
   x, labels = random_batch()
   params, stats = _init(stages, x)
   grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, labels))(params)
@@ -102,15 +124,13 @@ def _fg_pipe(stages, emulate, perturb):
                                      method="forward_gradient", **kw)
 
 
-@pytest.mark.parametrize("perturb,stages_fn", [("weights", tiny_revnet),
-                                               ("activity", _dense_stages)])
-def test_real_and_emulated_updates_agree_without_delay(perturb, stages_fn):
-  stages = auxiliary.with_heads(stages_fn(), "linear", 10)
-  if stages_fn is tiny_revnet:
-    x, y = random_batch()
-  else:
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
-    y = jnp.arange(8) % 10
+@pytest.mark.parametrize("perturb", ["weights", "activity"])
+def test_real_and_emulated_updates_agree_without_delay(perturb):
+  """One micro-batch through the pipeline (nothing delayed): the update from
+  forward-mode scalars equals the one from backprop's (emulate=True)."""
+  stages = auxiliary.with_heads(_dense_stages(), "linear", 10)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+  y = jnp.arange(8) % 10
   after = []
   for emulate in (False, True):
     pipe = _fg_pipe(stages, emulate, perturb)
@@ -157,6 +177,22 @@ def test_bad_options_are_one_clear_error():
   config.forward_gradient.perturb = "neurons"
   with pytest.raises(validation.ConfigError, match="perturb='neurons'.*activity"):
     validation.validate_config(config, 1)
+  for method, field, value, match in (
+      ("forward_gradient", "quantize.forward", "int8", "quantised.*--config.quantize.forward=none"),
+      ("local", "grad_quality_every", 5, "--config.grad_quality_every=0"),
+      ("petra", "forward_gradient.guess", "random",
+       "does not read config.forward_gradient.*--config.method=forward_gradient"),
+      ("backprop", "auxiliary.head", "cnn", "drop --config.auxiliary.head"),
+      ("forward_gradient", "auxiliary.hidden", 8, "forward_gradient.guess=local")):
+    config = config_lib.get_config()
+    config.method = method
+    *path, last = field.split(".")
+    target = config[path[0]] if path else config
+    target[last] = value
+    if field == "auxiliary.hidden":
+      config.forward_gradient.guess = "random"
+    with pytest.raises(validation.ConfigError, match=match):
+      validation.validate_config(config, 1)
   with pytest.raises(ValueError, match="guess="):
     fgp.ForwardGradientPipeline(
         tiny_revnet(), optax.sgd(0.1), method="forward_gradient", guess="x")
@@ -165,14 +201,13 @@ def test_bad_options_are_one_clear_error():
 def test_stream_sends_one_scalar_per_sample_per_upstream_stage():
   """In the stream, the last stage sends float32[J-1, B] back; stage j
   passes rows 0..j-1 on; each stage keeps tau_j guesses and inputs."""
-  stages = tiny_revnet()
+  stages = _small_revnet()
   J = len(stages)
   pipe = fgp.ForwardGradientPipeline(stages, optax.sgd(0.1), jax.devices()[:1],
                                      method="forward_gradient", guess="random",
                                      perturb="activity")
   x, _ = random_batch()
   state = pipe.init(0, x)
-  from helpers import batches_of, run_ticks  # pylint: disable=g-import-not-at-top
   state, outs = run_ticks(pipe, state, 3 * J, batches_of(), num_ticks=J)
   assert [o.micro_batch for o in outs] == [0]
   (message,) = state.grad_inbox[J - 2].values()

@@ -242,8 +242,9 @@ def _check_batch(config) -> None:
 
 
 def _check_local(config) -> None:
-  """``config.forward_gradient`` and ``config.auxiliary``; what the local
-  methods (``local``, ``forward_gradient``) do not support."""
+  """``config.forward_gradient`` and ``config.auxiliary``: their values, that
+  they are set only for a method that reads them, and what the local methods
+  (``local``, ``forward_gradient``) do not support."""
   from petra_jax.engine import forward_gradient  # pylint: disable=g-import-not-at-top
   from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
   fg, aux = config.forward_gradient, config.auxiliary
@@ -255,17 +256,39 @@ def _check_local(config) -> None:
     raise ConfigError(f"auxiliary.head={aux.head!r}, auxiliary.hidden={aux.hidden}: choose a head "
                       f"in {auxiliary.HEADS} (--config.auxiliary.head=...) and "
                       "--config.auxiliary.hidden >= 1.")
+  _check_unread_options(config)
   if config.method not in methods_lib.LOCAL_METHODS:
     return
   quantized = [k for k in quantize_lib.KINDS if config.quantize[k] != "none"]
   probes = [f for f in ("grad_quality_every", "reconstruction_error_every") if config[f]]
   flags = [f"--config.quantize.{k}=none" for k in quantized] + [f"--config.{f}=0" for f in probes]
   if flags:
-    raise ConfigError(f"method {config.method!r} sends labels and tangents unquantised and has no "
-                      f"backward pass to probe: pass {' '.join(flags)}.")
+    what = (["quantised messages (labels and tangents travel unquantised)"] * bool(quantized)
+            + ["backward-pass probes (it has no exact backward pass)"] * bool(probes))
+    raise ConfigError(f"method {config.method!r} does not support {' or '.join(what)}: "
+                      f"pass {' '.join(flags)}.")
   if jax.process_count() > 1:
     raise ConfigError(f"method {config.method!r} runs in one process: launch it without "
                       "launch/*.sh or jax.distributed.")
+
+
+def _check_unread_options(config) -> None:
+  """Refuses ``forward_gradient.*`` changed from its default under another
+  method, and ``auxiliary.*`` changed under a method without heads (all but
+  ``local`` and ``forward_gradient`` with ``guess="local"``)."""
+  defaults = config_lib.get_config()
+  uses_heads = config.method == "local" or (config.method == "forward_gradient"
+                                            and config.forward_gradient.guess == "local")
+  for group, used, readers in (
+      ("forward_gradient", config.method == "forward_gradient", "--config.method=forward_gradient"),
+      ("auxiliary", uses_heads, "--config.method=local or --config.method=forward_gradient with "
+                                "--config.forward_gradient.guess=local")):
+    changed = [k for k in defaults[group] if config[group][k] != defaults[group][k]]
+    if changed and not used:
+      flags = " ".join(f"--config.{group}.{k}" for k in changed)
+      raise ConfigError(f"{flags} set, but method {config.method!r} does not read "
+                        f"config.{group} (only {readers} does): drop {flags} or change the "
+                        "method.")
 
 
 def _check_stages(config) -> None:
