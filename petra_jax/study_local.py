@@ -28,13 +28,15 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine.quantize import nbytes
 from petra_jax.engine.stage import trace
 
-# (row, method, forward_gradient.guess, forward_gradient.perturb)
+# (row, method, forward_gradient.guess, forward_gradient.perturb); backprop
+# first (the wall-time reference), then the forward-gradient pair the study
+# is about, so that a cut-short study still has them.
 ROWS = (("backprop", "backprop", "local", "activity"),
-        ("petra", "petra", "local", "activity"),
-        ("local", "local", "local", "activity"),
-        ("fg_local_weights", "forward_gradient", "local", "weights"),
         ("fg_local_activity", "forward_gradient", "local", "activity"),
-        ("fg_random_activity", "forward_gradient", "random", "activity"))
+        ("fg_random_activity", "forward_gradient", "random", "activity"),
+        ("local", "local", "local", "activity"),
+        ("petra", "petra", "local", "activity"),
+        ("fg_local_weights", "forward_gradient", "local", "weights"))
 
 
 def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, micro: int = 64,
