@@ -91,6 +91,26 @@ def _optim_config() -> ml_collections.ConfigDict:
   return c
 
 
+def _auxiliary_config() -> ml_collections.ConfigDict:
+  """``config.auxiliary``: the heads of methods ``local`` and
+  ``forward_gradient`` with ``guess="local"`` (petra_jax.models.auxiliary)."""
+  c = ml_collections.ConfigDict()
+  c.head = "mlp"    # "linear", "mlp" (pool 2x2, hidden, K) or "cnn" (1x1 conv, pool 2x2, K)
+  c.hidden = 128    # hidden width of the mlp/cnn heads
+  return c
+
+
+def _forward_gradient_config() -> ml_collections.ConfigDict:
+  """``config.forward_gradient``: method ``forward_gradient`` (Fournier et
+  al., ICML 2023; petra_jax.engine.forward_gradient)."""
+  c = ml_collections.ConfigDict()
+  c.guess = "local"        # "local" (auxiliary-loss gradient) or "random" (Gaussian)
+  c.perturb = "activity"   # "activity" (per-sample guess of the stage's output) or "weights"
+  c.emulate = False        # True: <g, guess> from the exact gradient (backprop), as the paper's runs
+  c.eps = 1e-16            # the projection's <g, v> / (||v||^2 + eps)
+  return c
+
+
 def get_config() -> ml_collections.ConfigDict:
   """The default configuration: a small RevNet18 trained with PETRA."""
   c = ml_collections.ConfigDict()
@@ -142,6 +162,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.quantize = _quantize_config()
 
   c.optim = _optim_config()
+  c.auxiliary = _auxiliary_config()
+  c.forward_gradient = _forward_gradient_config()
   return c
 
 

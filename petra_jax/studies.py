@@ -4,6 +4,7 @@ Commands::
 
   python -m petra_jax.studies table4 [--width=8] [--epochs=1] [--out=docs]
   python -m petra_jax.studies ksweep [--ks=1,2,4,8] [--width=8] [--epochs=1] [--out=docs]
+  python -m petra_jax.studies local [--stages=4,10] [--seeds=0] (petra_jax.study_local)
 
 ``table4`` trains the five rows of paper Table 4 (exact backprop without delay,
 then the asynchronous methods ``delayed``, ``dsp``, ``approximate_input`` and
@@ -258,10 +259,16 @@ def compensation_study(args):
                  "PETRA with delay compensation: test accuracy")
 
 
+def _local(args):
+  """Forward gradients and DGL beside PETRA (:mod:`petra_jax.study_local`)."""
+  from petra_jax import study_local  # pylint: disable=g-import-not-at-top
+  study_local.local_study(args, run, _write, _plot_accuracy, _at_wall_time, STAGE_SPLITS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.studies", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("study", choices=("table4", "ksweep", "compensation"))
+  p.add_argument("study", choices=("table4", "ksweep", "compensation", "local"))
   p.add_argument("--width", type=int, default=8)
   p.add_argument("--epochs", type=int, default=1)
   p.add_argument("--steps-per-epoch", type=int, default=0, help="0 = the full split")
@@ -279,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--reconstruction-error-every", type=int, default=0,
                  help="updates between reconstruction-error probes (0: off)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                 help="local study: seeds")
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
   p.add_argument("--workdir", default="", help="default: runs/<study>")
@@ -288,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args.argv = argv
   args.workdir = args.workdir or os.path.join("runs", args.study)
   try:
-    {"table4": table4, "ksweep": ksweep, "compensation": compensation_study}[args.study](args)
+    {"table4": table4, "ksweep": ksweep, "compensation": compensation_study,
+     "local": _local}[args.study](args)
   except (train.ConfigError, data_lib.DataError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

@@ -20,6 +20,21 @@ gpipe          gpipe      yes          no            exact; flushed every update
 1f1b           1f1b       yes          no            exact; flushed every update
 ============== ========== ============ ============= ==================================
 
+Local methods (:data:`LOCAL_METHODS`; no backward message carries a
+gradient, so they are kept apart from :data:`METHODS`, the end-to-end ones
+every backward-message test and benchmark iterates):
+
+================ ========== ===================================================
+method           schedule   what a stage updates on
+================ ========== ===================================================
+local            forward    its auxiliary loss (DGL, Belilovsky et al., 2020);
+                            forward messages only, no delay
+forward_gradient stream     its guess scaled by the directional derivative of
+                            the loss along it, returned as scalars
+                            (Fournier et al., 2023;
+                            :mod:`petra_jax.engine.forward_gradient`)
+================ ========== ===================================================
+
 ``gpipe`` and ``1f1b`` store every stage's input, as GPipe with
 re-materialisation and PipeDream-Flush do, rather than reconstruct: their
 gradients are then exact (no reconstruction round-off, so their losses equal
@@ -45,12 +60,16 @@ class Method:
       used, for its backward's vjp.
     reconstructs: reversible stages rebuild their input from their output
       with their current weights (paper Eq. 5).
+    updates: what a stage's update follows: ``"backward"`` (the gradient
+      carried back by backward messages), ``"local"`` (its auxiliary loss)
+      or ``"forward_gradient"`` (its guess, scaled by scalars sent back).
   """
   name: str
   schedule: str
   stashes_inputs: bool
   stashes_weights: bool
   reconstructs: bool
+  updates: str = "backward"
 
   @property
   def delayed(self) -> bool:
@@ -70,8 +89,9 @@ class Method:
   def buffers_input(self, reversible: bool) -> bool:
     """Whether a stage keeps its input between forward and backward: every
     stage that does not reconstruct. The engine and the memory model read
-    this one rule."""
-    return not self.reconstructs_stage(reversible)
+    this one rule. ``local`` keeps nothing (its update runs with its
+    forward)."""
+    return self.updates != "local" and not self.reconstructs_stage(reversible)
 
   @property
   def pipelined(self) -> bool:
@@ -92,6 +112,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("1f1b", "1f1b", stashes_inputs=True, stashes_weights=False, reconstructs=False),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
+LOCAL_METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("local", "forward", stashes_inputs=False, stashes_weights=False, reconstructs=False,
+           updates="local"),
+    Method("forward_gradient", "stream", stashes_inputs=False, stashes_weights=False,
+           reconstructs=False, updates="forward_gradient"),
+)}
+ALL_METHODS: dict[str, Method] = {**METHODS, **LOCAL_METHODS}
 
 
 def require_reversible(method: str, model: str, has_reversible: bool) -> None:
@@ -107,7 +134,7 @@ def require_reversible(method: str, model: str, has_reversible: bool) -> None:
       false; the message lists the methods the model supports.
   """
   if get(method).needs_reversible and not has_reversible:
-    others = [n for n, m in METHODS.items() if not m.needs_reversible]
+    others = [n for n, m in ALL_METHODS.items() if not m.needs_reversible]
     raise ValueError(f"method {method!r} reconstructs inputs and needs a reversible model, "
                      f"and {model!r} has no reversible stage: use one of {others}, or a RevNet.")
 
@@ -118,6 +145,6 @@ def get(name: str) -> Method:
   Raises:
     ValueError: unknown name; the message lists the known ones.
   """
-  if name not in METHODS:
-    raise ValueError(f"Unknown method {name!r}; choose one of {tuple(METHODS)}.")
-  return METHODS[name]
+  if name not in ALL_METHODS:
+    raise ValueError(f"Unknown method {name!r}; choose one of {tuple(ALL_METHODS)}.")
+  return ALL_METHODS[name]

@@ -116,6 +116,7 @@ class Pipeline:
       model without reversible stages, ``backprop`` on several device
       groups, or a number of devices that is not a multiple of ``D``.
   """
+  UPDATES = ("backward",)  # the Method.updates this class runs (the others: engine/local.py)
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
@@ -124,6 +125,9 @@ class Pipeline:
                formats: Optional[quantize_lib.MessageFormats] = None,
                send_losses: bool = True, data_parallel: int = 1):
     self.method = methods_lib.get(method)
+    if self.method.updates not in self.UPDATES:
+      raise ValueError(f"method {method!r} runs in its own pipeline: build it with "
+                       "petra_jax.engine.local.pipeline_for.")
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
     self.num_stages = J = len(stages)

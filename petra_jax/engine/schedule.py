@@ -15,6 +15,8 @@ Stages are numbered ``j = 0 .. J-1``; the last stage's task is ``loss``
   ``j`` is ``tau_j = 2(J-1-j)`` ticks late (the paper's ``2(J-j)`` with stages
   numbered from 1) and every stage runs a forward and a backward per tick in
   steady state. ``2(J-1)`` ticks fill the pipeline and ``2(J-1)`` drain it.
+* ``forward`` (``local``): the stream without its backward tasks; each
+  stage updates in its forward task. ``J-1`` ticks drain it.
 * ``drained`` (``revprop``): the stream table of one micro-batch, repeated;
   every delay is 0.
 * ``gpipe`` (Huang et al., 2019): per update of ``k`` micro-batches, every
@@ -35,7 +37,7 @@ import functools
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 FORWARD, BACKWARD, LOSS, BACKPROP = "forward", "backward", "loss", "backprop"
-KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential")
+KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential", "forward")
 
 
 class Task(NamedTuple):
@@ -82,11 +84,12 @@ def drain_ticks(num_stages: int) -> int:
   return 2 * (num_stages - 1)
 
 
-def _stream_tick(t: int, J: int, M: int, offset: int = 0) -> Tick:
-  """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)``."""
+def _stream_tick(t: int, J: int, M: int, offset: int = 0, backward: bool = True) -> Tick:
+  """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)`` (without
+  its backward tasks: the ``forward`` kind)."""
   tasks = []
   for j in range(J - 1):
-    for kind, m in ((FORWARD, t - j), (BACKWARD, t - 2 * (J - 1) + j)):
+    for kind, m in ((FORWARD, t - j), (BACKWARD, t - 2 * (J - 1) + j))[:2 if backward else 1]:
       if 0 <= m < M:
         tasks.append(Task(j, kind, m + offset))
   if 0 <= t - (J - 1) < M:
@@ -190,7 +193,7 @@ class Schedule:
   @property
   def round_size(self) -> int:
     """Micro-batches per repeated round (0 for ``stream``, which has none)."""
-    if self.kind == "stream":
+    if self.kind in ("stream", "forward"):
       return 0
     return self.accumulation_steps if self.kind in ("gpipe", "1f1b") else 1
 
@@ -203,13 +206,16 @@ class Schedule:
       return 0
     if self.kind == "stream":
       return M + drain_ticks(self.num_stages)
+    if self.kind == "forward":
+      return M + self.num_stages - 1
     return len(self._table()) * (M // self.round_size)
 
   def __getitem__(self, t: int) -> Tick:
     if not 0 <= t < len(self):
       raise IndexError(f"tick {t} outside [0, {len(self)})")
-    if self.kind == "stream":
-      return _stream_tick(t, self.num_stages, self.num_micro_batches)
+    if self.kind in ("stream", "forward"):
+      return _stream_tick(t, self.num_stages, self.num_micro_batches,
+                          backward=self.kind == "stream")
     table = self._table()
     r, u = divmod(t, len(table))
     return tuple(task._replace(micro_batch=task.micro_batch + r * self.round_size)
@@ -220,7 +226,7 @@ class Schedule:
 
   def feed_tick(self, m: int) -> int:
     """The tick on which micro-batch ``m`` enters stage 0."""
-    if self.kind == "stream":
+    if self.kind in ("stream", "forward"):
       return m
     table = self._table()
     r, i = divmod(m, self.round_size)

@@ -23,6 +23,7 @@ from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.data import prefetch
 from petra_jax.data.batches import host_fold_in
+from petra_jax.engine import local as local_lib
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
 from petra_jax.engine import quantize as quantize_lib
@@ -227,14 +228,15 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
   if schedule is None:
     schedule = optim.learning_rate_schedule(config, steps_per_epoch)
-  pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
+  pipe_cls, stages, options = local_lib.pipeline_for(config, stages, info.num_classes)
+  pipe = pipe_cls(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
                                                         delays, schedule=schedule), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
                                                            delays, schedule=schedule),
                   formats=message_formats(config), send_losses=False,
-                  data_parallel=config.data_parallel)
+                  data_parallel=config.data_parallel, **options)
   return pipe, sizes, probes
 
 

@@ -125,6 +125,7 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   _check_ranges(config)
   _check_batch(config)
   _check_stages(config)
+  _check_local(config)
   _check_devices(config, num_local_devices)
 
 
@@ -186,7 +187,7 @@ def depth(config: ml_collections.ConfigDict):
 def _check_choices(config) -> None:
   """Names that must be in a registry; methods the model supports."""
   for what, value, choices, flag in (
-      ("method", config.method, tuple(methods_lib.METHODS), "method"),
+      ("method", config.method, tuple(methods_lib.ALL_METHODS), "method"),
       ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
       ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
       ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
@@ -199,7 +200,7 @@ def _check_choices(config) -> None:
                         f"(--config.{flag}=...).")
   if (methods_lib.get(config.method).needs_reversible
       and models.MODEL_FAMILY[config.model.name] != "revnet"):
-    supported = [n for n, m in methods_lib.METHODS.items() if not m.needs_reversible]
+    supported = [n for n, m in methods_lib.ALL_METHODS.items() if not m.needs_reversible]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
@@ -259,6 +260,59 @@ def _check_batch(config) -> None:
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       "method 'backprop' computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
+
+
+def _check_local(config) -> None:
+  """``config.forward_gradient`` and ``config.auxiliary``: their values, that
+  they are set only for a method that reads them, and what the local methods
+  (``local``, ``forward_gradient``) do not support."""
+  from petra_jax.engine import forward_gradient  # pylint: disable=g-import-not-at-top
+  from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
+  fg, aux = config.forward_gradient, config.auxiliary
+  try:
+    forward_gradient.check_options(fg.guess, fg.perturb, fg.emulate, fg.eps)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if aux.head not in auxiliary.HEADS or aux.hidden < 1:
+    raise ConfigError(f"auxiliary.head={aux.head!r}, auxiliary.hidden={aux.hidden}: choose a head "
+                      f"in {auxiliary.HEADS} (--config.auxiliary.head=...) and "
+                      "--config.auxiliary.hidden >= 1.")
+  _check_unread_options(config)
+  if config.method not in methods_lib.LOCAL_METHODS:
+    return
+  quantized = [k for k in quantize_lib.KINDS if config.quantize[k] != "none"]
+  probes = [f for f in ("grad_quality_every", "reconstruction_error_every") if config[f]]
+  flags = [f"--config.quantize.{k}=none" for k in quantized] + [f"--config.{f}=0" for f in probes]
+  if flags:
+    what = (["quantised messages (labels and tangents travel unquantised)"] * bool(quantized)
+            + ["backward-pass probes (it has no exact backward pass)"] * bool(probes))
+    raise ConfigError(f"method {config.method!r} does not support {' or '.join(what)}: "
+                      f"pass {' '.join(flags)}.")
+  if jax.process_count() > 1:
+    raise ConfigError(f"method {config.method!r} runs in one process: launch it without "
+                      "launch/*.sh or jax.distributed.")
+  if config.data_parallel > 1:
+    raise ConfigError(f"method {config.method!r} runs one device per stage: pass "
+                      "--config.data_parallel=1.")
+
+
+def _check_unread_options(config) -> None:
+  """Refuses ``forward_gradient.*`` changed from its default under another
+  method, and ``auxiliary.*`` changed under a method without heads (all but
+  ``local`` and ``forward_gradient`` with ``guess="local"``)."""
+  defaults = config_lib.get_config()
+  uses_heads = config.method == "local" or (config.method == "forward_gradient"
+                                            and config.forward_gradient.guess == "local")
+  for group, used, readers in (
+      ("forward_gradient", config.method == "forward_gradient", "--config.method=forward_gradient"),
+      ("auxiliary", uses_heads, "--config.method=local or --config.method=forward_gradient with "
+                                "--config.forward_gradient.guess=local")):
+    changed = [k for k in defaults[group] if config[group][k] != defaults[group][k]]
+    if changed and not used:
+      flags = " ".join(f"--config.{group}.{k}" for k in changed)
+      raise ConfigError(f"{flags} set, but method {config.method!r} does not read "
+                        f"config.{group} (only {readers} does): drop {flags} or change the "
+                        "method.")
 
 
 def _check_stages(config) -> None:

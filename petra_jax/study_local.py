@@ -1,0 +1,119 @@
+"""The ``local`` study: forward gradients and DGL beside PETRA and backprop.
+
+Command::
+
+  python -m petra_jax.studies local [--stages=4,10] [--seeds=0] [--width=8] [--epochs=1]
+
+Rows (all on the real CIFAR-10, RevNet18, same recipe as the other studies):
+``backprop``, ``petra``, ``local`` (DGL), ``forward_gradient`` with a local
+guess (``weights`` and ``activity`` perturbation) and with a random guess
+(``activity``), for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)``
+blocks; 10: one block per stage, the paper's split) and each seed. The
+table gives test accuracy at equal epochs, backprop's at the row's wall
+time, the bytes sent backward per tick and the bytes stored between a
+micro-batch's forward and its update (:func:`transfer_bytes`, from shapes).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax import models
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine.quantize import nbytes
+from petra_jax.engine.stage import trace
+
+# (row, method, forward_gradient.guess, forward_gradient.perturb); backprop
+# first (the wall-time reference), then the forward-gradient pair the study
+# is about, so that a cut-short study still has them.
+ROWS = (("backprop", "backprop", "local", "activity"),
+        ("fg_local_activity", "forward_gradient", "local", "activity"),
+        ("fg_random_activity", "forward_gradient", "random", "activity"),
+        ("local", "local", "local", "activity"),
+        ("petra", "petra", "local", "activity"),
+        ("fg_local_weights", "forward_gradient", "local", "weights"))
+
+
+def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, micro: int = 64,
+                   stage_sizes: Sequence[int] = (), num_classes: int = 10,
+                   image_shape=(32, 32, 3), head: str = "mlp", hidden: int = 128) -> dict:
+  """Bytes sent backward per tick and stored, from shapes (nothing computed).
+
+  Args:
+    method: a method name; perturb: ``forward_gradient``'s perturbation.
+    width, micro, stage_sizes: RevNet18's width, the micro-batch, its
+      grouping (``()``: one block per stage).
+
+  Returns:
+    ``{"backward_per_tick": int, "backward_max_link": int, "stored": int}``:
+    in steady state every stage but the first sends one backward message
+    per tick (petra: ``(x~ or None, delta)``; forward_gradient: ``j`` rows
+    of ``micro`` float32 scalars from stage ``j``; local and backprop:
+    none); ``stored`` sums over stages ``tau_j`` micro-batches of what the
+    stage keeps (petra: a non-reversible stage's input; forward_gradient:
+    its guess, plus its input for ``activity``).
+  """
+  stages = models.build_model("revnet18", width=width, num_classes=num_classes)
+  if stage_sizes:
+    stages = models.group_stages(stages, list(stage_sizes))
+  m = methods_lib.get(method)
+  J = len(stages)
+  x = jax.ShapeDtypeStruct((micro,) + tuple(image_shape), jnp.float32)
+  shapes = trace(stages, x)
+  inputs = [x] + [out for _, out in shapes[:-1]]
+  if m.updates == "local" or not m.pipelined:
+    return {"backward_per_tick": 0, "backward_max_link": 0, "stored": 0}
+  sent, stored = [], 0
+  for j, s in enumerate(stages):
+    tau = schedule_lib.delay(j, J)
+    if method == "forward_gradient":
+      sent.append(4 * j * micro)
+      guess = shapes[j][0]["params"] if perturb == "weights" else shapes[j][1]
+      keep = nbytes(guess) + (nbytes(inputs[j]) if perturb == "activity" else 0)
+    else:
+      rebuilt = j > 0 and m.reconstructs_stage(stages[j - 1].reversible)
+      sent.append(0 if j == 0 else nbytes(inputs[j]) * (2 if rebuilt else 1))
+      keep = nbytes(inputs[j]) if m.buffers_input(s.reversible) else 0
+    stored += 0 if j == J - 1 else tau * keep
+  return {"backward_per_tick": sum(sent), "backward_max_link": max(sent), "stored": stored}
+
+
+def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
+  """Runs :data:`ROWS` per stage count and seed; writes ``OUT/local.md`` and
+  ``OUT/local.png``/``local_accuracy.png`` (``run``, ``write`` and the
+  plotting helpers are :mod:`petra_jax.studies`')."""
+  rows = []
+  for J in args.stages:
+    for seed in args.seeds:
+      args.seed = seed
+      base = None
+      for name, method, guess, perturb in ROWS:
+        options = {"model.stage_sizes": splits[J]}
+        if method == "forward_gradient":
+          options.update({"forward_gradient.guess": guess, "forward_gradient.perturb": perturb})
+        r = run(args, f"{name}_J{J}_s{seed}", method, 1, **options)
+        base = base or r
+        r = dict(r, name=f"{name}_J{J}_s{seed}", stages=J, seed=seed, perturb=perturb,
+                 backprop_same_time=at_wall_time(base["records"], r["wall_time"]),
+                 **transfer_bytes(method, perturb, width=args.width,
+                                  micro=args.batch_size, stage_sizes=splits[J]))
+        rows.append(r)
+  table = ["| run | J | seed | test acc. (%) | backprop at the same wall time (%) | wall (s) | "
+           "backward bytes / tick | stored bytes |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    table.append(f"| `{r['name']}` | {r['stages']} | {r['seed']} | "
+                 f"{100 * r['test_accuracy']:.1f} | {100 * r['backprop_same_time']:.1f} | "
+                 f"{r['wall_time']:.0f} | {r['backward_per_tick']:,} | {r['stored']:,} |")
+  write(args, "local", "Local learning: forward gradients, DGL, PETRA and backprop", table,
+        rows, f"Seeds {list(args.seeds)}; bytes at this study's width and micro-batch "
+        f"({args.width}, {args.batch_size}). Wall times share one CPU device "
+        "(all stages on it) and a loaded machine: indicative only.")
+  plot_accuracy(rows, os.path.join(args.out, "local_accuracy.png"),
+                "Local learning: test accuracy")
+  return rows
+
