@@ -316,6 +316,22 @@ def test_in_memory_datasets_read_back(name, num_train, num_test, num_classes, no
     np.testing.assert_array_equal(labels, test.labels[2 * i:2 * i + valid])
 
 
+def test_a_whole_update_in_one_call_equals_its_micro_batches_one_by_one(tiny_dir):
+  info = data.get_dataset_info("cifar100")
+  train = data.load_split("cifar100", "train", data_dir=tiny_dir)
+  k, micro = 3, 4
+  indices = np.random.default_rng(0).permutation(12)
+  keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(i))) for i in range(k)])
+  whole = data.make_update_batch_fn(info, jax.devices()[0], k)(train, indices, keys)
+  one = data.make_train_batch_fn(info, jax.devices()[0])
+  assert len(whole) == k
+  for i in range(k):
+    want, _ = one(train, indices[i * micro:(i + 1) * micro], keys[i])
+    np.testing.assert_array_equal(whole[i], want)  # bit for bit
+  with pytest.raises(ValueError, match="lazy dataset"):
+    data.make_update_batch_fn(data.get_dataset_info("imagenet"), jax.devices()[0], k)
+
+
 def test_imagenet_batches_decoded_ahead_in_threads_equal_direct_ones(tiny_dir):
   info = data.get_dataset_info("imagenet")
   train = data.open_split("imagenet", "train", data_dir=tiny_dir)

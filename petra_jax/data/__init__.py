@@ -59,6 +59,7 @@ from petra_jax.data.batches import (
     epoch_permutation,
     eval_batches,
     make_train_batch_fn,
+    make_update_batch_fn,
 )
 from petra_jax.data.errors import DataError
 from petra_jax.data.prepare import ensure_prepared, resolve_data_dir
@@ -78,6 +79,6 @@ __all__ = [
     "IMAGENET_MEAN", "IMAGENET_STD", "LazySplit", "Split", "TrainBatchFn", "augment",
     "batch_indices", "ensure_prepared", "epoch_permutation", "eval_batches",
     "get_dataset_info", "imagenet_eval_image", "imagenet_train_image", "load_split",
-    "make_train_batch_fn", "normalize", "open_labels", "open_split",
+    "make_train_batch_fn", "make_update_batch_fn", "normalize", "open_labels", "open_split",
     "random_resized_crop_box", "read_labels", "resolve_data_dir",
 ]

@@ -5,6 +5,8 @@ permutation cut into full batches) and one API for every data set:
 
 * ``make_train_batch_fn(info, device)(split, indices, key)`` -> augmented,
   normalised float32 images on ``device`` and their int32 labels;
+  ``make_update_batch_fn`` the same for a whole update's micro-batches in one
+  call;
 * ``eval_batches(split, info, batch_size)`` -> normalised batches of one shape
   (the last one padded) with their labels and valid counts.
 """
@@ -172,6 +174,45 @@ def make_train_batch_fn(info: DatasetInfo, device) -> TrainBatchFn:
     return normalize_fn(jax.device_put(images, device)), labels
 
   return lazy_fn
+
+
+def make_update_batch_fn(info: DatasetInfo, device, k: int) -> Callable:
+  """The training batches of one whole update in one jitted call.
+
+  In-memory datasets only (lazy ones decode on the host: see
+  :mod:`petra_jax.data.prefetch`). The update's ``k`` micro-batches are
+  gathered as one uint8 array, shipped with one ``jax.device_put`` and
+  augmented by one jitted program that runs ``augment`` on each micro-batch
+  with its own key: the same images as ``k`` calls of
+  :func:`make_train_batch_fn`'s function, at one dispatch per update.
+
+  Args:
+    info: the dataset's registry entry (``info.lazy`` False).
+    device: where the images go (the first stage's device, or its batch
+      sharding).
+    k: micro-batches per update.
+
+  Returns:
+    ``fn(split, indices, key_data) -> tuple of k float32 [B, H, W, C]``:
+    ``indices`` int ``[k * B]`` (micro-batch ``i`` is rows ``i*B .. (i+1)*B``),
+    ``key_data`` uint32 ``[k, 2]``, micro-batch ``i``'s threefry key data.
+
+  Raises:
+    ValueError: a lazy dataset.
+  """
+  if info.lazy:
+    raise ValueError(f"{info.tfds_name}: a lazy dataset is decoded per micro-batch on the host; "
+                     "use make_train_batch_fn (with data.prefetch).")
+
+  def augment_update(key_data, images):
+    parts = images.reshape(k, -1, *images.shape[1:])
+    return tuple(_augment_key_data(key_data[i], parts[i], info.mean, info.std)
+                 for i in range(k))
+  augment_fn = jax.jit(augment_update)
+
+  def update_fn(split: Split, indices: np.ndarray, key_data: np.ndarray) -> tuple:
+    return augment_fn(key_data, jax.device_put(split.images[indices], device))
+  return update_fn
 
 
 def eval_batches(

@@ -7,7 +7,6 @@ that the loop (:mod:`petra_jax.training.loop`) and its hooks share.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import time
 from typing import Any, Callable, Optional
@@ -16,13 +15,10 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
-from petra_jax.data import prefetch
-from petra_jax.data.batches import host_fold_in
 from petra_jax.engine import local as local_lib
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
@@ -33,6 +29,7 @@ from petra_jax.engine import timing
 from petra_jax.engine import transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.optim import compensation
+from petra_jax.training import batch_source
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import distributed
 from petra_jax.training import metrics as metrics_lib
@@ -106,7 +103,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     loss_log.restore(extra["loss_log"], extra_arrays)
   schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
   return Run(config, workdir, info, train, test, pipe, state, schedule,
-             _batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
+             batch_source.batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
              steps_per_epoch, total_steps, step=step,
              restored_step=None if restored is None else step,
              reconstruction=probes.get("reconstruction"),
@@ -238,37 +235,6 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   formats=message_formats(config), send_losses=False,
                   data_parallel=config.data_parallel, **options)
   return pipe, sizes, probes
-
-
-def _batch_source(config, info, train, pipe: Pipeline, steps_per_epoch: int) -> Callable:
-  """``m -> (images, labels)`` of micro-batch ``m``.
-
-  Update ``s = m // k`` is row ``s % steps_per_epoch`` of epoch ``s //
-  steps_per_epoch``'s permutation (a function of the seed and the epoch), cut
-  into ``k`` micro-batches; augmentation draws from ``fold_in(key(seed + 1),
-  m)``. So the data position is the micro-batch index alone, which the
-  schedule gives: a resumed run reads the same batches. Processes that do
-  not own stage 0 read only labels (images None). Lazy datasets (ImageNet)
-  decode the next ``config.prefetch`` micro-batches in background threads
-  (:class:`petra_jax.data.prefetch.Prefetcher`).
-  """
-  k, micro = config.accumulation_steps, config.batch_size // config.accumulation_steps
-  batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch) if pipe.owns_input else None
-  # fold_in on the host (host_fold_in, bit for bit jax's): no device
-  # round trip per micro-batch.
-  data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
-  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
-      len(train), config.batch_size, config.seed, epoch, steps_per_epoch))
-
-  def batches(m: int):
-    epoch, row = divmod(m // k, steps_per_epoch)
-    sl = epoch_rows(epoch)[row][(m % k) * micro:(m % k + 1) * micro]
-    if batch_fn is None:
-      return None, data_lib.read_labels(train, sl)
-    return batch_fn(train, sl, host_fold_in(data_key, m))
-  if info.lazy and batch_fn is not None and config.prefetch:  # decoding off the tick
-    return prefetch.Prefetcher(batches, config.prefetch)
-  return batches
 
 
 def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:

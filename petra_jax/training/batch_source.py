@@ -1,0 +1,83 @@
+"""Where a training run's micro-batches come from: ``m -> (images, labels)``.
+
+Update ``s = m // k`` is row ``s % steps_per_epoch`` of epoch ``s //
+steps_per_epoch``'s permutation (a function of the seed and the epoch), cut
+into ``k`` micro-batches; micro-batch ``m``'s augmentation draws from
+``fold_in(key(seed + 1), m)``, folded in on the host
+(``data.batches.host_fold_in``, bit for bit jax's: no device round trip). So
+the data position is the micro-batch index alone, which the schedule gives:
+a resumed run reads the same batches.
+
+Off the critical path: in-memory datasets prepare a whole update at once
+(one gather, one ``jax.device_put``, one jitted augmentation of its ``k``
+micro-batches: ``data.make_update_batch_fn``) when its first micro-batch is
+asked for, and its labels in one ``jax.device_put`` to the last stage;
+lazy ones (ImageNet) decode the next ``config.prefetch`` micro-batches in
+background threads (:class:`petra_jax.data.prefetch.Prefetcher`). Processes
+that do not own stage 0 read only labels (images None).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import numpy as np
+
+from petra_jax import data as data_lib
+from petra_jax.data import prefetch
+from petra_jax.data.batches import host_fold_in
+
+
+def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
+  """``m -> (images float32[B, H, W, C] or None, labels int32[B])`` of a run."""
+  k = config.accumulation_steps
+  rows = _update_rows(config, len(train), steps_per_epoch)
+  data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
+  if not pipe.owns_input:
+    return lambda m: (None, data_lib.read_labels(train, _micro_rows(rows, m, k)))
+  if info.lazy:
+    batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch)
+    batches = lambda m: batch_fn(train, _micro_rows(rows, m, k), host_fold_in(data_key, m))
+    return prefetch.Prefetcher(batches, config.prefetch) if config.prefetch else batches
+  return _UpdateBatches(info, train, pipe, rows, data_key, k)
+
+
+def _update_rows(config, num_examples: int, steps_per_epoch: int) -> Callable:
+  """``s -> int [batch_size]``, the example indices of update ``s``."""
+  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
+      num_examples, config.batch_size, config.seed, epoch, steps_per_epoch))
+
+  def rows(s: int) -> np.ndarray:
+    epoch, row = divmod(s, steps_per_epoch)
+    return epoch_rows(epoch)[row]
+  return rows
+
+
+def _micro_rows(rows: Callable, m: int, k: int) -> np.ndarray:
+  """Micro-batch ``m``'s rows of its update ``m // k``."""
+  update = rows(m // k)
+  micro = len(update) // k
+  return update[(m % k) * micro:(m % k + 1) * micro]
+
+
+class _UpdateBatches:
+  """In-memory micro-batches, prepared one update at a time (module docstring)."""
+
+  def __init__(self, info, train, pipe, rows: Callable, data_key: np.ndarray, k: int):
+    self._fn = data_lib.make_update_batch_fn(info, pipe.placements[0].batch, k)
+    self._labels_to = pipe.placements[-1].batch if pipe.owns_output else None
+    self._train, self._rows, self._key, self._k = train, rows, data_key, k
+    self._update, self._batches = -1, None
+
+  def __call__(self, m: int) -> tuple:
+    s, k = m // self._k, self._k
+    if s != self._update:
+      indices = self._rows(s)
+      keys = np.stack([host_fold_in(self._key, s * k + i) for i in range(k)])
+      labels = np.split(self._train.labels[indices], k)
+      if self._labels_to is not None:
+        labels = jax.device_put(labels, self._labels_to)
+      self._update, self._batches = s, list(zip(self._fn(self._train, indices, keys), labels))
+    return self._batches[m % k]
