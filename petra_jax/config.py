@@ -18,6 +18,7 @@ from petra_jax.optim import compensation
 from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
+from petra_jax.engine.reversible_backward import BACKWARDS as REVERSIBLE_BACKWARDS  # noqa: E402,F401
 
 
 def _model_config() -> ml_collections.ConfigDict:
@@ -31,6 +32,9 @@ def _model_config() -> ml_collections.ConfigDict:
   c.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
                           # analysis) or "time" (forward + backward measured on the device at start)
   c.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
+  c.patch_size = 0      # ViTs only (revvit_*, vit_*): patch size of the stem; 0 = 4 on 32x32 images, 16 on ImageNet
+  c.reversible_backward = "vanilla"  # backward of a stage of several reversible blocks: "vanilla" (reconstruct
+                                     # then vjp, block by block) or "pareprop" (petra_jax.engine.reversible_backward)
   return c
 
 
