@@ -82,3 +82,18 @@ def test_unknown_backward_and_non_group_are_refused():
   block = models.build_model("revvit_tiny", width=2, depth=1)[1]
   with pytest.raises(ValueError, match="group of reversible blocks"):
     reversible_backward.pareprop_vjp(block, {}, {}, None, None)
+
+
+def test_benchmark_finds_the_reversible_run_and_reports_three_backwards():
+  from petra_jax.benchmarks import reversible_backward as bench  # pylint: disable=g-import-not-at-top
+  assert bench.reversible_run(models.build_model("revnet18", width=2)) == (1, 3)
+  assert bench.reversible_run(models.build_model("revnet18_inv", width=2)) == (1, 9)
+  stages = models.build_model("revvit_tiny", width=2, depth=1)
+  assert bench.reversible_run(stages) == (1, 3)
+  with pytest.raises(ValueError, match="no reversible block"):
+    bench.reversible_run(models.build_model("vit_tiny", width=2, depth=1))
+  r = bench.measure(stages, (16, 16, 3), batch_size=2, iters=1, warmup=0)
+  assert r["blocks"] == ["layer0_attn", "layer0_mlp"]
+  for key in ("images_per_s", "ms", "peak_bytes", "temp_bytes"):
+    assert sorted(r[key]) == sorted(bench.BACKWARDS)
+  assert all(v > 0 for v in r["images_per_s"].values())
