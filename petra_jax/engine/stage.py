@@ -299,16 +299,26 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
       y, dy, grads[key], stats[key] = reverse_vjp(
           stage.blocks[i], params[key], batch_stats[key], y, dy)
     return y, dy, grads, stats
+  x_tilde, backward = reconstruct_with_vjp(stage, params, batch_stats, y)
+  return (x_tilde, *backward(dy))
+
+
+def reconstruct_with_vjp(stage: Stage, params, batch_stats, y):
+  """A single reversible block's reconstruction and its pending backward.
+
+  Returns ``(x_tilde, backward)``: ``x~`` as :func:`inverse`, and
+  ``backward(dy) -> (dx, dparams, new_batch_stats)``, Eq. 5's rows 3-4 from
+  the vjp recorded while reconstructing (``F`` evaluated once).
+  """
   y1, y2, *carried = y
-  dy1, dy2, *dcarried = dy
+  f, f_vjp, new_stats = jax.vjp(lambda p, x1: _apply(stage, p, batch_stats, x1, True),
+                                params, y2, has_aux=True)
 
-  def residual(p, x1):
-    return _apply(stage, p, batch_stats, x1, True)
-
-  f, f_vjp, new_stats = jax.vjp(residual, params, y2, has_aux=True)
-  dparams, dx1 = f_vjp(dy1)
-  return (_unshuffle(stage, (y2, y1 - f, *carried)),
-          _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats)
+  def backward(dy):
+    dy1, dy2, *dcarried = dy
+    dparams, dx1 = f_vjp(dy1)
+    return _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats
+  return _unshuffle(stage, (y2, y1 - f, *carried)), backward
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
