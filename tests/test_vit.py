@@ -168,3 +168,14 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   losses = {r["step"]: r["train_loss"] for r in metrics_lib.read_metrics(wd)
             if "train_loss" in r}
   assert sorted(losses) == list(range(1, 9)) and np.isfinite(list(losses.values())).all()
+
+
+@pytest.mark.parametrize("variant", ["", "runlocal"])
+def test_cpu_recipe_validates_and_has_its_documented_size(variant):
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  from test_train import _config_file  # pylint: disable=g-import-not-at-top
+  c = _config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
+  validation.validate_config(c, 1)
+  if not variant:
+    s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth)
+    assert s["total_params"] == 460522 and len(s["stages"]) == sum(c.model.stage_sizes)
