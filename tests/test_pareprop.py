@@ -11,6 +11,7 @@ import pytest
 
 from helpers import random_batch, random_variables, rel_err, run_ticks, batches_of
 from petra_jax import models
+from petra_jax.benchmarks import reversible_backward as bench
 from petra_jax.engine import pipeline
 from petra_jax.engine import reversible_backward
 from petra_jax.engine import stage as stage_lib
@@ -85,7 +86,6 @@ def test_unknown_backward_and_non_group_are_refused():
 
 
 def test_benchmark_finds_the_reversible_run_and_reports_three_backwards():
-  from petra_jax.benchmarks import reversible_backward as bench  # pylint: disable=g-import-not-at-top
   assert bench.reversible_run(models.build_model("revnet18", width=2)) == (1, 3)
   assert bench.reversible_run(models.build_model("revnet18_inv", width=2)) == (1, 9)
   stages = models.build_model("revvit_tiny", width=2, depth=1)

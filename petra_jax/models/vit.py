@@ -72,7 +72,10 @@ class AttentionResidual(nn.Module):
 
 
 class MlpResidual(nn.Module):
-  """``G = Dense . GELU . Dense . LayerNorm``: ``[B, N, D] -> [B, N, D]``, hidden ``mlp_ratio * D``."""
+  """``G = Dense . GELU . Dense . LayerNorm``: ``[B, N, D] -> [B, N, D]``.
+
+  The hidden layer has ``mlp_ratio * D`` units.
+  """
   mlp_ratio: int = 4
 
   @nn.compact
