@@ -16,6 +16,7 @@ import ml_collections
 
 from petra_jax.optim import compensation
 from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
+from petra_jax.engine.reversible_backward import BACKWARDS as REVERSIBLE_BACKWARDS  # noqa: F401
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
 
@@ -24,13 +25,17 @@ def _model_config() -> ml_collections.ConfigDict:
   """``config.model``: the network and its split into stages."""
   c = ml_collections.ConfigDict()
   c.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
-  c.width = 64          # channels per stream after the stem (paper: 64)
+  c.width = 64          # channels per stream after the stem (paper: 64); ViTs: dimension per head
   c.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
+                        # (ViTs: transformer layers, default 12)
   c.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
   c.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
   c.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
                           # analysis) or "time" (forward + backward measured on the device at start)
   c.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
+  c.patch_size = 0      # ViTs only (revvit_*, vit_*): the stem's patch; 0 = 4 (32x32), 16 (ImageNet)
+  c.reversible_backward = "vanilla"  # a stage of several reversible blocks: "vanilla" (reconstruct
+                          # then vjp, block by block) or "pareprop" (petra_jax.engine.reversible_backward)
   return c
 
 

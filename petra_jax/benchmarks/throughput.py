@@ -25,6 +25,9 @@ fraction and stored bytes per stage at ``k`` in {1, 4, 8}
 for RevNet34 on 18; Table 1's floor for ``petra / backprop`` on one device is
 4/3 (a reversible backward re-runs the forward).
 
+Key ``reversible_backward`` (reversible models; alone with
+``--only-reversible-backward``): :mod:`petra_jax.benchmarks.reversible_backward`.
+
 With ``--host`` it measures instead the engine's own host cost per stage and
 tick (no-op steps of the same signatures; :mod:`petra_jax.benchmarks.host`,
 which describes the method) and the tiny-model PETRA tick against a backprop
@@ -53,7 +56,6 @@ def _request_cpu_devices(count: int) -> None:
 if __name__ == "__main__":  # before JAX starts: one device to run, one to send to
   _request_cpu_devices(2)
 
-import json  # noqa: E402
 import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
@@ -64,13 +66,13 @@ import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax import models  # noqa: E402
-from petra_jax.benchmarks import cli, host  # noqa: E402
+from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
 from petra_jax.engine import quantize as quantize_lib  # noqa: E402
 from petra_jax.engine import schedule  # noqa: E402
 from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
-from petra_jax.engine.stage import Stage  # noqa: E402
+from petra_jax.engine.stage import Stage, has_reversible  # noqa: E402
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402
 
 PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
@@ -385,22 +387,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="host cost per stage and tick instead (petra_jax.benchmarks.host; "
                       "--iters rounds of --ticks ticks)")
   p.add_argument("--ticks", type=int, default=200, help="ticks per timed round (--host)")
+  p.add_argument("--only-reversible-backward", action="store_true", help="that key alone")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)
   stages = cli.build(args.model, args.dataset, args.width)
   num_classes = data_lib.DATASETS[args.dataset].num_classes
   if args.host:
     report = host.benchmark(stages, shape, num_classes, args.batch_size, args.ticks, args.iters)
-  else:
-    report = benchmark(stages, shape, num_classes, args.batch_size, args.iters, args.warmup)
+    report.update(model=args.model, dataset=args.dataset, width=args.width)
+    return cli.emit(report, args.json, lambda r: host.print_report(r, args.model))
+  report = ({} if args.only_reversible_backward else
+            benchmark(stages, shape, num_classes, args.batch_size, args.iters, args.warmup))
+  if has_reversible(stages):
+    report["reversible_backward"] = reversible_backward.measure(
+        stages, shape, args.batch_size, args.iters, args.warmup)
   report.update(model=args.model, dataset=args.dataset, width=args.width)
-  if args.json:
-    print(json.dumps(report))
-  elif args.host:
-    host.print_report(report, args.model)
-  else:
-    _print_report(report, args.model)
-  return 0
+  return cli.emit(report, args.json, lambda r: (
+      "ms_per_step" in r and _print_report(r, args.model),
+      "reversible_backward" in r and reversible_backward.print_report(r["reversible_backward"])))
 
 
 if __name__ == "__main__":

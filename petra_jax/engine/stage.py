@@ -74,6 +74,10 @@ class Stage:
       downsampling); None for the plain coupling of Fig. 2.
     precision: the block's :class:`Precision` (a group's blocks carry
       their own; :func:`with_precision`).
+    reversible_backward: a reversible group's backward, ``"vanilla"``
+      (:func:`reverse_vjp`) or ``"pareprop"``
+      (:mod:`petra_jax.engine.reversible_backward`); a group takes its
+      first block's.
   """
   name: str
   module: nn.Module | None
@@ -81,6 +85,7 @@ class Stage:
   blocks: tuple["Stage", ...] = ()
   pre: "Reshuffle | None" = None
   precision: Precision = FLOAT32
+  reversible_backward: str = "vanilla"
 
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
@@ -172,7 +177,8 @@ def group(blocks: Sequence[Stage], name: str | None = None) -> Stage:
   if len(blocks) == 1:
     return blocks[0]
   name = name or "+".join(b.name for b in blocks)
-  return Stage(name, None, all(b.reversible for b in blocks), blocks)
+  return Stage(name, None, all(b.reversible for b in blocks), blocks,
+               reversible_backward=blocks[0].reversible_backward)
 
 
 def _block_vars(params, batch_stats, i):
@@ -283,6 +289,9 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
     streams, their cotangent, the parameter gradient (a pytree like
     ``params``) and the running statistics of the reconstruction.
   """
+  if stage.blocks and stage.reversible_backward == "pareprop":
+    from petra_jax.engine import reversible_backward  # pylint: disable=g-import-not-at-top
+    return reversible_backward.pareprop_vjp(stage, params, batch_stats, y, dy)
   if stage.blocks:  # block by block, last first: x~ of one is y of the previous
     grads, stats = {}, {}
     for i in reversed(range(len(stage.blocks))):
@@ -290,16 +299,26 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
       y, dy, grads[key], stats[key] = reverse_vjp(
           stage.blocks[i], params[key], batch_stats[key], y, dy)
     return y, dy, grads, stats
+  x_tilde, backward = reconstruct_with_vjp(stage, params, batch_stats, y)
+  return (x_tilde, *backward(dy))
+
+
+def reconstruct_with_vjp(stage: Stage, params, batch_stats, y):
+  """A single reversible block's reconstruction and its pending backward.
+
+  Returns ``(x_tilde, backward)``: ``x~`` as :func:`inverse`, and
+  ``backward(dy) -> (dx, dparams, new_batch_stats)``, Eq. 5's rows 3-4 from
+  the vjp recorded while reconstructing (``F`` evaluated once).
+  """
   y1, y2, *carried = y
-  dy1, dy2, *dcarried = dy
+  f, f_vjp, new_stats = jax.vjp(lambda p, x1: _apply(stage, p, batch_stats, x1, True),
+                                params, y2, has_aux=True)
 
-  def residual(p, x1):
-    return _apply(stage, p, batch_stats, x1, True)
-
-  f, f_vjp, new_stats = jax.vjp(residual, params, y2, has_aux=True)
-  dparams, dx1 = f_vjp(dy1)
-  return (_unshuffle(stage, (y2, y1 - f, *carried)),
-          _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats)
+  def backward(dy):
+    dy1, dy2, *dcarried = dy
+    dparams, dx1 = f_vjp(dy1)
+    return _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats
+  return _unshuffle(stage, (y2, y1 - f, *carried)), backward
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):

@@ -12,6 +12,8 @@ Modules, one concept each:
 * :mod:`~petra_jax.models.revnet`: RevNet blocks on two streams (``revnet18/34/50``,
   their invertible-downsampling ``_inv`` variants, ``revnet_fixed``).
 * :mod:`~petra_jax.models.invertible`: i-RevNet's invertible downsampling.
+* :mod:`~petra_jax.models.vit`: reversible vision transformers
+  (``revvit_tiny/small``) and their plain twins (``vit_tiny/small``).
 * :mod:`~petra_jax.models.resnet`: torchvision's ResNets (``resnet18/34/50``),
   the backprop baselines.
 * :mod:`~petra_jax.models.specs`: the registry (:data:`MODEL_SPECS`,

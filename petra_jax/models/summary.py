@@ -99,7 +99,7 @@ def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
   shapes = []
   for r in summary["stages"]:
     shape = "x".join(map(str, r["output_shape"]))
-    if family == "revnet" and r["name"] != "head":
+    if MODEL_SPECS[name].reversible and r["name"] != "head":
       shape = f"2 x {shape}"
     if r.get("carried_shapes"):
       shape += " + " + ", ".join("x".join(map(str, c)) for c in r["carried_shapes"])

@@ -23,6 +23,7 @@ from petra_jax.engine import local as local_lib
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
 from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import reversible_backward
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine import timing
@@ -205,8 +206,10 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   k = config.accumulation_steps
   stages = models.build_model(config.model.name, width=config.model.width,
                               depth=validation.depth(config), num_classes=info.num_classes,
-                              imagenet_stem=info.imagenet_stem)
+                              imagenet_stem=info.imagenet_stem,
+                              patch_size=config.model.patch_size or None)
   stages = stage_lib.with_precision(stages, precision(config))
+  stages = reversible_backward.with_reversible_backward(stages, config.model.reversible_backward)
   sizes = stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
                       os.path.join(workdir, "checkpoints"))
   if sizes:

@@ -66,6 +66,7 @@ RANGES = (
     Range("model.width", 1, why="channels per stream"),
     Range("model.depth", 0, why="0: the model's own depth"),
     Range("model.num_stages", 0, why="0: one block per stage"),
+    Range("model.patch_size", 0, why="0: the ViT's default patch"),
     Range("batch_size", 1, why="images per update"),
     Range("accumulation_steps", 1, why="micro-batches per update"),
     Range("num_epochs", 1, why="0 epochs is a run with no training steps"),
@@ -194,17 +195,19 @@ def _check_choices(config) -> None:
       ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule"),
       ("stage-balancing cost", config.model.balance_by, config_lib.BALANCE_BY,
        "model.balance_by"),
-      ("platform", config.platform, config_lib.PLATFORMS, "platform")):
+      ("platform", config.platform, config_lib.PLATFORMS, "platform"),
+      ("reversible backward", config.model.reversible_backward,
+       config_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward")):
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
   if (methods_lib.get(config.method).needs_reversible
-      and models.MODEL_FAMILY[config.model.name] != "revnet"):
+      and not models.MODEL_SPECS[config.model.name].reversible):
     supported = [n for n, m in methods_lib.ALL_METHODS.items() if not m.needs_reversible]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
-        f"({sorted(n for n, f in models.MODEL_FAMILY.items() if f == 'revnet')}).")
+        f"({sorted(n for n, spec in models.MODEL_SPECS.items() if spec.reversible)}).")
   try:
     compensation.parse_name(config.compensation.name)
   except ValueError as e:

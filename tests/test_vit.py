@@ -1,0 +1,181 @@
+"""Reversible ViTs (petra_jax.models.vit) in the pipeline: the coupling's
+inverse, exact gradients at zero delay for every method, and every method,
+quantised messages and bfloat16 running with real delays."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import batches_of, composed_loss, random_batch, rel_err, run_ticks
+from petra_jax import models
+from petra_jax.engine import methods
+from petra_jax.engine import pipeline
+from petra_jax.engine import quantize
+from petra_jax.engine import stage as stage_lib
+from petra_jax.models import summary
+
+PIPELINED = [m for m in methods.METHODS if m != "backprop"]
+
+
+def tiny_revvit(name="revvit_tiny", depth=1):
+  """stem, (attn, mlp) x depth, head: D = 3 heads x 2 = 6, patch 4 on 16 x 16."""
+  return models.build_model(name, width=2, depth=depth)
+
+
+def test_registry_sizes_and_stage_list():
+  stages = tiny_revvit(depth=2)
+  assert [s.name for s in stages] == ["stem", "layer0_attn", "layer0_mlp", "layer1_attn",
+                                      "layer1_mlp", "head"]
+  assert [s.reversible for s in stages] == [False, True, True, True, True, False]
+  assert not any(s.reversible for s in tiny_revvit("vit_small", 2))
+  assert models.MODEL_SPECS["revvit_small"].reversible
+  assert not models.MODEL_SPECS["vit_tiny"].reversible
+  # DeiT-Ti / DeiT-S widths at the defaults: 12 layers of 12 D^2 + 13 D weights.
+  for name, d in (("revvit_tiny", 192), ("revvit_small", 384)):
+    total = summary.summarize(name, "cifar10")["total_params"]
+    per_layer = 12 * d * d + 13 * d
+    stem = 48 * d + d + 64 * d
+    head = 4 * d + 2 * d * 10 + 10
+    assert total == 12 * per_layer + stem + head, name
+
+
+def test_coupling_inverse_round_trip():
+  """forward then inverse of the attention and MLP couplings rebuilds the input."""
+  stages = tiny_revvit(depth=2)
+  x, _ = random_batch()
+  state = pipeline.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1]).init(0, x)
+  variables = [(s.params, s.batch_stats) for s in state.train_states]
+  h = stage_lib.forward(stages[0], *variables[0], x)[0]
+  body = stage_lib.group(stages[1:-1])
+  params = {f"block_{i}": v[0] for i, v in enumerate(variables[1:-1])}
+  stats = {f"block_{i}": v[1] for i, v in enumerate(variables[1:-1])}
+  y = stage_lib.forward(body, params, stats, h)[0]
+  # RevViT's layer, spelt out independently: Y1 = X1 + F(X2), Y2 = X2 + G(Y1),
+  # with this project's stream order (X2, X1) in and (Y2, Y1) out.
+  x2, x1 = h
+  for i in range(2):
+    f = stages[1 + 2 * i].module.apply({"params": variables[1 + 2 * i][0]}, x2)
+    y1 = x1 + f
+    y2 = x2 + stages[2 + 2 * i].module.apply({"params": variables[2 + 2 * i][0]}, y1)
+    x1, x2 = y1, y2
+  np.testing.assert_allclose(y[0], x2, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y[1], x1, rtol=1e-5, atol=1e-5)
+  back = stage_lib.inverse(body, params, stats, y)
+  assert rel_err(back, h) < 1e-5
+
+
+@pytest.mark.parametrize("method", PIPELINED)
+def test_zero_delay_equals_jax_grad(method):
+  """Drained after every micro-batch (every delay 0), each method's update on
+  a RevViT is -lr * jax.grad of the composed model (helpers.composed_loss)."""
+  stages = tiny_revvit()
+  pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1], method=method)
+  x, y = random_batch()
+  state = pipe.init(0, x)
+  params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]
+  stats = [s.batch_stats for s in state.train_states]
+  ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
+  state, _ = pipe.revprop_step(state, x, y)
+  step = jax.tree.map(lambda b, a: b - a, params, [s.params for s in state.train_states])
+  for j in range(len(stages)):
+    assert rel_err(step[j], ref[j]) < 1e-4, (method, j)
+
+
+def _losses(stages, method, formats=None, num_micro=4):
+  pipe = pipeline.Pipeline(stages, optax.sgd(0.05), jax.devices()[:1], method=method,
+                           formats=formats)
+  state = pipe.init(0, random_batch()[0])
+  state, out = run_ticks(pipe, state, num_micro, batches_of())
+  assert state.in_flight() == 0
+  return np.array([float(o.loss) for o in sorted(out)])
+
+
+@pytest.mark.parametrize("method", list(methods.METHODS))
+def test_every_method_runs_with_real_delays(method):
+  """3 balanced stages (stem+attn | mlp+attn | mlp+head), 4 micro-batches:
+  every method (backprop on the vit_ twin) drains with finite losses."""
+  reversible = method != "backprop"
+  blocks = tiny_revvit("revvit_tiny" if reversible else "vit_tiny", depth=2)
+  stages = models.group_stages(blocks, [2, 2, 2])
+  assert [s.reversible for s in stages] == [False, reversible, False]
+  losses = _losses(stages, method)
+  assert losses.shape == (4,) and np.isfinite(losses).all()
+
+
+def test_int8_messages_and_bfloat16_run():
+  blocks = tiny_revvit(depth=1)
+  formats = quantize.MessageFormats("int8", "int8", "int8")
+  q8 = _losses(blocks, "petra", formats)
+  bf16 = stage_lib.with_precision(blocks, stage_lib.Precision("bfloat16", "bfloat16"))
+  half = _losses(bf16, "petra")
+  ref = _losses(blocks, "petra")
+  for losses in (q8, half):
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses, ref, rtol=0.05)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.name": "vit_tiny"}, "needs a reversible model.*revvit_small"),
+    ({"model.name": "revvit_tiny", "model.reversible_backward": "fast"},
+     "pareprop.*--config.model.reversible_backward"),
+    ({"model.name": "revvit_tiny", "model.patch_size": -1}, "model.patch_size"),
+])
+def test_config_checks_name_the_fix(overrides, message):
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  c = config_lib.get_config()
+  for k, v in overrides.items():
+    section, name = k.split(".")
+    c[section][name] = v
+  with pytest.raises(validation.ConfigError, match=message):
+    validation.validate_config(c, 1)
+  c.model.name, c.model.reversible_backward, c.model.patch_size = "revvit_tiny", "pareprop", 4
+  validation.validate_config(c, 1)
+
+
+def test_patch_size_must_divide_the_image():
+  stages = models.build_model("revvit_tiny", width=2, depth=1, patch_size=5)
+  with pytest.raises(ValueError, match="patch size dividing"):
+    stage_lib.trace(stages, jax.ShapeDtypeStruct((1, 16, 16, 3), jnp.float32))
+
+
+@pytest.mark.slow
+def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
+  """The training CLI on a RevViT: 4 stages (one block each), a drained
+  checkpoint at update 2, resumed regrouped into 2 stages with PaReprop's
+  backward; the regrouped run's blocks start from the saved arrays and its
+  losses stay finite."""
+  from petra_jax import train  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  from test_train import tiny_config  # pylint: disable=g-import-not-at-top
+  wd = str(tmp_path)
+  base = {"model.name": "revvit_tiny", "model.width": 2, "model.depth": 1,
+          "model.stage_sizes": (), "batch_size": 16, "accumulation_steps": 2,
+          "steps_per_epoch": 4, "checkpoint_every": 2, "checkpoint_drain": True,
+          "eval_every": 0, "reconstruction_error_every": 1, "optim.name": "adam",
+          "optim.learning_rate": 1e-3}
+  train.train_and_evaluate(tiny_config(cifar10_dir, **base), wd)
+  records = metrics_lib.read_metrics(wd)
+  assert any("reconstruction" in str(r) for r in records)
+  c2 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 2, "num_epochs": 2,
+                                                 "model.reversible_backward": "pareprop"}))
+  run = train.setup(c2, wd)
+  assert run.restored_step == 4 and run.pipe.num_stages == 2
+  run.checkpointer.close()
+  train.train_and_evaluate(c2, wd)
+  losses = {r["step"]: r["train_loss"] for r in metrics_lib.read_metrics(wd)
+            if "train_loss" in r}
+  assert sorted(losses) == list(range(1, 9)) and np.isfinite(list(losses.values())).all()
+
+
+@pytest.mark.parametrize("variant", ["", "runlocal"])
+def test_cpu_recipe_validates_and_has_its_documented_size(variant):
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  from test_train import _config_file  # pylint: disable=g-import-not-at-top
+  c = _config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
+  validation.validate_config(c, 1)
+  if not variant:
+    s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth)
+    assert s["total_params"] == 460522 and len(s["stages"]) == sum(c.model.stage_sizes)
