@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from petra_jax.engine.stage import forward
-from petra_jax.models import auxiliary
+from petra_jax.models import auxiliary, batchnorm
 
 GUESSES = ("local", "random")
 PERTURBS = ("weights", "activity")
@@ -122,8 +122,9 @@ def push(stage, params, batch_stats, x, tangents: Optional[object], param_tangen
     ``param_tangent``).
   """
   block = block_params(params)
-  y, lin, stats = jax.linearize(lambda p, x: forward(stage, p, batch_stats, x), block, x,
-                                has_aux=True)
+  with batchnorm.forward_mode():  # BatchNorm's custom vjp has no jvp
+    y, lin, stats = jax.linearize(lambda p, x: forward(stage, p, batch_stats, x), block, x,
+                                  has_aux=True)
   zero_p = jax.tree.map(jnp.zeros_like, block)
   zero_x = jax.tree.map(jnp.zeros_like, x)
   pushed = None if tangents is None else jax.vmap(lambda t: lin(zero_p, t))(tangents)
@@ -148,7 +149,8 @@ def per_sample_losses(stage, params, batch_stats, x, labels) -> jax.Array:
 def loss_scalars(stage, params, batch_stats, x, labels, tangents) -> jax.Array:
   """``float32[n, B]``: ``s[i, b]``, the derivative of sample ``b``'s loss
   along tangent ``i`` (the last stage's input tangents, ``[n, B, ...]``)."""
-  _, lin = jax.linearize(lambda x: per_sample_losses(stage, params, batch_stats, x, labels), x)
+  with batchnorm.forward_mode():
+    _, lin = jax.linearize(lambda x: per_sample_losses(stage, params, batch_stats, x, labels), x)
   return jax.vmap(lin)(tangents)
 
 

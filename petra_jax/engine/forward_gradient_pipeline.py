@@ -110,6 +110,7 @@ class ForwardGradientPipeline(Pipeline):
       processes.
   """
   UPDATES = ("forward_gradient",)
+  FUSES = False  # its own tasks (_plan)
 
   def __init__(self, *args, guess: str = "local", perturb: str = "activity",
                emulate: bool = False, eps: float = 1e-16, seed: int = 0, **kwargs):

@@ -76,6 +76,7 @@ class LocalPipeline(Pipeline):
       an auxiliary head, quantised messages, or several processes.
   """
   UPDATES = ("local",)
+  FUSES = False  # its own tasks (_plan)
 
   def _plan(self) -> dict:
     J = self.num_stages

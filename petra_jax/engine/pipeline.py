@@ -117,6 +117,8 @@ class Pipeline:
       groups, or a number of devices that is not a multiple of ``D``.
   """
   UPDATES = ("backward",)  # the Method.updates this class runs (the others: engine/local.py)
+  FUSES = True  # a stage's forward and backward of one tick in one call (subclasses with
+                # tasks of their own, built by their _plan, set False)
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
@@ -160,7 +162,7 @@ class Pipeline:
     # A stage's forward then backward in one tick run as one jitted call
     # (not with observers, which are called around each task, nor across
     # processes, whose message order every process must share).
-    self._pairs = (None if self.observers or self.multiprocess
+    self._pairs = (None if self.observers or self.multiprocess or not self.FUSES
                    else [tasks.pair_task(self, j) for j in range(J - 1)])
 
   # -- where the data enters and the loss leaves ------------------------------

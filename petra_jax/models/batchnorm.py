@@ -24,6 +24,8 @@ Gradients equal autodiff of Flax's graph up to float32 round-off
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import flax.linen as nn
@@ -125,6 +127,33 @@ def _bwd(eps, relu, res, cts):
 
 batch_norm.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
+_FORWARD_MODE = contextvars.ContextVar("petra_jax_batchnorm_forward_mode", default=False)
+
+
+@contextlib.contextmanager
+def forward_mode():
+  """Within it, :class:`BatchNorm` traces as plain JAX operations.
+
+  A ``jax.custom_vjp`` cannot be differentiated in forward mode, so code
+  that pushes tangents through a stage with ``jax.jvp`` or
+  ``jax.linearize`` (forward gradients:
+  :mod:`petra_jax.engine.forward_gradient`) traces its stages inside this
+  context: the same forward arithmetic (:func:`_stats`, :func:`_affine`),
+  differentiated by JAX's rules instead of the closed form. Acts at trace
+  time; not thread-safe across concurrent traces of other contexts.
+  """
+  token = _FORWARD_MODE.set(True)
+  try:
+    yield
+  finally:
+    _FORWARD_MODE.reset(token)
+
+
+def _batch_norm_plain(x, scale, bias, eps: float, relu: bool):
+  """:func:`batch_norm` without its custom vjp (forward-mode differentiable)."""
+  mean, var = _stats(x)
+  return _affine(x, mean, var, scale, bias, eps, relu), mean, var
+
 
 class BatchNorm(nn.Module):
   """``flax.linen.BatchNorm`` over the last axis, with :func:`batch_norm`'s backward.
@@ -156,7 +185,8 @@ class BatchNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, c, _F32)
     if use_running_average:
       return _affine(x, ra_mean.value, ra_var.value, scale, bias, self.epsilon, self.relu)
-    y, mean, var = batch_norm(x, scale, bias, self.epsilon, self.relu)
+    fn = _batch_norm_plain if _FORWARD_MODE.get() else batch_norm
+    y, mean, var = fn(x, scale, bias, self.epsilon, self.relu)
     if not self.is_initializing():
       m = self.momentum
       ra_mean.value = m * ra_mean.value + (1 - m) * jax.lax.stop_gradient(mean)
