@@ -316,6 +316,8 @@ def test_scaling_command_reports_consistent_figures():
   assert r["speedup_vs_backprop"] == pytest.approx(ips["petra_multiprocess"] / ips["backprop"])
   assert r["efficiency"] == pytest.approx(r["measured_speedup"] / r["simulated_speedup"])
   assert lim["measured_ms_per_tick"] == pytest.approx(1e3 * 4 / ips["petra_multiprocess"])
+  assert r["efficiency_one_core"] == pytest.approx(
+      lim["predicted_ms_per_tick"] / lim["measured_ms_per_tick"])
   # One boundary, after the reversible stage 1: (x~, delta) back, twice the
   # forward's bytes; a forward message is 4 images of 8x8, 2 streams of 2 channels.
   (t,) = lim["transfer"]

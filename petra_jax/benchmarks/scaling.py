@@ -44,7 +44,9 @@ explains the gap:
   (which also waits whenever XLA's queue of in-flight computations is full);
 * ``predicted_ms_per_tick``: the schedule's tick from the one-core compute and
   the transfers, against ``measured_ms_per_tick``; what is left between them
-  is the host loop and the processes waiting on each other.
+  is the host loop and the processes waiting on each other. Their ratio
+  (predicted / measured) is ``efficiency_one_core`` (top level): 1 when the
+  processes overlap as the schedule says.
 
 Each figure is the median over ``--rounds`` (and ``--repeats``). What each
 process measures: :mod:`petra_jax.benchmarks.scaling_roles`; how the driver
@@ -88,6 +90,9 @@ def report(args, single: dict, multi: dict) -> dict:
       "speedup_vs_backprop": ips["petra_multiprocess"] / ips["backprop"],
       "simulated_speedup": simulated,
       "efficiency": measured / simulated,
+      # the schedule's tick from the one-core compute and the transfers over
+      # the measured tick: what overlap and the host loop leave of 1
+      "efficiency_one_core": predicted_tick / (1e3 * args.batch_size / ips["petra_multiprocess"]),
       "limits": {
           "stage_ms_single_process": single["stage_ms"],
           "group_ms_single_process": group_ms,
