@@ -114,6 +114,7 @@ def test_fingerprint_fields_missing_from_an_older_checkpoint_are_not_checked(tmp
   assert checkpoint.saved_fingerprint(str(tmp_path / "none")) is None
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
   args = ["--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",

@@ -140,6 +140,7 @@ def test_grad_quality_needs_a_pipelined_method():
     train.validate_config(c, len(jax.local_devices()))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_tiny_run_logs_grad_quality_and_plots_render(cifar10_dir, tmp_path):
   c = tiny_config(cifar10_dir, steps_per_epoch=20, grad_quality_every=5, log_every=5)

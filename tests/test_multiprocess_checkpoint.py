@@ -129,6 +129,7 @@ def test_multiprocess_sigkill_restart_resumes_with_the_same_losses(env, cifar10_
   assert _losses(wd) == _losses(reference)
 
 
+@pytest.mark.long
 def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10_dir,
                                                                     reference, tmp_path):
   wd, log = tmp_path / "w", tmp_path / "log"
@@ -154,6 +155,7 @@ def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10
   assert _losses(wd) == _losses(reference)
 
 
+@pytest.mark.long
 def test_multiprocess_resumes_a_drained_checkpoint_with_four_stages(env, cifar10_dir, reference,
                                                                     tmp_path):
   # The reference's last checkpoint (step 8, 10 stages, drained) trains on

@@ -191,6 +191,7 @@ def _reconstruction_errors(cifar10_dir, workdir, **overrides):
           if k.startswith("reconstruction_error/")]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_bfloat16_training_records_its_reconstruction_drift(cifar10_dir, tmp_path):
   # revprop (every delay 0): in float32 the reconstruction is exact up to
@@ -263,6 +264,7 @@ def test_stochastic_int8_messages_are_unbiased_draws_of_the_forward():
   assert jnp.abs(mean[0] - stem_out[0]).mean() < 0.5 * one  # averaging 16 draws: ~1/4
 
 
+@pytest.mark.long
 def test_stochastic_int8_run_is_reproducible():
   x, y = random_batch(batch=8, size=16)
   losses = []

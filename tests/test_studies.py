@@ -144,6 +144,7 @@ def test_summaries_of_a_hand_written_metrics_file(tmp_path):
   assert math.isnan(studies._mean_reconstruction_error(records[:2]))
 
 
+@pytest.mark.long
 def test_ksweep_table_matches_its_metrics_files(cifar10_dir, tmp_path):
   """A real tiny run: the table's accuracy, loss and micro-batch are those of
   the metrics each run wrote."""

@@ -75,6 +75,7 @@ def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
   assert os.listdir(tmp_path / "tensorboard")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_backprop_and_revprop_give_the_same_per_step_losses(cifar10_dir, tmp_path):
   # The CPU recipe's first 12 steps (inside its warm-up). Gradients agree to
@@ -94,6 +95,7 @@ def test_backprop_and_revprop_give_the_same_per_step_losses(cifar10_dir, tmp_pat
   np.testing.assert_allclose(losses["revprop"], losses["backprop"], rtol=1e-4)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_path):
   losses = {}

@@ -56,6 +56,7 @@ def _check_clean_stop(rc, err, workdir, sig):
   return step
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path):
   reference = subprocess.run(_args(cifar10_dir, tmp_path / "ref"), cwd=REPO,
