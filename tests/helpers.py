@@ -84,3 +84,20 @@ def tiny_revnet():
           Stage("down", models.BasicDownsample(4, 2), False),
           Stage("rev1", models.BasicResidual(4), True),
           Stage("head", models.Head(10), False)]
+
+
+def zero_delay_update_errors(stages, method: str) -> list:
+  """Per stage, the relative error between ``method``'s update with every
+  delay 0 (one micro-batch drained through ``Pipeline.revprop_step``, SGD
+  with rate 1) and ``-jax.grad`` of the composed model (:func:`composed_loss`,
+  an independent composition) at the same weights."""
+  from petra_jax.engine import pipeline  # pylint: disable=g-import-not-at-top
+  pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1], method=method)
+  x, y = random_batch()
+  state = pipe.init(0, x)
+  params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]
+  stats = [s.batch_stats for s in state.train_states]
+  ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
+  state, _ = pipe.revprop_step(state, x, y)
+  step = jax.tree.map(lambda b, a: b - a, params, [s.params for s in state.train_states])
+  return [rel_err(step[j], ref[j]) for j in range(len(stages))]
