@@ -28,9 +28,19 @@ for the whole command**. Test accuracy per epoch: 54.2, 61.0, 66.6, 70.8, 73.4,
 44-51 s (about 1000 images/s), so a slower or busier machine will need more
 than 600 s. A second seed (``--config.seed=1``): 80.26 % in 577.5 s. With
 ``--config.num_epochs=10``: 79.67 % in 461.6 s; with 4 epochs
-(this recipe before 2026-11-24): 72.82 %. These timings predate the fast
+(this recipe before 2026-11-24): 72.82 %. Those timings predate the fast
 BatchNorm (petra_jax.models.batchnorm, issue 23: per-step losses equal to
-float32 round-off); the recipe has not been re-timed since.
+float32 round-off).
+
+Re-measured after it (2026-11-25, the same 2-core CPU, quiet, one sitting,
+seed 0, ``--config.num_epochs=4`` to fit the session, under ``time``): PETRA
+**71.92 %** after 4 epochs, 301 s of training (5 min 1 s for the command);
+``--config.method=backprop`` with the same model and epochs **71.40 %**, 251 s
+(4 min 12 s). Steady epochs: PETRA 66-69 s, backprop 54-56 s (1.24x). In the
+same sitting, the code before the fast BatchNorm took 75 s for PETRA's
+second epoch (this code: 66 s). On this machine today an epoch takes longer
+than on 2026-11-24 (44-51 s then), so the 12-epoch recipe would need about
+800 s here.
 
 Delay compensation (``compensation.name``, petra_jax.optim.compensation; default
 here since 2026-11-24): Nesterov look-ahead momentum with weight prediction.
