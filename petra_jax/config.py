@@ -34,6 +34,7 @@ def _model_config() -> ml_collections.ConfigDict:
                           # analysis) or "time" (forward + backward measured on the device at start)
   c.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
   c.patch_size = 0      # ViTs only (revvit_*, vit_*): the stem's patch; 0 = 4 (32x32), 16 (ImageNet)
+  c.tokenizer = "patch"  # ViTs only: the stem, "patch" (ViT's) or "conv" (CCT's 3x3 convs + max-pools)
   c.reversible_backward = "vanilla"  # a stage of several reversible blocks: "vanilla" (reconstruct
                           # then vjp, block by block) or "pareprop" (petra_jax.engine.reversible_backward)
   return c

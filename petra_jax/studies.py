@@ -288,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                  help="local study: seeds")
+  p.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=None,
+                 help="local study: which rows (default all: backprop, fg_local_activity, "
+                 "fg_random_activity, local, petra, fg_local_weights)")
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
   p.add_argument("--workdir", default="", help="default: runs/<study>")

@@ -3,13 +3,14 @@
 Command::
 
   python -m petra_jax.studies local [--stages=4,10] [--seeds=0] [--width=8] [--epochs=1]
+                                    [--rows=backprop,fg_local_activity,...]
 
 Rows (all on the real CIFAR-10, RevNet18, same recipe as the other studies):
 ``backprop``, ``petra``, ``local`` (DGL), ``forward_gradient`` with a local
-guess (``weights`` and ``activity`` perturbation) and with a random guess
-(``activity``), for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)``
-blocks; 10: one block per stage, the paper's split) and each seed. The
-table gives test accuracy at equal epochs, backprop's at the row's wall
+guess and with a random guess (``weights`` and ``activity`` perturbation),
+for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)`` blocks; 5:
+``(1, 2, 2, 2, 3)``; 10: one block per stage, the paper's split) and each
+seed (``--rows`` keeps some of them, by name). The table gives test accuracy at equal epochs, backprop's at the row's wall
 time, the bytes sent backward per tick and the bytes stored between a
 micro-batch's forward and its update (:func:`transfer_bytes`, from shapes).
 """
@@ -36,7 +37,24 @@ ROWS = (("backprop", "backprop", "local", "activity"),
         ("fg_random_activity", "forward_gradient", "random", "activity"),
         ("local", "local", "local", "activity"),
         ("petra", "petra", "local", "activity"),
-        ("fg_local_weights", "forward_gradient", "local", "weights"))
+        ("fg_local_weights", "forward_gradient", "local", "weights"),
+        ("fg_random_weights", "forward_gradient", "random", "weights"))
+
+
+def selected_rows(names=None) -> tuple:
+  """The rows of :data:`ROWS` named in ``names`` (all when None or empty),
+  in :data:`ROWS`' order.
+
+  Raises:
+    ValueError: a name that is not a row, naming the rows.
+  """
+  if not names:
+    return ROWS
+  known = [r[0] for r in ROWS]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"unknown local-study rows {unknown}; choose from {known} (--rows=a,b).")
+  return tuple(r for r in ROWS if r[0] in names)
 
 
 def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, micro: int = 64,
@@ -92,14 +110,15 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
     for seed in args.seeds:
       args.seed = seed
       base = None
-      for name, method, guess, perturb in ROWS:
+      for name, method, guess, perturb in selected_rows(getattr(args, "rows", None)):
         options = {"model.stage_sizes": splits[J]}
         if method == "forward_gradient":
           options.update({"forward_gradient.guess": guess, "forward_gradient.perturb": perturb})
         r = run(args, f"{name}_J{J}_s{seed}", method, 1, **options)
-        base = base or r
+        base = r if method == "backprop" else base
+        same_time = float("nan") if base is None else at_wall_time(base["records"], r["wall_time"])
         r = dict(r, name=f"{name}_J{J}_s{seed}", stages=J, seed=seed, perturb=perturb,
-                 backprop_same_time=at_wall_time(base["records"], r["wall_time"]),
+                 backprop_same_time=same_time,
                  **transfer_bytes(method, perturb, width=args.width,
                                   micro=args.batch_size, stage_sizes=splits[J]))
         rows.append(r)

@@ -171,3 +171,26 @@ def test_unknown_study_is_rejected(capsys):
     studies.main(["table5"])
   assert e.value.code == 2
   assert "invalid choice: 'table5'" in capsys.readouterr().err
+
+
+def test_local_rows_selected_by_name(monkeypatch, tmp_path):
+  """--rows keeps the named rows (in the study's order); backprop at the same
+  wall time is NaN when backprop is not among them; a bad name is one error."""
+  accs = {("forward_gradient", "random"): 0.30, ("forward_gradient", "local"): 0.40,
+          ("local", "local"): 0.45}
+
+  def records(config):
+    acc = accs[(config.method, config.forward_gradient.guess)]
+    return _records([2.0, 1.0], [(10.0, acc)])
+  fake = FakeTrainer(records)
+  out = _run(monkeypatch, tmp_path, fake, ["local", "--stages=5", "--seeds=1",
+                                           "--rows=local,fg_random_weights,fg_local_weights"])
+  rows = _table_rows((out / "local.md").read_text())
+  assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+      ("`local_J5_s1`", "5", "1", "45.0", "nan"),
+      ("`fg_local_weights_J5_s1`", "5", "1", "40.0", "nan"),
+      ("`fg_random_weights_J5_s1`", "5", "1", "30.0", "nan")]
+  assert [(c.forward_gradient.perturb, tuple(c.model.stage_sizes)) for c in fake.configs][1:] \
+      == [("weights", (1, 2, 2, 2, 3))] * 2
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["local", "--rows=fg_magic", f"--out={tmp_path}"]) == 1

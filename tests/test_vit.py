@@ -171,3 +171,50 @@ def test_cpu_recipe_validates_and_has_its_documented_size(variant):
   if not variant:
     s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth)
     assert s["total_params"] == 460522 and len(s["stages"]) == sum(c.model.stage_sizes)
+
+
+def test_conv_tokenizer_is_cct_written_out():
+  """CCT's tokenizer (conv 3x3, ReLU, 3x3/2 max-pool, twice for patch 4)
+  against the same layers written with lax, and its parameter count."""
+  stages = models.build_model("revvit_tiny", width=4, depth=1, tokenizer="conv")
+  x, _ = random_batch()
+  variables = stages[0].module.init(jax.random.PRNGKey(1), x)
+  t1, t2 = stages[0].module.apply(variables, x)
+  p = variables["params"]
+  h = x
+  for name in ("Conv_0", "Conv_1"):
+    h = jax.lax.conv_general_dilated(h, p[name]["kernel"], (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    h = jax.lax.reduce_window(jnp.maximum(h, 0), -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                              (1, 2, 2, 1), "SAME")
+  b, hh, ww, d = h.shape
+  want = h.reshape(b, hh * ww, d) + p["pos_embed"]
+  assert d == 12 and t1.shape == (b, (x.shape[1] // 4) * (x.shape[2] // 4), 12)
+  np.testing.assert_allclose(t1, want, rtol=1e-5, atol=1e-5)
+  assert t2 is t1  # RevViT's duplication into the two streams
+  n = sum(a.size for a in jax.tree.leaves(p))
+  hidden = 16  # max(16, 12 // 2)
+  assert n == 9 * 3 * hidden + 9 * hidden * 12 + hh * ww * 12
+
+
+def test_conv_tokenizer_zero_delay_equals_jax_grad():
+  stages = models.build_model("revvit_tiny", width=2, depth=1, tokenizer="conv")
+  errors = zero_delay_update_errors(stages, "petra")
+  assert max(errors) < 1e-4, errors
+
+
+@pytest.mark.parametrize("patch", [3, 6])
+def test_conv_tokenizer_needs_a_power_of_two_patch(patch):
+  stages = models.build_model("revvit_tiny", width=2, depth=1, patch_size=patch,
+                              tokenizer="conv")
+  with pytest.raises(ValueError, match="power-of-two patch.*model.patch_size"):
+    stage_lib.trace(stages, jax.ShapeDtypeStruct((1, 12, 12, 3), jnp.float32))
+
+
+def test_unknown_tokenizer_is_one_config_error():
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  c = config_lib.get_config()
+  c.model.name, c.model.tokenizer = "revvit_tiny", "cct"
+  with pytest.raises(validation.ConfigError, match="tokenizer 'cct'.*model.tokenizer"):
+    validation.validate_config(c, 1)

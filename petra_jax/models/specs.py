@@ -130,7 +130,7 @@ def _resolve_spec(name: str, depth: Optional[int]) -> ModelSpec:
 
 def build_model(name: str, *, width: int = 64, num_classes: int = 10,
                 imagenet_stem: bool = False, depth: Optional[int] = None,
-                patch_size: Optional[int] = None) -> list[Stage]:
+                patch_size: Optional[int] = None, tokenizer: str = "patch") -> list[Stage]:
   """Builds the stage list of a model, one residual block per stage.
 
   Args:
@@ -150,6 +150,8 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
       for the ViTs it counts transformer layers (default 12).
     patch_size: a ViT's patch size (``config.model.patch_size``); None for
       the default (:func:`default_patch_size`). Other models ignore it.
+    tokenizer: a ViT's stem, ``patch`` or ``conv`` (``config.model.tokenizer``,
+      :data:`petra_jax.models.vit.TOKENIZERS`). Other models ignore it.
 
   Returns:
     ``[stem, block, ..., head]``: 10 stages for the 18-layer models, 18 for
@@ -157,8 +159,9 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
     ``2 depth + 2`` for the ViTs.
 
   Raises:
-    ValueError: unknown ``name``, ``width < 1``, ``depth < 1``, or a
-      ``depth`` for a model whose block counts are fixed.
+    ValueError: unknown ``name``, ``width < 1``, ``depth < 1``, a
+      ``depth`` for a model whose block counts are fixed, or an unknown
+      ``tokenizer``.
   """
   if name not in MODEL_SPECS:
     raise ValueError(f"{unknown_model_message(name)} (--config.model.name=...)")
@@ -166,7 +169,8 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = _resolve_spec(name, depth)
   if spec.transformer:
-    return vit_stages(spec, width, num_classes, patch_size or default_patch_size(imagenet_stem))
+    return vit_stages(spec, width, num_classes, patch_size or default_patch_size(imagenet_stem),
+                      tokenizer)
   build = revnet_blocks if spec.reversible else resnet_blocks
   stem = Stem(width, imagenet=imagenet_stem, two_streams=spec.reversible)
   return ([Stage("stem", stem, reversible=False)] + build(spec, width) +

@@ -58,7 +58,8 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
   return rows
 
 
-def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None) -> dict:
+def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None,
+              tokenizer: str = "patch") -> dict:
   """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
 
   The dataset fixes the input size, the stem and the classes (``DATASETS``);
@@ -72,7 +73,7 @@ def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = N
     raise ValueError(f"Unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}.")
   d = DATASETS[dataset]
   stages = build_model(name, width=width, num_classes=d.num_classes,
-                       imagenet_stem=d.imagenet_stem, depth=depth)
+                       imagenet_stem=d.imagenet_stem, depth=depth, tokenizer=tokenizer)
   rows = stage_summaries(stages, d.image_shape)
   return {"total_params": sum(r["params"] for r in rows), "stages": rows}
 
@@ -88,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--width", type=int, default=64, help="base width (default 64)")
   parser.add_argument("--depth", type=int, default=None,
                       help="reversible blocks of a fixed-size model (revnet_fixed; default 20)")
+  parser.add_argument("--tokenizer", default="patch",
+                      help="ViTs: the stem, patch (ViT's) or conv (CCT's); default patch")
   parser.add_argument("--json", action="store_true", help="print JSON")
   return parser
 
@@ -128,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: --width must be >= 1, got {args.width}.", file=sys.stderr)
     return 2
   try:
-    summary = summarize(args.name, args.dataset, args.width, args.depth)
+    summary = summarize(args.name, args.dataset, args.width, args.depth, args.tokenizer)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

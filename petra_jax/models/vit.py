@@ -18,10 +18,12 @@ drop-path: nothing random to replay in the reconstruction).
   (Flax's ``MultiHeadDotProductAttention``); ``G`` (:class:`MlpResidual`) =
   LayerNorm + Dense(``mlp_ratio * D``) + GELU + Dense(``D``). Tokens are
   ``float32[B, N, D]`` per stream.
-* Stem (:class:`PatchEmbed`, non-reversible): a ``patch x patch`` stride-patch
-  convolution to ``D`` channels, flattened to ``N = (H / patch) (W / patch)``
-  tokens, plus a learned position embedding; the reversible model duplicates
-  the embedding into both streams, as RevViT does.
+* Stem (non-reversible, ``config.model.tokenizer``): :class:`PatchEmbed`
+  (``patch``, ViT's), a ``patch x patch`` stride-patch convolution to ``D``
+  channels, or :class:`ConvTokenizer` (``conv``, CCT's), 3 x 3 convolutions
+  and max-pools; either flattened to ``N = (H / patch) (W / patch)`` tokens,
+  plus a learned position embedding; the reversible model duplicates the
+  embedding into both streams, as RevViT does.
 * Head (:class:`TokenHead`): the streams concatenated (``2D``), the mean over
   tokens, LayerNorm, Dense to the classes.
 
@@ -126,6 +128,47 @@ class PatchEmbed(nn.Module):
     return (t, t) if self.two_streams else t
 
 
+class ConvTokenizer(nn.Module):
+  """CCT's convolutional tokenizer (Hassani et al., "Escaping the Big Data
+  Paradigm with Compact Transformers", 2021): image ``[B, H, W, C]`` ->
+  tokens ``[B, N, dim]`` (+ position embedding), non-reversible.
+
+  ``log2(patch)`` layers of 3 x 3 convolution (no bias) + ReLU + 3 x 3
+  max-pool of stride 2, so ``N = (H / patch) (W / patch)`` as with
+  :class:`PatchEmbed`; the hidden layers have ``dim / 2`` channels (at least
+  16), the last ``dim``. No BatchNorm (the stem is non-reversible: it
+  buffers its input under PETRA). With ``two_streams`` the tokens are
+  returned twice.
+
+  Raises (when traced):
+    ValueError: ``patch`` not a power of two >= 2, or ``H``, ``W`` not
+      multiples of it.
+  """
+  dim: int
+  patch: int
+  two_streams: bool = True
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    del train
+    b, h, w, _ = x.shape
+    layers = self.patch.bit_length() - 1
+    if self.patch < 2 or 2 ** layers != self.patch or h % self.patch or w % self.patch:
+      raise ValueError(f"the conv tokenizer needs a power-of-two patch (>= 2) dividing the "
+                       f"{h}x{w} image, got {self.patch}; set --config.model.patch_size.")
+    for i in range(layers):
+      ch = self.dim if i == layers - 1 else max(16, self.dim // 2)
+      x = nn.relu(nn.Conv(ch, (3, 3), padding="SAME", use_bias=False)(x))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    t = x.reshape(b, -1, self.dim)
+    pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, *t.shape[1:]))
+    t = t + pos.astype(t.dtype)
+    return (t, t) if self.two_streams else t
+
+
+TOKENIZERS = {"patch": PatchEmbed, "conv": ConvTokenizer}
+
+
 class TokenHead(nn.Module):
   """Head: (concatenated streams) -> mean over tokens -> LayerNorm -> Dense.
 
@@ -143,7 +186,8 @@ class TokenHead(nn.Module):
     return nn.Dense(self.num_classes, kernel_init=dense_init)(h)
 
 
-def vit_stages(spec: ModelSpec, width: int, num_classes: int, patch: int) -> list[Stage]:
+def vit_stages(spec: ModelSpec, width: int, num_classes: int, patch: int,
+               tokenizer: str = "patch") -> list[Stage]:
   """``[stem, layer0_attn, layer0_mlp, ..., head]`` of a (Rev)ViT.
 
   Args:
@@ -152,13 +196,22 @@ def vit_stages(spec: ModelSpec, width: int, num_classes: int, patch: int) -> lis
     width: dimension per head; the embedding has ``D = heads * width``.
     num_classes: classes of the head.
     patch: patch size of the stem.
+    tokenizer: the stem, a key of :data:`TOKENIZERS` (``patch``:
+      :class:`PatchEmbed`; ``conv``: :class:`ConvTokenizer`).
 
   Returns:
     ``2 * layers + 2`` stages: reversible blocks for ``revvit``, plain
     residual blocks for ``vit``.
+
+  Raises:
+    ValueError: an unknown ``tokenizer``.
   """
+  if tokenizer not in TOKENIZERS:
+    raise ValueError(f"Unknown tokenizer {tokenizer!r}; choose one of {sorted(TOKENIZERS)} "
+                     "(--config.model.tokenizer).")
   dim, rev = spec.heads * width, spec.reversible
-  stages = [Stage("stem", PatchEmbed(dim, patch, two_streams=rev), reversible=False)]
+  stem = TOKENIZERS[tokenizer](dim, patch, two_streams=rev)
+  stages = [Stage("stem", stem, reversible=False)]
   for i in range(spec.blocks_per_group[0]):
     for kind, f in (("attn", AttentionResidual(spec.heads)), ("mlp", MlpResidual(spec.mlp_ratio))):
       module = f if rev else PlainResidual(f)

@@ -207,7 +207,8 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   stages = models.build_model(config.model.name, width=config.model.width,
                               depth=validation.depth(config), num_classes=info.num_classes,
                               imagenet_stem=info.imagenet_stem,
-                              patch_size=config.model.patch_size or None)
+                              patch_size=config.model.patch_size or None,
+                              tokenizer=config.model.tokenizer)
   stages = stage_lib.with_precision(stages, precision(config))
   stages = reversible_backward.with_reversible_backward(stages, config.model.reversible_backward)
   sizes = stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
@@ -246,6 +247,7 @@ def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib
   return checkpoint_lib.Checkpointer(
       os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
           model=config.model.name, width=config.model.width, depth=config.model.depth,
+          patch_size=config.model.patch_size, tokenizer=config.model.tokenizer,
           method=config.method, compensation=config.compensation.name,
           dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,

@@ -197,7 +197,8 @@ def _check_choices(config) -> None:
        "model.balance_by"),
       ("platform", config.platform, config_lib.PLATFORMS, "platform"),
       ("reversible backward", config.model.reversible_backward,
-       config_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward")):
+       config_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward"),
+      ("tokenizer", config.model.tokenizer, sorted(models.TOKENIZERS), "model.tokenizer")):
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
