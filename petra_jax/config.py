@@ -114,6 +114,8 @@ def _forward_gradient_config() -> ml_collections.ConfigDict:
   c.perturb = "activity"   # "activity" (per-sample guess of the stage's output) or "weights"
   c.emulate = False        # True: <g, guess> from the exact gradient (backprop), as the paper's runs
   c.eps = 1e-16            # the projection's <g, v> / (||v||^2 + eps)
+  c.projection = "batch"   # activity: "batch" (one direction per micro-batch; exact through
+                           # BatchNorm) or "sample" (per sample, the paper's; see forward_gradient.py)
   return c
 
 

@@ -118,6 +118,32 @@ def test_update_with_the_true_gradient_as_guess_is_sgd():
   assert rel_err(est, grads[j]) < 1e-4
 
 
+@pytest.mark.parametrize("guess", ["true", "random"])
+def test_batch_projection_through_batchnorm(guess):
+  """Activity perturbation, projection='batch', through train-mode BatchNorm
+  (samples mix): with the true dL/dy_1 as the guess the update is the exact
+  gradient of stage 1 (jax.grad of the composed model); with a random guess
+  it is the vjp along <dL/dy, v> / ||v||^2 v, written out."""
+  stages = _small_revnet()
+  x, labels = random_batch()
+  params, stats = _init(stages, x)
+  grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, labels))(params)
+  j = 1
+  h = stage_lib.forward(stages[0], params[0], stats[0], x)[0]
+  y, vjp = jax.vjp(lambda p: stage_lib.forward(stages[j], p, stats[j], h)[0], params[j])
+  dy = jax.grad(lambda y: composed_loss(stages[2:], params[2:], stats[2:], y, labels))(y)
+  v = dy if guess == "true" else jax.tree.map(
+      lambda a: jnp.asarray(np.random.default_rng(3).normal(size=a.shape), jnp.float32), dy)
+  s = _directional(stages, params, stats, x, labels, j, act_tangent=v)
+  est = fg.estimate(stages[j], params[j], stats[j], h, v, s, "activity", 0.0, "batch")
+  dot = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(dy), jax.tree.leaves(v)))
+  norm2 = sum(jnp.vdot(a, a) for a in jax.tree.leaves(v))
+  want = vjp(jax.tree.map(lambda a: dot / norm2 * a, v))[0]
+  assert rel_err(est, want) < 1e-4
+  if guess == "true":
+    assert rel_err(est, grads[j]) < 1e-4
+
+
 def _fg_pipe(stages, emulate, perturb):
   kw = dict(guess="local", perturb=perturb, emulate=emulate, eps=1e-16, seed=0)
   return fgp.ForwardGradientPipeline(stages, optax.sgd(0.5), jax.devices()[:1],
@@ -172,6 +198,8 @@ def test_random_guess_is_unbiased_up_to_scale():
 def test_bad_options_are_one_clear_error():
   with pytest.raises(ValueError, match=r"guess='oracle'.*perturb='both'.*--config"):
     fg.check_options("oracle", "both", False, 1e-16)
+  with pytest.raises(ValueError, match=r"projection='each'.*'batch', 'sample'"):
+    fg.check_options("local", "activity", False, 1e-16, "each")
   config = config_lib.get_config()
   config.method = "forward_gradient"
   config.forward_gradient.perturb = "neurons"

@@ -20,13 +20,24 @@ Two perturbations (``perturb``):
   update is ``c / (||v||^2 + eps) v`` with ``c = mean_b s_b = <g_j, v_j>``.
   (The authors project per-sample weight gradients; one direction per
   micro-batch needs no per-sample gradients.)
-* ``activity``: ``v_j[b]`` lives in the stage's output space, one per sample
-  (the tangent is ``v_j`` itself); per sample ``w_b = (s_b / B) /
-  (||v_j[b]||^2 + eps)`` and the update is the vjp of the stage at its
-  buffered input along ``w_b v_j[b]``. ``s_b / B`` equals ``<dL/dy_j[b],
-  v_j[b]>`` when later stages do not mix samples; train-mode BatchNorm does,
-  and then only their sum over ``b`` is exact (one jvp cannot separate
-  samples).
+* ``activity``: ``v_j`` lives in the stage's output space ``[B, ...]`` (the
+  tangent is ``v_j`` itself) and the update is the vjp of the stage at its
+  buffered input along a cotangent ``w v_j``. Two projections
+  (``projection``):
+
+  - ``batch`` (default): one direction for the whole micro-batch, ``w =
+    mean_b s_b / (||v_j||^2 + eps)``. ``mean_b s_b`` is exactly the
+    derivative of ``L`` along ``v_j``, also through train-mode BatchNorm,
+    so ``|w| ||v_j|| <= ||dL/dy_j||``: the step is never longer than the
+    true gradient's.
+  - ``sample``: per sample (the paper's), ``w_b = (s_b / B) /
+    (||v_j[b]||^2 + eps)``. ``s_b / B`` equals ``<dL/dy_j[b], v_j[b]>`` only
+    when later stages do not mix samples; train-mode BatchNorm does (one jvp
+    cannot separate samples), and then a sample with a small guess
+    (``||v_j[b]||`` near 0, e.g. a local guess on a sample the auxiliary
+    head already fits) receives the other samples' terms divided by its
+    own small norm: steps far longer than the gradient, which made
+    ``guess=local`` diverge on RevNet18 in 10 stages (docs/local_learning.md).
 
 ``emulate=True`` takes the scalars from the exact gradient instead
 (:func:`emulated_scalars`; what the authors' experiments do): with nothing
@@ -50,9 +61,10 @@ from petra_jax.models import auxiliary, batchnorm
 
 GUESSES = ("local", "random")
 PERTURBS = ("weights", "activity")
+PROJECTIONS = ("batch", "sample")
 
 
-def check_options(guess: str, perturb: str, emulate, eps) -> None:
+def check_options(guess: str, perturb: str, emulate, eps, projection: str = "batch") -> None:
   """The one check of ``config.forward_gradient``.
 
   Raises:
@@ -67,6 +79,8 @@ def check_options(guess: str, perturb: str, emulate, eps) -> None:
     bad.append(f"forward_gradient.emulate={emulate!r} (True or False)")
   if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
     bad.append(f"forward_gradient.eps={eps!r} (a number >= 0)")
+  if projection not in PROJECTIONS:
+    bad.append(f"forward_gradient.projection={projection!r} (choose one of {PROJECTIONS})")
   if bad:
     raise ValueError("Bad forward-gradient options: " + "; ".join(bad)
                      + ". Pass --config.forward_gradient.<option>=<a listed value>.")
@@ -164,7 +178,8 @@ def _per_sample_dot(a, b) -> jax.Array:
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: float):
+def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: float,
+             projection: str = "batch"):
   """The forward-gradient estimate of the block's parameter gradient.
 
   Args:
@@ -172,6 +187,7 @@ def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: f
     x: its buffered input (``activity``; None for ``weights``).
     guess: ``v_j`` (see :func:`local_guess`).
     scalars: ``float32[B]``: ``s[b]`` of this stage's tangent.
+    projection: ``activity`` only: ``batch`` or ``sample`` (module docstring).
 
   Returns:
     A pytree like the block's parameters (head excluded).
@@ -179,7 +195,10 @@ def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: f
   if perturb == "weights":
     c = jnp.mean(scalars)
     return jax.tree.map(lambda v: c / (_dot(guess, guess) + eps) * v, guess)
-  w = scalars / scalars.shape[0] / (_per_sample_dot(guess, guess) + eps)
+  if projection == "batch":
+    w = jnp.full_like(scalars, jnp.mean(scalars) / (_dot(guess, guess) + eps))
+  else:
+    w = scalars / scalars.shape[0] / (_per_sample_dot(guess, guess) + eps)
   cot = jax.tree.map(lambda v: w.reshape((-1,) + (1,) * (v.ndim - 1)) * v, guess)
   _, vjp = jax.vjp(lambda p: forward(stage, p, batch_stats, x)[0], block_params(params))
   return vjp(cot)[0]

@@ -80,18 +80,19 @@ def fg_forward(stage, guess_kind, perturb, emulate, state: StageState, x, labels
   return state.replace(batch_stats=stats), y, out, guess, head
 
 
-def fg_update(stage, perturb, eps, state: StageState, scalars, guess, head, x):
+def fg_update(stage, perturb, eps, projection, state: StageState, scalars, guess, head, x):
   """Stage ``j``'s update along ``g~_j`` from its scalars ``float32[B]``."""
-  grads = fg.estimate(stage, state.params, state.batch_stats, x, guess, scalars, perturb, eps)
+  grads = fg.estimate(stage, state.params, state.batch_stats, x, guess, scalars, perturb, eps,
+                      projection)
   return state.apply_gradients(fg.with_head(grads, state.params, head), state.batch_stats)
 
 
-def fg_emulated_update(stage, perturb, eps, state: StageState, dy, guess, head, x):
+def fg_emulated_update(stage, perturb, eps, projection, state: StageState, dy, guess, head, x):
   """``emulate=True``: scalars from the exact gradient, the update, and
   ``dL/dx`` for the previous stage: ``(new_state, dx)``."""
   scalars, dx = fg.emulated_scalars(stage, state.params, state.batch_stats, x, dy, guess,
                                     perturb)
-  return fg_update(stage, perturb, eps, state, scalars, guess, head, x), dx
+  return fg_update(stage, perturb, eps, projection, state, scalars, guess, head, x), dx
 
 
 def last_scalars(stage, state: StageState, x, labels, tangents):
@@ -113,9 +114,11 @@ class ForwardGradientPipeline(Pipeline):
   FUSES = False  # its own tasks (_plan)
 
   def __init__(self, *args, guess: str = "local", perturb: str = "activity",
-               emulate: bool = False, eps: float = 1e-16, seed: int = 0, **kwargs):
-    fg.check_options(guess, perturb, emulate, eps)
+               emulate: bool = False, eps: float = 1e-16, seed: int = 0,
+               projection: str = "batch", **kwargs):
+    fg.check_options(guess, perturb, emulate, eps, projection)
     self.guess, self.perturb, self.emulate, self.eps = guess, perturb, emulate, eps
+    self.projection = projection
     self._key = jax.random.key(seed + 3)
     super().__init__(*args, **kwargs)
 
@@ -129,7 +132,8 @@ class ForwardGradientPipeline(Pipeline):
     update = fg_emulated_update if self.emulate else fg_update
     self._fg_forward = [jax.jit(functools.partial(fg_forward, s, *options), donate_argnums=0)
                         for s in self.stages[:-1]]
-    self._fg_update = [jax.jit(functools.partial(update, s, self.perturb, self.eps),
+    self._fg_update = [jax.jit(functools.partial(update, s, self.perturb, self.eps,
+                                                 self.projection),
                                donate_argnums=0) for s in self.stages[:-1]]
     self._scalars = jax.jit(functools.partial(last_scalars, self.stages[-1]))
     return {FORWARD: [self._fg_forward_task(j) for j in range(J - 1)],

@@ -160,5 +160,5 @@ def pipeline_for(config, stages, num_classes: int):
     return LocalPipeline, stages, {}
   from petra_jax.engine import forward_gradient_pipeline  # pylint: disable=g-import-not-at-top
   options = dict(guess=fg.guess, perturb=fg.perturb, emulate=fg.emulate, eps=fg.eps,
-                 seed=config.seed)
+                 projection=fg.projection, seed=config.seed)
   return forward_gradient_pipeline.ForwardGradientPipeline, stages, options

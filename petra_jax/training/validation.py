@@ -274,7 +274,7 @@ def _check_local(config) -> None:
   from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
   fg, aux = config.forward_gradient, config.auxiliary
   try:
-    forward_gradient.check_options(fg.guess, fg.perturb, fg.emulate, fg.eps)
+    forward_gradient.check_options(fg.guess, fg.perturb, fg.emulate, fg.eps, fg.projection)
   except ValueError as e:
     raise ConfigError(str(e)) from None
   if aux.head not in auxiliary.HEADS or aux.hidden < 1:
