@@ -109,6 +109,13 @@ class Pipeline:
       process runs it.
     reconstructs: per stage, whether its backward rebuilds its input
       (``steps.reconstructs``).
+    packs: whether the tasks pass each stage's state to its steps packed
+      (:mod:`petra_jax.engine.packing`: a few flat buffers, cheaper to
+      dispatch; ``state.train_states`` still reads :class:`StageState`\\ s).
+      Off with observers (they read the states around every task), across
+      processes and with ``data_parallel > 1`` (replicated states), in
+      ``backprop`` (one call on every state) and in the pipelines with
+      tasks of their own (``FUSES`` False).
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
@@ -157,6 +164,7 @@ class Pipeline:
                             donate_messages=self.formats.backward == "none")
     self.reconstructs = self.steps.reconstructs
     self.observers = list(observers)
+    self.packs = self._packs(data_parallel)
     self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
     # A stage's forward then backward in one tick run as one jitted call
@@ -164,6 +172,11 @@ class Pipeline:
     # processes, whose message order every process must share).
     self._pairs = (None if self.observers or self.multiprocess or not self.FUSES
                    else [tasks.pair_task(self, j) for j in range(J - 1)])
+
+  def _packs(self, data_parallel: int) -> bool:
+    """Whether the hot path passes the stage states packed (see :attr:`packs`)."""
+    return (self.FUSES and self.method.pipelined and not self.observers
+            and not self.multiprocess and data_parallel == 1)
 
   # -- where the data enters and the loss leaves ------------------------------
 
@@ -339,13 +352,13 @@ class Pipeline:
   def _loss_task(self, j: int) -> Callable:
     """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""
     steps, local, multiprocess = self.steps, self.local[j], self.multiprocess
-    send = self._send_back(j)
+    send, get = self._send_back(j), tasks.stage_state(self, j)
 
     def task(state: PipelineState, m: int, batches) -> TaskResult:
       x, loss, dx = take(state.inbox[j], m, "input", j), None, None
       if local:
         labels = take(state.labels, m, "labels", j)
-        state.train_states[j], dx, loss = steps.backward(j, state.train_states[j], x, labels)
+        state.stage_states[j], dx, loss = steps.backward(j, get(state), x, labels)
       state.grad_inbox[j - 1][m] = send(x, dx, m)
       if multiprocess and self.send_losses:  # metrics are written by process 0
         loss = self.messages.move(loss, j, 0, _LOSS_SPEC)
@@ -391,7 +404,7 @@ class Pipeline:
       if j > 0:
         x = self.messages.move(x, j - 1, j, specs[j])
       if self.local[j]:
-        x = self.steps.evaluate(j, state.train_states[j], x)
+        x = self.steps.evaluate(j, state.stage_states[j], x)  # packed or not
     return x if self.local[-1] else None
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from petra_jax.engine import packing
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.schedule import Task
 
@@ -86,9 +87,18 @@ class PipelineState:
   payloads on the stage's owner only (None elsewhere); the other fields
   (``buffers``, ``weight_stash``, ``labels``) exist on the owner only.
 
+  Stage states: ``stage_states`` holds each stage's state as the engine
+  last left it, a :class:`StageState` or, in a pipeline that packs them
+  (:attr:`petra_jax.engine.pipeline.Pipeline.packs`), the same packed
+  (:class:`petra_jax.engine.packing.PackedState`, what its hot-path steps
+  take and return, :meth:`packed`). Everything else reads and writes
+  :attr:`train_states`: always :class:`StageState`\\ s (packed ones are
+  unpacked in place on reading, and packed again by the next hot-path step
+  that needs them).
+
   Attributes:
-    train_states: per stage, its :class:`StageState` on its device (None for
-      another process's stage).
+    stage_states: per stage, its state on its device, packed or not (None
+      for another process's stage).
     tick: ticks run so far.
     inbox: the input each stage runs forward (or ``loss``) on.
     grad_inbox: ``(y_j or None, delta_{j+1})`` each stage runs backward on
@@ -98,7 +108,7 @@ class PipelineState:
       stash weights).
     labels: labels in flight to the last stage.
   """
-  train_states: list
+  stage_states: list
   tick: int = 0
   inbox: list = _messages("per_stage", routed=True)
   grad_inbox: list = _messages("per_stage", routed=True)
@@ -112,7 +122,7 @@ class PipelineState:
     J = len(train_states)
     per_stage = {f.name: [{} for _ in range(J)] for f in message_fields()
                  if f.metadata["messages"] == "per_stage"}
-    return cls(train_states=list(train_states), tick=tick, **per_stage)
+    return cls(stage_states=list(train_states), tick=tick, **per_stage)
 
   def successor(self) -> "PipelineState":
     """A new state with the same contents in new containers (lists and
@@ -120,7 +130,32 @@ class PipelineState:
     containers as they were."""
     boxes = {name: [b.copy() for b in getattr(self, name)] if per_stage
              else getattr(self, name).copy() for name, per_stage in _MESSAGE_BOXES}
-    return PipelineState(train_states=list(self.train_states), tick=self.tick, **boxes)
+    return PipelineState(stage_states=list(self.stage_states), tick=self.tick, **boxes)
+
+  @property
+  def train_states(self) -> list:
+    """Per stage, its :class:`StageState` on its device (None for another
+    process's stage); a packed one is unpacked in place first (one jitted
+    call, off the hot path). The list itself: assigning ``train_states[j]``
+    sets stage ``j``'s state."""
+    slots = self.stage_states
+    for j, s in enumerate(slots):
+      if isinstance(s, packing.PackedState):
+        slots[j] = packing.unpack(s)
+    return slots
+
+  @train_states.setter
+  def train_states(self, states: list) -> None:
+    self.stage_states = states
+
+  def packed(self, j: int):
+    """Stage ``j``'s state packed (packed in place first if it is not; a
+    state that cannot be packed is returned as it is): what a pipeline
+    that packs passes its hot-path steps."""
+    s = self.stage_states[j]
+    if not isinstance(s, packing.PackedState):
+      s = self.stage_states[j] = packing.pack(s)
+    return s
 
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""

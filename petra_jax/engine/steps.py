@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import packing
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
                                     reverse_vjp, reverse_vjp_stashed)
@@ -118,6 +119,22 @@ def fused_step(forward_fn: Callable, backward_fn: Callable, predict: Optional[Ca
   return (y, kept), backward_fn(state, *backward_args)
 
 
+def predict_step(predict: Callable, state: StageState):
+  """``predict(params, opt_state)``: the weights a forward uses instead of
+  the current ones (weight prediction)."""
+  return predict(state.params, state.opt_state)
+
+
+def params_step(state: StageState):
+  """A copy of the current weights (what a stashing forward keeps)."""
+  return jax.tree.map(jnp.copy, state.params)
+
+
+def stats_step(state: StageState, batch_stats) -> StageState:
+  """``state`` with ``batch_stats`` (a forward's, ``"forward"`` policy)."""
+  return state.replace(batch_stats=batch_stats)
+
+
 def eval_step(stage: Stage, state: StageState, x):
   """Stage forward with the running BatchNorm statistics (evaluation)."""
   return forward(stage, state.params, state.batch_stats, x, train=False)[0]
@@ -149,6 +166,14 @@ def noop_step(fn: Callable) -> Callable:
   return body
 
 
+def _jit(fn: Callable, donate_argnums=(), hollow: bool = False):
+  """``fn`` (a step on ``(state, ...)``) jitted for packed states too
+  (:func:`petra_jax.engine.packing.on_packed`); with ``hollow``, its
+  :func:`noop_step` (of the packed signature when given a packed state)."""
+  fn = packing.on_packed(fn)
+  return jax.jit(noop_step(fn) if hollow else fn, donate_argnums=donate_argnums)
+
+
 class StageSteps:
   """Every stage's jitted steps, and the rule of what a backward takes.
 
@@ -156,7 +181,9 @@ class StageSteps:
   recompute or the loss), which arguments it takes and which it donates.
   The engine, :mod:`petra_jax.engine.timing`, the memory benchmark and the
   gradient probe all call stages through it. Each step is compiled once per
-  stage.
+  stage. Every step that takes a state also takes it packed
+  (:func:`petra_jax.engine.packing.on_packed`: then its new state comes out
+  packed too), compiled once more for that.
 
   Args:
     stages: the model's stages.
@@ -186,15 +213,17 @@ class StageSteps:
     self.stages, self.method = list(stages), method
     self.donate_messages = donate_messages
     self._predictors = list(predictors or [None] * len(stages))
-    self._predict = [None if p is None else jax.jit(p) for p in self._predictors]
+    self._predict = [None if p is None else _jit(functools.partial(predict_step, p))
+                     for p in self._predictors]
+    self._params, self._stats = _jit(params_step), _jit(stats_step, donate_argnums=0)
     self.num_stages = len(stages)
     self.stats_in_forward = bn_stats == "forward"
     # Stage j rebuilds its input from its output, or buffers it (methods.py).
     self.reconstructs = [method.reconstructs_stage(s.reversible) for s in stages]
     self.buffers_input = [method.buffers_input(s.reversible) for s in stages]
-    self._forward = [jax.jit(functools.partial(forward_step, s)) for s in stages]
-    self._eval = [jax.jit(functools.partial(eval_step, s)) for s in stages]
-    self._backward = [jax.jit(self._backward_fn(j), donate_argnums=self._donated(j))
+    self._forward = [_jit(functools.partial(forward_step, s)) for s in stages]
+    self._eval = [_jit(functools.partial(eval_step, s)) for s in stages]
+    self._backward = [_jit(self._backward_fn(j), donate_argnums=self._donated(j))
                       for j in range(self.num_stages)]
     self._fused = [self._fused_jit(j) for j in range(self.num_stages - 1)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
@@ -206,11 +235,12 @@ class StageSteps:
     engine's task functions see the change). For measuring the engine's
     own host cost only: the pipeline then trains nothing."""
     for j, s in enumerate(self.stages):
-      self._forward[j] = jax.jit(noop_step(functools.partial(forward_step, s)))
-      self._backward[j] = jax.jit(noop_step(self._backward_fn(j)),
-                                  donate_argnums=self._donated(j))
-      if self._predict[j] is not None:
-        self._predict[j] = jax.jit(noop_step(self._predict[j]))
+      self._forward[j] = _jit(functools.partial(forward_step, s), hollow=True)
+      self._backward[j] = _jit(self._backward_fn(j), donate_argnums=self._donated(j),
+                               hollow=True)
+      if self._predictors[j] is not None:
+        self._predict[j] = _jit(functools.partial(predict_step, self._predictors[j]),
+                                hollow=True)
       if j < self.num_stages - 1:
         self._fused[j] = self._fused_jit(j, hollow=True)
     self.hollow = True
@@ -223,7 +253,7 @@ class StageSteps:
                            self.method.stashes_weights)
     donated = self._donated(j)
     donated = (0, 2, 3) if donated != 0 else 0  # after the forward's input
-    return jax.jit(noop_step(fn) if hollow else fn, donate_argnums=donated)
+    return _jit(fn, donate_argnums=donated, hollow=hollow)
 
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
@@ -282,17 +312,35 @@ class StageSteps:
     """The gradient stage ``j``'s backward would apply, without applying it
     or donating anything (a separate jit, compiled on first use)."""
     if not hasattr(self, "_gradient"):
-      self._gradient = [jax.jit(self._backward_fn(i, grads_only=True))
+      self._gradient = [_jit(self._backward_fn(i, grads_only=True))
                         for i in range(self.num_stages)]
     out = self._gradient[j](train_state, *args)
     return out[2] if self.reconstructs[j] or j == self.num_stages - 1 else out[1]
 
   def forward_params(self, j: int, train_state: StageState):
     """The weights stage ``j``'s forward uses: predicted, or the current ones."""
+    predicted = self.predicted_params(j, train_state)
+    return train_state.params if predicted is None else predicted
+
+  def predicted_params(self, j: int, train_state: StageState):
+    """The weights stage ``j``'s predictor gives (one jitted call), or None
+    for a stage without one (its forward uses the current weights);
+    ``train_state`` packed or not."""
     predict = self._predict[j]
-    if predict is None:
-      return train_state.params
-    return predict(train_state.params, train_state.opt_state)
+    return None if predict is None else predict(train_state)
+
+  def current_params(self, j: int, train_state: StageState):
+    """A copy of stage ``j``'s current weights (one jitted call; not
+    donating; ``train_state`` packed or not)."""
+    return self._params(train_state)
+
+  def with_stats(self, j: int, train_state: StageState, batch_stats):
+    """``train_state`` (donated; packed or not, and returned alike) with
+    ``batch_stats`` replacing its statistics (for an unpacked state no
+    call: its fields are replaced)."""
+    if isinstance(train_state, StageState):
+      return train_state.replace(batch_stats=batch_stats)
+    return self._stats(train_state, batch_stats)
 
   def forward(self, j: int, train_state: StageState, x, params=None):
     """Stage ``j``'s jitted forward: ``(y, batch_stats)``, with ``params``

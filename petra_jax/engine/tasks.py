@@ -23,20 +23,31 @@ if TYPE_CHECKING:
 _NOTHING = TaskResult()
 
 
+def stage_state(pipe: "Pipeline", j: int) -> Callable:
+  """``state -> stage j's state`` as the hot path passes it to the steps:
+  packed where the pipeline packs states (:attr:`Pipeline.packs`), else as
+  stored. A task stores its step's new state in ``state.stage_states[j]``."""
+  if pipe.packs:
+    return lambda state: state.packed(j)
+  return lambda state: state.stage_states[j]
+
+
 def forward_task(pipe: "Pipeline", j: int) -> Callable:
   """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
   steps, local, stashes = pipe.steps, pipe.local[j], pipe.method.stashes_weights
   begin, end = forward_halves(pipe, j)
+  get = stage_state(pipe, j)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, y, kept = begin(state, m, batches), None, None
     if local:
-      st = state.train_states[j]
-      params = steps.forward_params(j, st)
-      y, stats = steps.forward(j, st, x, None if params is st.params else params)
+      st = get(state)
+      params = steps.predicted_params(j, st)  # None: the current weights
+      y, stats = steps.forward(j, st, x, params)
+      if stashes:  # copied: the backward donates
+        kept = steps.current_params(j, st) if params is None else copy_tree(params)
       if steps.stats_in_forward:
-        state.train_states[j] = st.replace(batch_stats=stats)
-      kept = copy_tree(params) if stashes else None  # copied: the backward donates
+        state.stage_states[j] = steps.with_stats(j, st, stats)
     end(state, m, x, y, kept)
     return _NOTHING
   return task
@@ -71,7 +82,7 @@ def backward_task(pipe: "Pipeline", j: int) -> Callable:
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, args = begin(state, m)
-    out = steps.backward(j, state.train_states[j], *args) if local else (None, None)
+    out = steps.backward(j, *args) if local else (None, None)
     x_tilde = end(state, m, x, out)
     return TaskResult(x_tilde=x_tilde) if reconstructs else _NOTHING
   return task
@@ -79,12 +90,12 @@ def backward_task(pipe: "Pipeline", j: int) -> Callable:
 
 def backward_halves(pipe: "Pipeline", j: int) -> tuple:
   """``(begin, end)`` of stage ``j``'s backward around its step: ``begin(state,
-  m) -> (buffered x, step args)`` takes the message, buffer and stash;
+  m) -> (buffered x, (stage state, *step args))`` takes the message, buffer and stash;
   ``end(state, m, x, step outputs) -> x~ or None`` keeps the new state and
   sends ``(x~ or x or None, delta_j)`` to ``j-1``."""
   steps, local, reconstructs = pipe.steps, pipe.local[j], pipe.reconstructs[j]
   stashes, buffers = pipe.method.stashes_weights, steps.buffers_input[j]
-  send = pipe._send_back(j)
+  send, get = pipe._send_back(j), stage_state(pipe, j)
 
   def begin(state: PipelineState, m: int):
     message = take(state.grad_inbox[j], m, "cotangent", j)
@@ -93,12 +104,12 @@ def backward_halves(pipe: "Pipeline", j: int) -> tuple:
     y, dy = message
     x = take(state.buffers[j], m, "buffered input", j) if buffers else None
     stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
-    return x, steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
+    return x, (get(state),) + steps.backward_args(j, x=x, y=y, dy=dy, stashed=stashed)
 
   def end(state: PipelineState, m: int, x, out):
     x_tilde = None
     if local:
-      state.train_states[j] = out[0]
+      state.stage_states[j] = out[0]
       x_tilde = x = out[1] if reconstructs else x
     if send is not None:
       state.grad_inbox[j - 1][m] = send(x, out[-1], m)
@@ -116,7 +127,7 @@ def pair_task(pipe: "Pipeline", j: int) -> Callable:
   def task(state: PipelineState, m: int, n: int, batches) -> None:
     x = f_begin(state, m, batches)
     xb, args = b_begin(state, n)
-    (y, kept), out = steps.forward_backward(j, state.train_states[j], x, *args)
+    (y, kept), out = steps.forward_backward(j, args[0], x, *args[1:])
     f_end(state, m, x, y, kept)
     b_end(state, n, xb, out)
   return task

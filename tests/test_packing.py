@@ -1,0 +1,116 @@
+"""Packed stage states (petra_jax/engine/packing.py): exact round trips, and
+packed steps that compute exactly what the unpacked ones do."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import packing
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.state import StageState
+from petra_jax.engine.steps import StageSteps
+
+from helpers import batches_of, random_batch, random_variables, run_ticks, tiny_revnet
+
+
+def _tx():
+  return optax.MultiSteps(optax.sgd(0.1, momentum=0.9), every_k_schedule=2)
+
+
+def _rev_state(seed=0):
+  """RevNet stage ``rev0`` of the tiny RevNet (input ``(x1, x2)``, 4x4x2
+  each), its state with momentum and MultiSteps k=2 filled with random values
+  (counters included), and a batch of inputs."""
+  stage = tiny_revnet()[1]
+  x = tuple(jnp.asarray(np.random.default_rng(seed + i).normal(size=(2, 4, 4, 2)),
+                        jnp.float32) for i in range(2))
+  v = random_variables(stage, x, seed)
+  state = StageState.create(v["params"], v["batch_stats"], _tx())
+  rng = np.random.default_rng(seed + 7)
+  fill = lambda a: jnp.asarray(rng.integers(0, 5, a.shape) if a.dtype == jnp.int32  # noqa: E731
+                               else rng.normal(size=a.shape), a.dtype)
+  return stage, state.replace(opt_state=jax.tree.map(fill, state.opt_state),
+                              micro_batches=jnp.int32(3)), x
+
+
+def _same(a, b):
+  """Same structure, shapes, dtypes and bits."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert u.shape == v.shape and u.dtype == v.dtype
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_round_trip_is_exact_for_a_revnet_stage_with_momentum_and_multisteps():
+  _, state, _ = _rev_state()
+  packed = packing.pack(state)
+  assert isinstance(packed, packing.PackedState)
+  layout = packed.packer
+  assert layout.dtypes == (np.dtype("int32"), np.dtype("float32"))
+  n = len(jax.tree.leaves(state))
+  assert n > 20 and len(packed.buffers) == 2
+  assert sum(layout.sizes) == sum(x.size for x in jax.tree.leaves(state))
+  assert [b.shape for b in packed.buffers] == [(s,) for s in layout.sizes]
+  back = packing.unpack(packed)
+  assert isinstance(back, StageState) and back.tx is state.tx
+  _same(back, state)
+  _same(jax.jit(lambda p: p.unpacked())(packed), state)  # traced slices too
+
+
+def test_packer_refuses_another_layout_and_what_it_cannot_pack():
+  _, state, _ = _rev_state()
+  packer = packing.Packer.of(state)
+  with pytest.raises(ValueError):
+    packer.pack(state.replace(micro_batches=jnp.zeros((2,), jnp.int32)))
+  assert packing.Packer.of({"key": jax.random.key(0)}) is None
+  assert packing.pack({"w": 1.0}) == {"w": 1.0}  # weakly typed: left as it is
+
+
+def _steps(stages, method="petra"):
+  return StageSteps(stages, methods_lib.get(method), "backward")
+
+
+def test_a_packed_backward_and_fused_step_equal_the_unpacked_ones():
+  stage, state, x = _rev_state()
+  stages = tiny_revnet()
+  stages[1] = stage
+  steps = _steps(stages)
+  y, _ = steps.forward(1, state, x)
+  dy = jax.tree.map(lambda a: a * 0.5, y)
+  copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731 (the steps donate)
+  plain = steps.backward(1, copy(state), *copy((y, dy)))
+  packed = steps.backward(1, packing.pack(state), *copy((y, dy)))
+  assert isinstance(packed[0], packing.PackedState)
+  _same(packing.unpack(packed[0]), plain[0])
+  _same(packed[1:], plain[1:])
+  (yf, _), plain = steps.forward_backward(1, copy(state), copy(x), *copy((y, dy)))
+  (yp, _), packed = steps.forward_backward(1, packing.pack(state), copy(x), *copy((y, dy)))
+  _same(yp, yf)
+  _same(packing.unpack(packed[0]), plain[0])
+  _same(packed[1:], plain[1:])
+
+
+@pytest.mark.parametrize("method", ["petra", "delayed"])
+def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch):
+  """Same losses and states to the last bit, reading ``train_states`` (an
+  unpack and a later repack) midway in the packed run."""
+  x, _ = random_batch()
+  results, tx = {}, _tx()  # one optimizer: it is part of the states' structure
+  for packs in (True, False):
+    monkeypatch.setattr(Pipeline, "_packs", lambda self, d, p=packs: p)
+    pipe = Pipeline(tiny_revnet(), tx, jax.devices()[:1], method=method)
+    assert pipe.packs is packs
+    state = pipe.init(0, x)
+    state, first = run_ticks(pipe, state, 6, batches_of(), num_ticks=9)
+    if packs:
+      assert any(isinstance(s, packing.PackedState) for s in state.stage_states)
+      _ = state.train_states[1].params
+      assert not any(isinstance(s, packing.PackedState) for s in state.stage_states)
+    table = pipe.schedule(6)
+    state, rest = pipe.run(state, (table[t] for t in range(9, len(table))), batches_of())
+    results[packs] = ([float(o.loss) for o in first + rest], state.train_states)
+  assert results[True][0] == results[False][0]
+  _same(results[True][1], results[False][1])
