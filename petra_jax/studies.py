@@ -275,7 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--batch-size", type=int, default=128, help="images per update")
   p.add_argument("--learning-rate", type=float, default=0.05)
   p.add_argument("--warmup-epochs", type=float, default=0.5)
-  p.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[1, 2, 4, 8])
+  p.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=None,
+                 help="micro-batches per update: ksweep and compensation (default 1,2,4,8), "
+                 "local (the first; default 1)")
   p.add_argument("--stages", type=lambda s: [int(j) for j in s.split(",")], default=[10, 4],
                  help=f"compensation study: stage counts, of {sorted(STAGE_SPLITS)}")
   p.add_argument("--compensations", type=lambda s: s.split(","),
@@ -299,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   args.argv = argv
   args.workdir = args.workdir or os.path.join("runs", args.study)
+  if args.ks is None:
+    args.ks = [1] if args.study == "local" else [1, 2, 4, 8]
   try:
     {"table4": table4, "ksweep": ksweep, "compensation": compensation_study,
      "local": _local}[args.study](args)

@@ -10,7 +10,9 @@ Rows (all on the real CIFAR-10, RevNet18, same recipe as the other studies):
 guess and with a random guess (``weights`` and ``activity`` perturbation),
 for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)`` blocks; 5:
 ``(1, 2, 2, 2, 3)``; 10: one block per stage, the paper's split) and each
-seed (``--rows`` keeps some of them, by name). The table gives test accuracy at equal epochs, backprop's at the row's wall
+seed (``--rows`` keeps some of them, by name), with ``k`` micro-batches per
+update the first of ``--ks`` (the ksweep option; 1 unless given: a larger
+``k`` divides every delay, counted in updates, by ``k``). The table gives test accuracy at equal epochs, backprop's at the row's wall
 time, the bytes sent backward per tick and the bytes stored between a
 micro-batch's forward and its update (:func:`transfer_bytes`, from shapes).
 """
@@ -106,6 +108,8 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
   ``OUT/local.png``/``local_accuracy.png`` (``run``, ``write`` and the
   plotting helpers are :mod:`petra_jax.studies`')."""
   rows = []
+  k = args.ks[0] if getattr(args, "ks", None) else 1
+  suffix = f"_k{k}" if k > 1 else ""
   for J in args.stages:
     for seed in args.seeds:
       args.seed = seed
@@ -114,13 +118,13 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
         options = {"model.stage_sizes": splits[J]}
         if method == "forward_gradient":
           options.update({"forward_gradient.guess": guess, "forward_gradient.perturb": perturb})
-        r = run(args, f"{name}_J{J}_s{seed}", method, 1, **options)
+        r = run(args, f"{name}_J{J}_s{seed}{suffix}", method, k, **options)
         base = r if method == "backprop" else base
         same_time = float("nan") if base is None else at_wall_time(base["records"], r["wall_time"])
-        r = dict(r, name=f"{name}_J{J}_s{seed}", stages=J, seed=seed, perturb=perturb,
+        r = dict(r, name=f"{name}_J{J}_s{seed}{suffix}", stages=J, seed=seed, perturb=perturb,
                  backprop_same_time=same_time,
                  **transfer_bytes(method, perturb, width=args.width,
-                                  micro=args.batch_size, stage_sizes=splits[J]))
+                                  micro=args.batch_size // k, stage_sizes=splits[J]))
         rows.append(r)
   table = ["| run | J | seed | test acc. (%) | backprop at the same wall time (%) | wall (s) | "
            "backward bytes / tick | stored bytes |", "|---|---|---|---|---|---|---|---|"]

@@ -194,3 +194,7 @@ def test_local_rows_selected_by_name(monkeypatch, tmp_path):
       == [("weights", (1, 2, 2, 2, 3))] * 2
   monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
   assert studies.main(["local", "--rows=fg_magic", f"--out={tmp_path}"]) == 1
+  fake.configs.clear()
+  out = _run(monkeypatch, tmp_path, fake, ["local", "--stages=5", "--rows=local", "--ks=4"])
+  assert [r[0] for r in _table_rows((out / "local.md").read_text())] == ["`local_J5_s0_k4`"]
+  assert [c.accumulation_steps for c in fake.configs] == [4]
