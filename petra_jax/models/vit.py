@@ -116,19 +116,26 @@ class PatchEmbed(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train
-    b, h, w, _ = x.shape
+    _, h, w, _ = x.shape
     if h % self.patch or w % self.patch:
       raise ValueError(f"image {h}x{w} does not split into {self.patch}x{self.patch} patches; "
                        "use a patch size dividing the image size.")
     x = nn.Conv(self.dim, (self.patch, self.patch), strides=(self.patch, self.patch),
                 padding="VALID")(x)
-    t = x.reshape(b, -1, self.dim)
-    pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, *t.shape[1:]))
-    t = t + pos.astype(t.dtype)
-    return (t, t) if self.two_streams else t
+    return embed_tokens(self, x)
 
 
-class ConvTokenizer(nn.Module):
+def embed_tokens(stem: nn.Module, x):
+  """The stems' common end: ``[B, h, w, D]`` flattened to ``[B, h w, D]``
+  tokens plus the stem's learned ``pos_embed`` ``[1, h w, D]`` (normal, std
+  0.02), twice ``(t, t)`` if ``stem.two_streams`` (RevViT's duplication)."""
+  t = x.reshape(x.shape[0], -1, x.shape[-1])
+  pos = stem.param("pos_embed", nn.initializers.normal(0.02), (1, *t.shape[1:]))
+  t = t + pos.astype(t.dtype)
+  return (t, t) if stem.two_streams else t
+
+
+class ConvTokenizer(PatchEmbed):
   """CCT's convolutional tokenizer (Hassani et al., "Escaping the Big Data
   Paradigm with Compact Transformers", 2021): image ``[B, H, W, C]`` ->
   tokens ``[B, N, dim]`` (+ position embedding), non-reversible.
@@ -140,18 +147,17 @@ class ConvTokenizer(nn.Module):
   buffers its input under PETRA). With ``two_streams`` the tokens are
   returned twice.
 
+  Fields as :class:`PatchEmbed`'s.
+
   Raises (when traced):
     ValueError: ``patch`` not a power of two >= 2, or ``H``, ``W`` not
       multiples of it.
   """
-  dim: int
-  patch: int
-  two_streams: bool = True
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     del train
-    b, h, w, _ = x.shape
+    _, h, w, _ = x.shape
     layers = self.patch.bit_length() - 1
     if self.patch < 2 or 2 ** layers != self.patch or h % self.patch or w % self.patch:
       raise ValueError(f"the conv tokenizer needs a power-of-two patch (>= 2) dividing the "
@@ -160,10 +166,7 @@ class ConvTokenizer(nn.Module):
       ch = self.dim if i == layers - 1 else max(16, self.dim // 2)
       x = nn.relu(nn.Conv(ch, (3, 3), padding="SAME", use_bias=False)(x))
       x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-    t = x.reshape(b, -1, self.dim)
-    pos = self.param("pos_embed", nn.initializers.normal(0.02), (1, *t.shape[1:]))
-    t = t + pos.astype(t.dtype)
-    return (t, t) if self.two_streams else t
+    return embed_tokens(self, x)
 
 
 TOKENIZERS = {"patch": PatchEmbed, "conv": ConvTokenizer}
