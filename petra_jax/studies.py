@@ -144,12 +144,13 @@ def _write(args, study: str, header: str, table: list[str], rows, notes: str):
   os.makedirs(args.out, exist_ok=True)
   png = os.path.join(args.out, f"{study}.png")
   _plot(rows, png, header)
+  seeds = sorted({r.get("seed", args.seed) for r in rows}) if rows else [args.seed]
   lines = [f"# {header}", "", "Command:", "", "```",
            "python -m petra_jax.studies " + " ".join(args.argv), "```", "",
            f"Machine: {_machine()}. Date: {datetime.date.today().isoformat()}. "
            f"Model: RevNet18 width {args.width}, batch {args.batch_size} images per update, "
            f"{args.epochs} epoch(s), SGD-Nesterov lr {args.learning_rate} with "
-           f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, seed {args.seed}.", "",
+           f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, seed(s) {', '.join(map(str, seeds))}.", "",
            *table, "", notes, "", f"![{study}]({study}.png)", ""]
   path = os.path.join(args.out, f"{study}.md")
   with open(path, "w", encoding="utf-8") as f:
