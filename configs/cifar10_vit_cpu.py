@@ -6,32 +6,37 @@ Commands (the backprop baseline runs the non-reversible twin ``vit_tiny``)::
   python -m petra_jax.train --config=configs/cifar10_vit_cpu.py --workdir=runs/vit_backprop \\
       --config.method=backprop --config.model.name=vit_tiny --config.model.stage_sizes='()'
 
-``revvit_tiny`` (petra_jax.models.vit) at ``width`` 32 per head, 3 heads
-(``D = 96`` per stream), 4 transformer layers (8 reversible blocks: attention
-and MLP couplings), patch 4 (64 tokens of a 32 x 32 image): 460,522
-parameters. Its 10 blocks are grouped into J = 4 pipeline stages (stem attn
-mlp | attn mlp | attn mlp | attn mlp head): stages 1 and 2 are reversible and
-reconstruct their input; the delays are tau_j = 6, 4, 2, 0 ticks. Batches of
-128 images in k = 2 micro-batches of 64, the CPU recipe's augmentation
-(random crop with 4-pixel padding, horizontal flip), AdamW (lr 1e-3,
-decoupled weight decay 0.05 on kernels) with a 2-epoch linear warm-up and a
-cosine decay. No label smoothing (the engine's loss is plain cross-entropy),
-no dropout or drop-path (nothing random to replay in the reconstruction).
-``reconstruction_error_every`` = 50 logs ``||x~ - x|| / ||x||`` of the
-reversible stages in ``metrics.jsonl``.
+``revvit_tiny`` (petra_jax.models.vit) with CCT's convolutional tokenizer
+(``model.tokenizer=conv``, patch 8: 3 x 3 convolutions 3 -> 48 -> 48 -> 96
+with 3 x 3/2 max-pools, 16 tokens), width 32 per head, 3 heads (``D = 96``
+per stream), 4 transformer layers (8 reversible blocks: attention and MLP
+couplings): 514,714 parameters. Its 10 blocks are grouped into J = 4
+pipeline stages (stem attn mlp | attn mlp | attn mlp | attn mlp head): stages
+1 and 2 are reversible and reconstruct their input; the delays are tau_j = 6,
+4, 2, 0 ticks. Batches of 128 images in k = 2 micro-batches of 64, the CPU
+recipe's augmentation (random crop with 4-pixel padding, horizontal flip),
+AdamW (lr 1e-3, decoupled weight decay 0.05 on kernels) with a 0.5-epoch
+linear warm-up and a cosine decay over 6 epochs. No label smoothing (the
+engine's loss is plain cross-entropy), no dropout or drop-path (nothing
+random to replay in the reconstruction). ``reconstruction_error_every`` = 50
+logs ``||x~ - x|| / ||x||`` of the reversible stages in ``metrics.jsonl``.
 
-Measured here (2026-11-25, 2-core CPU shared with other jobs, so wall times
-are indicative; seed 0, one run each). The full 30-epoch recipe was NOT run
-(CPU time too scarce); a 2-epoch version of both commands above, with
-``--config.num_epochs=2 --config.optim.warmup_epochs=0.5``: PETRA 29.3 % then
-**42.2 %** test accuracy after epochs 1 and 2, 632 s of training (634 s for
-the command); backprop on ``vit_tiny`` 41.4 % then **49.3 %**, 589 s (591 s).
-So at equal epochs (and, both taking about the same time, at equal wall time)
-PETRA is 7.1 points behind: the 2-point target is missed at this length, and
-the 65 % target within the RevNet CPU recipe's ~573 s is not reached (about
-42-49 % in ~600 s). Reconstruction error of the reversible stages: 1.6e-7 at
-the first update, up to 0.066 (stage 1) at the end of the warm-up, 2.8e-4 at
-the end (it follows the learning rate). Details: docs/transformers.md.
+Measured here (2026-11-25, seed 0, one run each, the two commands above
+running at the same time beside another job, so wall times are inflated and
+only comparable with each other): PETRA **55.4 %** test accuracy after 6
+epochs (26.2, 37.9, 42.4, 50.1, 55.0, 55.4 % per epoch; 1885 s of
+training); backprop on ``vit_tiny`` **69.9 %** (50.7, 58.2, 62.8, 66.3, 68.8,
+69.9 %; 2364 s). So PETRA is 14.5 points behind at equal epochs (the 2-point
+target is missed) and the recipe does not reach 65 % (backprop on the twin
+does, at epoch 4). Short probes (docs/transformers.md) put the gap on the
+gradients' staleness, not on the reconstruction: ``delayed`` (stashed
+weights, exact vjp) lags as PETRA does, while revprop (no delay) tracks
+backprop. Reconstruction error of the reversible stages: at most 0.045
+(stage 1, end of the warm-up), 1e-5 at the end.
+
+The earlier patch-stem recipe (patch 4, 64 tokens, 460,522 parameters;
+``--config.model.tokenizer=patch --config.model.patch_size=4``) reached 42.2 %
+(PETRA) and 49.3 % (backprop) after 2 epochs.
 
 Variant ``runlocal`` (``--config=configs/cifar10_vit_cpu.py:runlocal``): width
 8, one layer, batches of 32, 10 updates: a smoke test of the command, not a

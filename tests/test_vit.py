@@ -169,8 +169,15 @@ def test_cpu_recipe_validates_and_has_its_documented_size(variant):
   c = _config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
   validation.validate_config(c, 1)
   if not variant:
-    s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth)
-    assert s["total_params"] == 460522 and len(s["stages"]) == sum(c.model.stage_sizes)
+    s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth,
+                          c.model.tokenizer, c.model.patch_size)
+    # D = 3 x 32 = 96, 16 tokens: the conv tokenizer 3->48->48->96 (3x3, no bias) and the
+    # position embedding; per layer 12 D^2 + 13 D; the head on 2D = 192 features.
+    stem = 9 * (3 * 48 + 48 * 48 + 48 * 96) + 16 * 96
+    layer = 12 * 96 * 96 + 13 * 96
+    head = 2 * 192 + 192 * 10 + 10
+    assert s["total_params"] == stem + 4 * layer + head == 514714
+    assert len(s["stages"]) == sum(c.model.stage_sizes)
 
 
 def test_conv_tokenizer_is_cct_written_out():

@@ -59,7 +59,7 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
 
 
 def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None,
-              tokenizer: str = "patch") -> dict:
+              tokenizer: str = "patch", patch_size: Optional[int] = None) -> dict:
   """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
 
   The dataset fixes the input size, the stem and the classes (``DATASETS``);
@@ -73,7 +73,8 @@ def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = N
     raise ValueError(f"Unknown dataset {dataset!r}; choose one of {sorted(DATASETS)}.")
   d = DATASETS[dataset]
   stages = build_model(name, width=width, num_classes=d.num_classes,
-                       imagenet_stem=d.imagenet_stem, depth=depth, tokenizer=tokenizer)
+                       imagenet_stem=d.imagenet_stem, depth=depth, tokenizer=tokenizer,
+                       patch_size=patch_size)
   rows = stage_summaries(stages, d.image_shape)
   return {"total_params": sum(r["params"] for r in rows), "stages": rows}
 
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="reversible blocks of a fixed-size model (revnet_fixed; default 20)")
   parser.add_argument("--tokenizer", default="patch",
                       help="ViTs: the stem, patch (ViT's) or conv (CCT's); default patch")
+  parser.add_argument("--patch-size", type=int, default=None,
+                      help="ViTs: the stem's patch (default 4 on 32x32 images, 16 on ImageNet)")
   parser.add_argument("--json", action="store_true", help="print JSON")
   return parser
 
@@ -131,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: --width must be >= 1, got {args.width}.", file=sys.stderr)
     return 2
   try:
-    summary = summarize(args.name, args.dataset, args.width, args.depth, args.tokenizer)
+    summary = summarize(args.name, args.dataset, args.width, args.depth, args.tokenizer,
+                        args.patch_size)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
