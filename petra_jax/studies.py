@@ -150,7 +150,8 @@ def _write(args, study: str, header: str, table: list[str], rows, notes: str):
            f"Machine: {_machine()}. Date: {datetime.date.today().isoformat()}. "
            f"Model: RevNet18 width {args.width}, batch {args.batch_size} images per update, "
            f"{args.epochs} epoch(s), SGD-Nesterov lr {args.learning_rate} with "
-           f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, seed(s) {', '.join(map(str, seeds))}.", "",
+           f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, "
+           f"seed(s) {', '.join(map(str, seeds))}.", "",
            *table, "", notes, "", f"![{study}]({study}.png)", ""]
   path = os.path.join(args.out, f"{study}.md")
   with open(path, "w", encoding="utf-8") as f:
@@ -292,8 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                  help="local study: seeds")
   p.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=None,
-                 help="local study: which rows (default all: backprop, fg_local_activity, "
-                 "fg_random_activity, local, petra, fg_local_weights)")
+                 help="local study: which rows, by name (default all; "
+                 "petra_jax.study_local.ROWS)")
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
   p.add_argument("--workdir", default="", help="default: runs/<study>")

@@ -12,7 +12,8 @@ for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)`` blocks; 5:
 ``(1, 2, 2, 2, 3)``; 10: one block per stage, the paper's split) and each
 seed (``--rows`` keeps some of them, by name), with ``k`` micro-batches per
 update the first of ``--ks`` (the ksweep option; 1 unless given: a larger
-``k`` divides every delay, counted in updates, by ``k``). The table gives test accuracy at equal epochs, backprop's at the row's wall
+``k`` divides every delay, counted in updates, by ``k``). The table gives
+test accuracy at equal epochs, backprop's at the row's wall
 time, the bytes sent backward per tick and the bytes stored between a
 micro-batch's forward and its update (:func:`transfer_bytes`, from shapes).
 """
