@@ -111,6 +111,15 @@ def test_channel_sum_matches_float64(n):
   _assert_close(batchnorm.channel_sum(a.reshape(n, 1, 1, 12)), expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [64 * 9, 7])
+def test_channel_sums_of_several_arrays_match_float64(n):
+  a, b, c = (jax.random.normal(jax.random.key(i), (n, 2, 12)) * (i + 1) + i for i in range(3))
+  sums = batchnorm.channel_sums(a, b, c)
+  assert len(sums) == 3
+  for got, arr in zip(sums, (a, b, c)):
+    _assert_close(got, np.asarray(arr, np.float64).sum((0, 1)), rtol=1e-6)
+
+
 def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
   """A tiny RevNet18 (ReLUs fused into conv_bn) against the same with Flax's layer."""
   from petra_jax.benchmarks import cli, profile_step

@@ -69,6 +69,16 @@ def test_packer_refuses_another_layout_and_what_it_cannot_pack():
   assert packing.pack({"w": 1.0}) == {"w": 1.0}  # weakly typed: left as it is
 
 
+def test_large_states_stay_unpacked_small_ones_are_packed():
+  limit = packing.Packer.MAX_MEAN_LEAF_BYTES // 4  # float32 elements per leaf
+  small = {"a": jnp.zeros((limit,)), "b": jnp.zeros((3,))}
+  large = {"a": jnp.zeros((2 * limit + 4,)), "b": jnp.zeros((3,))}  # mean just past the limit
+  assert packing.Packer.of(small).pays and isinstance(packing.pack(small),
+                                                      packing.PackedState)
+  assert not packing.Packer.of(large).pays
+  assert packing.pack(large) is large
+
+
 def _steps(stages, method="petra"):
   return StageSteps(stages, methods_lib.get(method), "backward")
 
