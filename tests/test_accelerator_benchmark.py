@@ -41,6 +41,7 @@ def report():
   return json.loads(out.getvalue())
 
 
+@pytest.mark.long  # about a minute; logic covered by faster tests (CI time)
 def test_report_schema(report):
   assert {"device", "versions", "results", "reconstruction_error"} <= set(report)
   assert report["device"]["platform"] == jax.devices()[0].platform
@@ -57,6 +58,7 @@ def test_report_schema(report):
     assert r["busy_fraction"] == pytest.approx(r["device_ms"] / r["tick_ms"])
 
 
+@pytest.mark.long  # about a minute; logic covered by faster tests (CI time)
 def test_reconstruction_error_in_report(report):
   err = report["reconstruction_error"]
   assert set(err) == {"default", "highest"}

@@ -147,6 +147,7 @@ def test_multiprocess_killed_peer_exits_with_clear_error(worker_env, cifar10_dir
   assert "launch/local.sh: process 0 of 2 failed" in out, out[-3000:]
 
 
+@pytest.mark.long  # about a minute; logic covered by faster tests (CI time)
 @pytest.mark.slow
 def test_multiprocess_train_writes_the_single_process_grad_quality(worker_env, cifar10_dir,
                                                                    tmp_path):

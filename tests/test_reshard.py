@@ -101,6 +101,7 @@ def _saved_blocks(workdir, step):
   return ocp.PyTreeCheckpointer().restore(path)["blocks"]
 
 
+@pytest.mark.long  # about a minute; logic covered by faster tests (CI time)
 def test_drained_checkpoint_resumes_with_four_stages(cifar10_dir, tmp_path):
   # 10 stages, a drained checkpoint every 2 updates; the one at 2 resumes
   # with 4 stages: every block's arrays equal those saved, training goes on.

@@ -111,7 +111,8 @@ class Pipeline:
       (``steps.reconstructs``).
     packs: whether the tasks pass each stage's state to its steps packed
       (:mod:`petra_jax.engine.packing`: a few flat buffers, cheaper to
-      dispatch; ``state.train_states`` still reads :class:`StageState`\\ s).
+      dispatch; ``state.train_states`` still reads :class:`StageState`\\ s;
+      states of large leaves stay unpacked, :attr:`packing.Packer.pays`).
       Off with observers (they read the states around every task), across
       processes and with ``data_parallel > 1`` (replicated states), in
       ``backprop`` (one call on every state) and in the pipelines with

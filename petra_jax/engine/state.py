@@ -150,8 +150,9 @@ class PipelineState:
 
   def packed(self, j: int):
     """Stage ``j``'s state packed (packed in place first if it is not; a
-    state that cannot be packed is returned as it is): what a pipeline
-    that packs passes its hot-path steps."""
+    state that cannot be packed, or whose packing would not pay,
+    :func:`petra_jax.engine.packing.pack`, is returned as it is): what a
+    pipeline that packs passes its hot-path steps."""
     s = self.stage_states[j]
     if not isinstance(s, packing.PackedState):
       s = self.stage_states[j] = packing.pack(s)
