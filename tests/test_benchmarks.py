@@ -346,3 +346,26 @@ def test_scaling_bad_process_count_is_one_clear_error():
   assert "Traceback" not in run.stderr
   assert run.stderr.strip() == ("error: --processes=5: use 2 to 4 (the number of stages; "
                                 "--stage-sizes sets it).")
+
+
+def test_side_by_side_ratios_are_medians_over_brackets_by_hand():
+  from petra_jax.benchmarks import torch_side_by_side as sbs
+  run = lambda p, b: {"ms_per_step": {"petra": p, "backprop": b}}  # noqa: E731
+  theirs = [run(100, 80), run(300, 240), run(100, 80)]
+  ours = [run(220, 100), run(90, 60)]
+  rows = sbs.brackets(theirs, ours)
+  # bracket 1: theirs' mean petra 200, backprop 160; bracket 2 the same
+  assert rows[0]["ratio_petra_ours_theirs"] == pytest.approx(220 / 200)
+  assert rows[1]["ratio_backprop_ours_theirs"] == pytest.approx(60 / 160)
+  assert rows[1]["ratio_petra_backprop_ours"] == pytest.approx(90 / 60)
+  got = sbs.summary(rows)
+  assert got["ratio_petra_ours_theirs"] == pytest.approx((220 / 200 + 90 / 200) / 2)
+  assert got["ratio_petra_backprop_theirs"] == pytest.approx(200 / 160)
+  with pytest.raises(ValueError, match="need 3 of theirs"):
+    sbs.brackets(theirs[:2], ours)
+
+
+def test_side_by_side_without_the_authors_export_is_one_line(tmp_path):
+  from petra_jax.benchmarks import torch_side_by_side as sbs
+  with pytest.raises(SystemExit, match="has no async_torch"):
+    sbs.main([f"--petra-repo={tmp_path}", "--torch-python=python3"])

@@ -1,7 +1,7 @@
 """Side by side: the authors' PyTorch PETRA and backprop steps against ours.
 
 ``python -m petra_jax.benchmarks.torch_side_by_side --petra-repo=PATH
---torch-python=PY [--batch-size=64] [--iters=5] [--threads=2] [--json]``
+--torch-python=PY [--batch-size=64] [--iters=5] [--threads=2] [--repeats=1] [--json]``
 
 ``PATH`` is an export of the authors' repository (stephane-rivaud/PETRA, e.g.
 ``git archive HEAD | tar -x -C PATH``) and ``PY`` a Python with ``torch``.
@@ -20,9 +20,13 @@ threads (XLA uses every core), SGD with momentum on both sides.
   task; one PETRA tick with the pipeline full).
 
 Their runs bracket ours (theirs, ours, theirs) so a drift of the machine's
-speed shows; each side interleaves its two methods round by round. Prints
-the median ms of each and the ratios ours/theirs (against the mean of their
-two runs) and petra/backprop of each side.
+speed shows; each side interleaves its two methods round by round. With
+``--repeats=R`` the sides alternate ``R`` times (theirs, ours, theirs, ...,
+ours, theirs: ``R`` brackets sharing their ends), for shared or throttled
+machines whose speed drifts by tens of percent within minutes. Prints each
+bracket (every run's median ms, the ratios ours/theirs against the mean of
+the bracket's two runs of theirs, petra/backprop of each side) and, at the
+top level, the median of each ratio over the brackets.
 """
 
 from __future__ import annotations
@@ -106,15 +110,36 @@ def _ours(args) -> dict:
   return {"ms_per_step": ms, "jax": jax.__version__}
 
 
+RATIOS = ("ratio_petra_ours_theirs", "ratio_backprop_ours_theirs",
+          "ratio_petra_backprop_ours", "ratio_petra_backprop_theirs")
+
+
 def compare(theirs_before: dict, ours: dict, theirs_after: dict) -> dict:
   """Ratios ours/theirs per method (theirs: the mean of the two runs) and petra/backprop."""
   mean = {k: (theirs_before["ms_per_step"][k] + theirs_after["ms_per_step"][k]) / 2
           for k in ("backprop", "petra")}
   o = ours["ms_per_step"]
-  return {"ratio_petra_ours_theirs": o["petra"] / mean["petra"],
-          "ratio_backprop_ours_theirs": o["backprop"] / mean["backprop"],
-          "ratio_petra_backprop_ours": o["petra"] / o["backprop"],
-          "ratio_petra_backprop_theirs": mean["petra"] / mean["backprop"]}
+  return dict(zip(RATIOS, (o["petra"] / mean["petra"], o["backprop"] / mean["backprop"],
+                           o["petra"] / o["backprop"], mean["petra"] / mean["backprop"])))
+
+
+def brackets(theirs: list, ours: list) -> list:
+  """``R`` runs of ours bracketed by ``R + 1`` of theirs: per bracket its three
+  runs and :func:`compare`'s ratios.
+
+  Raises:
+    ValueError: ``len(theirs) != len(ours) + 1``.
+  """
+  if len(theirs) != len(ours) + 1:
+    raise ValueError(f"{len(ours)} runs of ours need {len(ours) + 1} of theirs, "
+                     f"not {len(theirs)}.")
+  return [{"theirs_before": b, "ours": o, "theirs_after": a, **compare(b, o, a)}
+          for b, o, a in zip(theirs, ours, theirs[1:])]
+
+
+def summary(rows: list) -> dict:
+  """The median of each ratio over the brackets of :func:`brackets`."""
+  return {k: statistics.median(r[k] for r in rows) for k in RATIOS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,6 +151,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--iters", type=int, default=5, help="measured rounds per side")
   p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
   p.add_argument("--threads", type=int, default=2, help="torch threads")
+  p.add_argument("--repeats", type=int, default=1,
+                 help="brackets: runs of ours, each between two of theirs")
   p.add_argument("--json", action="store_true", help="print JSON")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   return p
@@ -143,11 +170,14 @@ def main(argv=None) -> int:
                      "of stephane-rivaud/PETRA (git archive HEAD | tar -x -C PATH).")
   if not args.torch_python:
     raise SystemExit("--torch-python is required: a Python interpreter with torch installed.")
-  before = _theirs(args)
-  ours = _ours(args)
-  after = _theirs(args)
-  report = {"theirs_before": before, "ours": ours, "theirs_after": after,
-            **compare(before, ours, after), "batch_size": args.batch_size,
+  if args.repeats < 1:
+    raise SystemExit(f"--repeats={args.repeats}: give at least 1.")
+  theirs, ours = [_theirs(args)], []
+  for _ in range(args.repeats):
+    ours.append(_ours(args))
+    theirs.append(_theirs(args))
+  rows = brackets(theirs, ours)
+  report = {**summary(rows), "brackets": rows, "batch_size": args.batch_size,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "date": time.strftime("%Y-%m-%d")}
   if args.json:
