@@ -76,7 +76,16 @@ def test_large_states_stay_unpacked_small_ones_are_packed():
   assert packing.Packer.of(small).pays and isinstance(packing.pack(small),
                                                       packing.PackedState)
   assert not packing.Packer.of(large).pays
-  assert packing.pack(large) is large
+  assert packing.pack(large) is large  # on the CPU; an accelerator packs every state
+
+
+def test_an_accelerator_packs_large_states_too(monkeypatch):
+  large = {"a": jnp.zeros((packing.Packer.MAX_MEAN_LEAF_BYTES,)), "b": jnp.zeros((3,))}
+  assert packing._on_cpu(large)
+  monkeypatch.setattr(packing, "_on_cpu", lambda tree: False)
+  packed = packing.pack(large)
+  assert isinstance(packed, packing.PackedState)
+  _same(packing.unpack(packed), large)
 
 
 def _steps(stages, method="petra"):

@@ -18,11 +18,12 @@ hot-path steps therefore take and return it packed:
   dtype); given an unpacked state it is the step itself;
 * :func:`pack`, :func:`unpack`: the jitted conversions, off the hot path.
 
-Packing pays only for small states (:meth:`Packer.pays`): the concatenation
-writes every byte of the state once more per step, which for RevNet18 at
-width 64 (megabytes per stage) costs more than the dispatch it saves (a
-PETRA tick 2130 -> 2018 ms unpacked, docs/benchmarks.md); such states stay
-unpacked.
+On the CPU packing pays only for small states (:attr:`Packer.pays`): the
+concatenation writes every byte of the state once more per step, which for
+RevNet18 at width 64 (megabytes per stage) costs more than the dispatch it
+saves (a PETRA tick 2130 -> 2018 ms unpacked, docs/benchmarks.md); such
+states stay unpacked there. On an accelerator (memory bandwidth in TB/s, a
+host that must keep up with sub-millisecond stages) every state is packed.
 
 Packing moves bits only (slices, reshapes, concatenations): a packed step
 computes exactly what the unpacked one does.
@@ -61,15 +62,15 @@ class Packer:
   slots: tuple
   sizes: tuple
 
-  # Packing pays while the copy it adds (every byte once more per step, at
-  # ~5-10 GB/s on a CPU core) costs less than the dispatch it saves (~3-4 µs
-  # per leaf on XLA:CPU): a mean leaf of at most this many bytes.
+  # On the CPU packing pays while the copy it adds (every byte once more per
+  # step, at ~5-10 GB/s) costs less than the dispatch it saves (~3-4 µs per
+  # leaf on XLA:CPU): a mean leaf of at most this many bytes.
   MAX_MEAN_LEAF_BYTES = 16 * 1024
 
   @property
   def pays(self) -> bool:
-    """Whether packing this layout saves time: its mean leaf has at most
-    :attr:`MAX_MEAN_LEAF_BYTES` bytes."""
+    """Whether packing this layout saves time on the CPU: its mean leaf has
+    at most :attr:`MAX_MEAN_LEAF_BYTES` bytes."""
     nbytes = sum(n * d.itemsize for n, d in zip(self.sizes, self.dtypes))
     return nbytes <= self.MAX_MEAN_LEAF_BYTES * len(self.slots)
 
@@ -157,14 +158,21 @@ def _unpack(packed: PackedState) -> PyTree:
 
 def pack(tree: PyTree):
   """``tree`` packed (one jitted call, not donating: ``tree`` stays valid),
-  or ``tree`` itself where it cannot be packed (:meth:`Packer.of`) or
-  packing would not pay (:attr:`Packer.pays`)."""
+  or ``tree`` itself where it cannot be packed (:meth:`Packer.of`) or, on
+  the CPU, packing would not pay (:attr:`Packer.pays`)."""
   if isinstance(tree, PackedState):
     return tree
   packer = Packer.of(tree)
-  if packer is None or not packer.pays:
+  if packer is None or not (packer.pays or not _on_cpu(tree)):
     return tree
   return _pack(tree)
+
+
+def _on_cpu(tree: PyTree) -> bool:
+  """Whether ``tree``'s arrays live on CPU devices (its first leaf's)."""
+  leaf = jax.tree.leaves(tree)[0]
+  devices = leaf.devices() if hasattr(leaf, "devices") else set()
+  return all(d.platform == "cpu" for d in devices)
 
 
 def unpack(tree):
