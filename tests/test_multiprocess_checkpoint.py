@@ -111,6 +111,7 @@ def reference(env, cifar10_dir, tmp_path_factory):
   return wd
 
 
+@pytest.mark.long  # two minutes with its reference run; -m long runs the module
 def test_multiprocess_sigkill_restart_resumes_with_the_same_losses(env, cifar10_dir, reference,
                                                                    tmp_path):
   tag = uuid.uuid4().hex
