@@ -118,6 +118,8 @@ def test_channel_sums_of_several_arrays_match_float64(n):
   assert len(sums) == 3
   for got, arr in zip(sums, (a, b, c)):
     _assert_close(got, np.asarray(arr, np.float64).sum((0, 1)), rtol=1e-6)
+  with pytest.raises(ValueError, match="one shape"):
+    batchnorm.channel_sums(a, a[:1])
 
 
 def test_revnet_loss_and_gradient_as_with_flax_batchnorm():

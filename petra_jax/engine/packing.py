@@ -163,7 +163,7 @@ def pack(tree: PyTree):
   if isinstance(tree, PackedState):
     return tree
   packer = Packer.of(tree)
-  if packer is None or not (packer.pays or not _on_cpu(tree)):
+  if packer is None or (not packer.pays and _on_cpu(tree)):
     return tree
   return _pack(tree)
 
