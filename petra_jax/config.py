@@ -16,7 +16,7 @@ import ml_collections
 
 from petra_jax.optim import compensation
 from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
-from petra_jax.engine.reversible_backward import BACKWARDS as REVERSIBLE_BACKWARDS  # noqa: F401
+from petra_jax.engine.stage import REVERSIBLE_BACKWARDS  # noqa: F401
 BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
 PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
 

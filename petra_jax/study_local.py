@@ -26,6 +26,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from petra_jax.engine import partition
 from petra_jax import models
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import schedule as schedule_lib
@@ -81,7 +82,7 @@ def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, m
   """
   stages = models.build_model("revnet18", width=width, num_classes=num_classes)
   if stage_sizes:
-    stages = models.group_stages(stages, list(stage_sizes))
+    stages = partition.group_stages(stages, list(stage_sizes))
   m = methods_lib.get(method)
   J = len(stages)
   x = jax.ShapeDtypeStruct((micro,) + tuple(image_shape), jnp.float32)

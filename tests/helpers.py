@@ -88,7 +88,7 @@ def tiny_revnet():
 
 def zero_delay_update_errors(stages, method: str) -> list:
   """Per stage, the relative error between ``method``'s update with every
-  delay 0 (one micro-batch drained through ``Pipeline.revprop_step``, SGD
+  delay 0 (one micro-batch drained through ``drained_step``, SGD
   with rate 1) and ``-jax.grad`` of the composed model (:func:`composed_loss`,
   an independent composition) at the same weights."""
   from petra_jax.engine import pipeline  # pylint: disable=g-import-not-at-top
@@ -98,6 +98,15 @@ def zero_delay_update_errors(stages, method: str) -> list:
   params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]
   stats = [s.batch_stats for s in state.train_states]
   ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
-  state, _ = pipe.revprop_step(state, x, y)
+  state, _ = drained_step(pipe, state, x, y)
   step = jax.tree.map(lambda b, a: b - a, params, [s.params for s in state.train_states])
   return [rel_err(step[j], ref[j]) for j in range(len(stages))]
+
+
+def drained_step(pipe, state, images, labels):
+  """One micro-batch with every delay 0: the method's stage steps on the
+  ``drained`` table. Returns ``(new_state, loss)``."""
+  from petra_jax.engine.schedule import Schedule  # noqa: PLC0415
+  state, outs = pipe.run(state, Schedule("drained", pipe.num_stages, 1),
+                         lambda m: (images, labels))
+  return state, outs[0].loss

@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 from petra_jax import config as config_lib
 from petra_jax.engine import forward_gradient as fg
-from petra_jax.engine import forward_gradient_pipeline as fgp
+from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.stage import Stage
 from petra_jax.models import auxiliary
@@ -145,9 +146,9 @@ def test_batch_projection_through_batchnorm(guess):
 
 
 def _fg_pipe(stages, emulate, perturb):
-  kw = dict(guess="local", perturb=perturb, emulate=emulate, eps=1e-16, seed=0)
-  return fgp.ForwardGradientPipeline(stages, optax.sgd(0.5), jax.devices()[:1],
-                                     method="forward_gradient", **kw)
+  options = fg.Options(guess="local", perturb=perturb, emulate=emulate, eps=1e-16, seed=0)
+  return Pipeline(stages, optax.sgd(0.5), jax.devices()[:1], method="forward_gradient",
+                  forward_gradient=options)
 
 
 @pytest.mark.parametrize("perturb", ["weights", "activity"])
@@ -162,7 +163,7 @@ def test_real_and_emulated_updates_agree_without_delay(perturb):
     pipe = _fg_pipe(stages, emulate, perturb)
     state = pipe.init(0, x)
     before = [jax.tree.map(jnp.copy, s.params) for s in state.train_states]
-    state, _ = pipe.revprop_step(state, x, y)
+    state, _ = helpers.drained_step(pipe, state, x, y)
     after.append(jax.tree.map(lambda b, a: b - a, before,
                               [s.params for s in state.train_states]))
     assert not state.in_flight()
@@ -222,8 +223,7 @@ def test_bad_options_are_one_clear_error():
     with pytest.raises(validation.ConfigError, match=match):
       validation.validate_config(config, 1)
   with pytest.raises(ValueError, match="guess="):
-    fgp.ForwardGradientPipeline(
-        tiny_revnet(), optax.sgd(0.1), method="forward_gradient", guess="x")
+    fg.Options(guess="x")
 
 
 def test_stream_sends_one_scalar_per_sample_per_upstream_stage():
@@ -231,9 +231,8 @@ def test_stream_sends_one_scalar_per_sample_per_upstream_stage():
   passes rows 0..j-1 on; each stage keeps tau_j guesses and inputs."""
   stages = _small_revnet()
   J = len(stages)
-  pipe = fgp.ForwardGradientPipeline(stages, optax.sgd(0.1), jax.devices()[:1],
-                                     method="forward_gradient", guess="random",
-                                     perturb="activity")
+  pipe = Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], method="forward_gradient",
+                  forward_gradient=fg.Options(guess="random", perturb="activity"))
   x, _ = random_batch()
   state = pipe.init(0, x)
   state, outs = run_ticks(pipe, state, 3 * J, batches_of(), num_ticks=J)

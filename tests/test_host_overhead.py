@@ -5,7 +5,6 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models
 from petra_jax.benchmarks import host
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
@@ -43,7 +42,6 @@ def test_hollow_pipeline_runs_the_same_steps_as_the_real_one(method):
   device = jax.devices()[0]
   real = Pipeline(_tiny_revnet(), tx, [device], method=method)
   hollow = host.hollow_pipeline(_tiny_revnet(), tx, device, method=method)
-  assert hollow.steps.hollow and not real.steps.hollow
   logs = {"real": [], "hollow": []}
   outputs = {}
   for name, pipe in (("real", real), ("hollow", hollow)):
@@ -92,7 +90,7 @@ def test_a_tick_moves_its_messages_in_one_batched_device_put(monkeypatch):
   # messages across the 3 device boundaries (6 payloads) leave in one
   # jax.device_put, after the tick's computation.
   from petra_jax.engine import messages, transport
-  from petra_jax.engine.state import Deferred
+  from petra_jax.engine.messages import Deferred
   calls = []
   real_send = transport.send
 

@@ -94,7 +94,7 @@ def test_only_stem_and_head_are_not_reversible(name):
   stages = models.build_model(name, width=4)
   assert [s.name for s in stages] == [s.name for s in base]
   assert [s.reversible for s in stages] == [False] + [True] * (len(stages) - 2) + [False]
-  assert models.MODEL_FAMILY[name] == "revnet"
+  assert models.MODEL_SPECS[name].family == "revnet"
   assert sum(s.pre is not None for s in stages) == (4 if name == "revnet50_inv" else 3)
 
 
@@ -181,7 +181,7 @@ def test_inv_model_needs_even_width():
 
 def test_revnet_fixed_has_depth_reversible_blocks_and_runs():
   assert len(models.build_model("revnet_fixed", width=4)) == 20 + 2  # default depth
-  assert models.MODEL_FAMILY["revnet_fixed"] == "revnet"
+  assert models.MODEL_SPECS["revnet_fixed"].family == "revnet"
   stages = models.build_model("revnet_fixed", width=4, depth=3, num_classes=7)
   assert [s.reversible for s in stages] == [False, True, True, True, False]
   x = _normal(0, (2, 16, 16, 3))

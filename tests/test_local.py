@@ -7,6 +7,7 @@ import pytest
 
 from petra_jax.engine import local, methods, pipeline, schedule
 from petra_jax.engine.stage import group
+from petra_jax.engine.auxiliary import AUX_KEY
 from petra_jax.models import auxiliary
 from helpers import batches_of, random_batch, random_variables, rel_err, run_ticks, tiny_revnet
 
@@ -18,7 +19,7 @@ def _plain_forward(stage, params, h):
   blocks = stage.blocks or (stage,)
   for i, b in enumerate(blocks):
     p = params[f"block_{i}"] if stage.blocks else {k: v for k, v in params.items()
-                                                   if k != auxiliary.AUX_KEY}
+                                                   if k != AUX_KEY}
     if b.reversible:
       f, _ = b.module.apply({"params": p}, h[0], train=True, mutable=["batch_stats"])
       h = (h[1] + f, h[0])
@@ -35,14 +36,14 @@ def _two_stages(kind="mlp"):
 @pytest.mark.parametrize("kind", auxiliary.HEADS)
 def test_local_with_one_stage_before_the_head_is_backprop_on_the_aux_loss(kind):
   stages = _two_stages(kind)
-  pipe = local.LocalPipeline(stages, optax.sgd(LR), jax.devices()[:1], method="local")
+  pipe = pipeline.Pipeline(stages, optax.sgd(LR), jax.devices()[:1], method="local")
   x, y = random_batch()
   state = pipe.init(0, x)
   before = [jax.tree.map(jnp.copy, s.params) for s in state.train_states]
 
   def aux(p):  # stage 0 and its head, composed and differentiated by jax.grad
     h = _plain_forward(stages[0], p, x)
-    logits = auxiliary.AuxHead(kind, 10, 8).apply({"params": p[auxiliary.AUX_KEY]}, h)
+    logits = auxiliary.AuxHead(kind, 10, 8).apply({"params": p[AUX_KEY]}, h)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   h0 = _plain_forward(stages[0], before[0], x)
@@ -62,7 +63,7 @@ def test_local_with_one_stage_before_the_head_is_backprop_on_the_aux_loss(kind):
 def test_local_stream_has_no_backward_tasks_and_stores_nothing():
   blocks = tiny_revnet()
   stages = auxiliary.with_heads([blocks[0], blocks[1], blocks[4]], "linear", 10)
-  pipe = local.LocalPipeline(stages, optax.sgd(0.1), jax.devices()[:1], method="local")
+  pipe = pipeline.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], method="local")
   table = pipe.schedule(6)
   assert len(table) == 6 + len(stages) - 1
   assert all(t.kind != schedule.BACKWARD for tick in table for t in tick)
@@ -78,16 +79,14 @@ def test_head_does_not_change_the_stage_forward():
   x, _ = random_batch()
   with_head = auxiliary.with_heads(blocks, "cnn", 10, hidden=4)
   v = random_variables(with_head[0], x, 0)
-  assert auxiliary.AUX_KEY in v["params"]
-  plain = {k: a for k, a in v["params"].items() if k != auxiliary.AUX_KEY}
+  assert AUX_KEY in v["params"]
+  plain = {k: a for k, a in v["params"].items() if k != AUX_KEY}
   from petra_jax.engine.stage import forward  # pylint: disable=g-import-not-at-top
   a = forward(with_head[0], v["params"], v["batch_stats"], x)[0]
   b = forward(blocks[0], plain, v["batch_stats"], x)[0]
   assert all(jnp.array_equal(u, w) for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_generic_pipeline_refuses_local_methods():
-  with pytest.raises(ValueError, match="pipeline_for"):
-    pipeline.Pipeline(tiny_revnet(), optax.sgd(0.1), method="local")
+def test_local_method_needs_auxiliary_heads():
   with pytest.raises(ValueError, match="no auxiliary head"):
-    local.LocalPipeline(tiny_revnet(), optax.sgd(0.1), method="local")
+    pipeline.Pipeline(tiny_revnet(), optax.sgd(0.1), method="local")

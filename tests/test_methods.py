@@ -30,7 +30,8 @@ PIPELINED = [m for m in methods.METHODS if m != "backprop"]
 @pytest.mark.parametrize("name", sorted(TABLE4))
 def test_method_table_matches_paper_table4(name):
   m = methods.get(name)
-  assert (m.delayed, m.stashes_inputs, m.stashes_weights, m.reconstructs) == TABLE4[name]
+  keeps = methods.keeps(m, reversible=True)
+  assert (m.delayed, m.pipelined and keeps.input, keeps.weights, m.reconstructs) == TABLE4[name]
 
 
 def test_unknown_method_names_the_choices():

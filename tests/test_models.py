@@ -64,7 +64,7 @@ def test_stage_counts_and_kinds(name, n_stages):
   assert n_rev == {"revnet18": 5, "revnet34": 13, "revnet50": 12}.get(name, 0)
   assert stage_lib.has_reversible(stages) == (n_rev > 0)
   # The family the trainer reads (PETRA needs "revnet") is the built model's.
-  assert models.MODEL_FAMILY[name] == ("revnet" if n_rev else "resnet")
+  assert models.MODEL_SPECS[name].family == ("revnet" if n_rev else "resnet")
 
 
 def test_revnet18_cifar10_shapes_match_reference_table():

@@ -10,7 +10,7 @@ import pytest
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import packing
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.state import StageState
+from petra_jax.engine.stage_state import StageState
 from petra_jax.engine.steps import StageSteps
 
 from helpers import batches_of, random_batch, random_variables, run_ticks, tiny_revnet

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.engine import partition
 from helpers import random_batch, random_variables, rel_err, run_ticks, batches_of
 from petra_jax import models
 from petra_jax.benchmarks import reversible_backward as bench
 from petra_jax.engine import pipeline
-from petra_jax.engine import reversible_backward
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.stage import Stage
 
@@ -66,9 +66,9 @@ def test_petra_losses_with_pareprop_equal_vanilla():
   same per micro-batch with either backward (float32 round-off)."""
   blocks = models.build_model("revvit_tiny", width=2, depth=2)
   losses = {}
-  for name in reversible_backward.BACKWARDS:
-    stages = models.group_stages(
-        reversible_backward.with_reversible_backward(blocks, name), [1, 4, 1])
+  for name in stage_lib.REVERSIBLE_BACKWARDS:
+    stages = partition.group_stages(
+        stage_lib.with_reversible_backward(blocks, name), [1, 4, 1])
     assert stages[1].reversible_backward == name
     pipe = pipeline.Pipeline(stages, optax.sgd(0.05), jax.devices()[:1], method="petra")
     state = pipe.init(0, random_batch()[0])
@@ -79,10 +79,10 @@ def test_petra_losses_with_pareprop_equal_vanilla():
 
 def test_unknown_backward_and_non_group_are_refused():
   with pytest.raises(ValueError, match="model.reversible_backward"):
-    reversible_backward.with_reversible_backward([], "fast")
+    stage_lib.with_reversible_backward([], "fast")
   block = models.build_model("revvit_tiny", width=2, depth=1)[1]
   with pytest.raises(ValueError, match="group of reversible blocks"):
-    reversible_backward.pareprop_vjp(block, {}, {}, None, None)
+    stage_lib.pareprop_vjp(block, {}, {}, None, None)
 
 
 def test_benchmark_finds_the_reversible_run_and_reports_three_backwards():

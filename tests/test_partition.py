@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import helpers
 from petra_jax import models
 
 from petra_jax.engine import partition
@@ -38,7 +39,7 @@ def test_group_of_reversible_blocks_is_reversible_and_round_trips():
 def test_grouped_revprop_update_equals_jax_grad_of_ungrouped_model(sizes):
   """Grouping changes where stages are cut, not the gradient."""
   blocks = models.build_model("revnet18", width=4)
-  stages = models.group_stages(blocks, sizes)
+  stages = partition.group_stages(blocks, sizes)
   assert len(stages) == len(sizes)
   pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1])
   x, y = random_batch()
@@ -50,7 +51,7 @@ def test_grouped_revprop_update_equals_jax_grad_of_ungrouped_model(sizes):
   params = flat([jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states])
   stats = flat([s.batch_stats for s in state.train_states])
   ref = jax.grad(lambda p: composed_loss(blocks, p, stats, x, y))(params)
-  state, _ = pipe.revprop_step(state, x, y)
+  state, _ = helpers.drained_step(pipe, state, x, y)
   step = [jax.tree.map(lambda b, a: b - a, p, q)
           for p, q in zip(params, flat([s.params for s in state.train_states]))]
   for j in range(len(blocks)):
@@ -61,20 +62,20 @@ def test_grouped_revprop_update_equals_jax_grad_of_ungrouped_model(sizes):
 def test_bad_groupings_raise():
   blocks = models.build_model("revnet18", width=4)
   with pytest.raises(ValueError, match="only 10 blocks"):
-    models.group_stages(blocks, [1] * 11)
+    partition.group_stages(blocks, [1] * 11)
   with pytest.raises(ValueError, match="summing"):
-    models.group_stages(blocks, (3, 3, 3))
+    partition.group_stages(blocks, (3, 3, 3))
   with pytest.raises(ValueError, match=r"num_stages <= 10"):
-    models.balanced_stage_sizes(blocks, 12, (2, 16, 16, 3))
+    partition.balanced_stage_sizes(blocks, 12, (2, 16, 16, 3))
 
 
 def test_balanced_sizes_follow_given_costs():
   blocks = models.build_model("revnet18", width=4)
   costs = [1.0] * 8 + [2.0, 9.0]  # the head made the most expensive block; unique optima
-  assert models.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs) == [9, 1]
-  assert models.balanced_stage_sizes(blocks, 3, (2, 16, 16, 3), costs=costs) == [5, 4, 1]
+  assert partition.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs) == [9, 1]
+  assert partition.balanced_stage_sizes(blocks, 3, (2, 16, 16, 3), costs=costs) == [5, 4, 1]
   with pytest.raises(ValueError, match="9 costs for 10 blocks"):
-    models.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs[:9])
+    partition.balanced_stage_sizes(blocks, 2, (2, 16, 16, 3), costs=costs[:9])
 
 
 def test_measured_stage_costs_are_per_block_milliseconds():
@@ -90,10 +91,10 @@ def test_measured_stage_costs_are_per_block_milliseconds():
 
 def test_balanced_sizes_minimise_the_largest_group_flops():
   blocks = models.build_model("revnet18", width=4)
-  flops = models.block_flops(blocks, (2, 16, 16, 3))
+  flops = partition.block_flops(blocks, (2, 16, 16, 3))
   assert all(f > 0 for f in flops[:-1])
   for num_stages in (2, 3, 4):
-    sizes = models.balanced_stage_sizes(blocks, num_stages, (2, 16, 16, 3))
+    sizes = partition.balanced_stage_sizes(blocks, num_stages, (2, 16, 16, 3))
     assert sum(sizes) == len(blocks) and len(sizes) == num_stages
     worst = lambda sz: max(sum(flops[a:a + n]) for a, n in zip(np.cumsum((0,) + tuple(sz)), sz))
     best = min(worst(np.diff((0,) + cuts + (len(blocks),)))

@@ -14,7 +14,7 @@ from petra_jax import models
 from petra_jax.engine import observers
 from petra_jax.engine import pipeline
 from petra_jax.engine import schedule
-from petra_jax.engine import state as state_lib
+from petra_jax.engine import pipeline_state as state_lib
 from petra_jax.engine import steps as steps_lib
 from petra_jax.engine.stage import Stage
 from helpers import batches_of, random_batch, run_ticks

@@ -15,6 +15,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from petra_jax.engine import partition
 from petra_jax import models, train
 
 from petra_jax.training import checkpoint
@@ -38,7 +39,7 @@ def _grouped_pipeline(sizes, ticks=0, c=None):
                                     "optim.nesterov": True})
   stages = models.build_model("revnet18", width=4)
   if sizes:
-    stages = models.group_stages(stages, sizes)
+    stages = partition.group_stages(stages, sizes)
   J = len(stages)
   pipe = pipeline.Pipeline(stages, compensation.stage_optimizers(c, 10, J), jax.devices()[:1],
                            accumulation_steps=2)

@@ -11,6 +11,7 @@ import pytest
 
 import optax
 
+from petra_jax.engine import partition
 from petra_jax.training import checkpoint
 from petra_jax import config as config_lib
 from petra_jax import models, train
@@ -294,7 +295,7 @@ def test_stage_sizes_balanced_on_measured_costs(monkeypatch, tmp_path):
   assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [1, 9]
   c.model.balance_by = "flops"
   flops_sizes = assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path))
-  assert flops_sizes == models.balanced_stage_sizes(_blocks(), 2, (2, 16, 16, 3))
+  assert flops_sizes == partition.balanced_stage_sizes(_blocks(), 2, (2, 16, 16, 3))
   assert flops_sizes != [1, 9]
   c.model.stage_sizes = (3, 7)  # explicit sizes win
   assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [3, 7]
@@ -306,7 +307,7 @@ def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path
   # A resumed run must not re-measure (timings vary): it reads the grouping
   # from its checkpoint's fingerprint.
   blocks = _blocks()
-  stages = models.group_stages(blocks, [4, 6])
+  stages = partition.group_stages(blocks, [4, 6])
   pipe = Pipeline(stages, optax.sgd(0.1), jax.devices()[:1])
   ckpt = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint={"stage_sizes": [4, 6]})
   ckpt.save(1, pipe.init(0, np.zeros((2, 16, 16, 3), np.float32)), extra={})

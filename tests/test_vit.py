@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.engine import partition
 from helpers import (batches_of, random_batch, rel_err, run_ticks,
                      zero_delay_update_errors)
 from petra_jax import models
@@ -90,7 +91,7 @@ def test_every_method_runs_with_real_delays(method):
   every method (backprop on the vit_ twin) drains with finite losses."""
   reversible = method != "backprop"
   blocks = tiny_revvit("revvit_tiny" if reversible else "vit_tiny", depth=2)
-  stages = models.group_stages(blocks, [2, 2, 2])
+  stages = partition.group_stages(blocks, [2, 2, 2])
   assert [s.reversible for s in stages] == [False, reversible, False]
   losses = _losses(stages, method)
   assert losses.shape == (4,) and np.isfinite(losses).all()

@@ -7,9 +7,8 @@
 stream tick table on one device: the *real* one, and a *hollow* one whose
 every jitted step (forward, backward, the last stage's loss step, predictor)
 is replaced by a jitted no-op of the same signature and donation
-(:meth:`petra_jax.engine.steps.StageSteps.make_hollow`: the body traces the
-real step only for ``jax.eval_shape`` and returns zeros of its output
-shapes). Both are filled (``2(J-1)`` ticks, every step compiled) and
+(:func:`noop_step`: the body traces the real step only for
+``jax.eval_shape`` and returns zeros of its output shapes). Both are filled (``2(J-1)`` ticks, every step compiled) and
 warmed up; then ``ticks`` steady-state ticks (every stage runs a forward and a
 backward) are run back to back, the ticks' task tuples built before the
 clock starts, and the clock stops after ``jax.block_until_ready`` of the
@@ -31,9 +30,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -42,11 +42,18 @@ from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
 
 
+def noop_step(fn: Callable) -> Callable:
+  """A step with ``fn``'s signature and output shapes that computes nothing:
+  jitted with ``fn``'s donation, it costs the host what dispatching ``fn`` costs."""
+  def body(*args):
+    shapes = jax.eval_shape(fn, *args)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return body
+
+
 def hollow_pipeline(stages: Sequence[Stage], tx, device, method: str = "petra") -> Pipeline:
   """A pipeline whose steps compute nothing (see the module docstring)."""
-  pipe = Pipeline(stages, tx, [device], method=method)
-  pipe.steps.make_hollow()
-  return pipe
+  return Pipeline(stages, tx, [device], method=method, step_wrap=noop_step)
 
 
 class _Driver:

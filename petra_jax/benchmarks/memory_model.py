@@ -2,7 +2,7 @@
 
 Stage ``j`` of ``J`` keeps ``tau_j = 2(J-1-j)`` micro-batches in flight under
 the stream methods (how many a stage holds at most comes from the method's
-schedule table, :func:`petra_jax.engine.schedule.peak_held`; ``gpipe`` and
+schedule table, :func:`peak_held`; ``gpipe`` and
 ``1f1b`` hold up to ``k`` per update). For each one it stores its input if it
 buffers inputs (:meth:`petra_jax.engine.methods.Method.buffers_input`: always
 for a non-reversible stage) and a copy of its parameters if the method
@@ -51,6 +51,32 @@ METHODS = TABLE3_METHODS + ("gpipe", "1f1b")
 MIB = 2**20
 GB = 1e9
 PAPER_TABLE3 = [(44.5, 0.0), (43.6, 2.0), (21.2, 52.3), (20.3, 54.3)]  # GB, saving %
+
+
+def held(table: schedule.Schedule) -> list[list[int]]:
+  """Micro-batches each stage holds after each tick: forward run, backward not.
+
+  Returns:
+    ``[tick][stage]`` counts. Multiplied by what a stage keeps per micro-batch
+    (its input, its weights), this is the memory the schedule costs. The
+    last stage and ``backprop`` tasks keep nothing across ticks.
+  """
+  J = table.num_stages
+  count, out = [0] * J, []
+  for tick in table:
+    for task in tick:
+      if task.kind == schedule.FORWARD:
+        count[task.stage] += 1
+      elif task.kind == schedule.BACKWARD:
+        count[task.stage] -= 1
+    out.append(list(count))
+  return out
+
+
+def peak_held(table: schedule.Schedule) -> list[int]:
+  """``max`` over ticks of :func:`held`, per stage."""
+  rows = held(table)
+  return [max((row[j] for row in rows), default=0) for j in range(table.num_stages)]
 
 
 def _buffered(x, j: int, formats: quantize_lib.MessageFormats):
@@ -119,7 +145,7 @@ def _entry_bytes(r: dict, j: int, m: methods_lib.Method, rev_stash: str,
                  first_input: bool) -> int:
   """Bytes stage ``j`` (row ``r``) stores per micro-batch in flight under ``m``."""
   entry = r["param_bytes"] if m.stashes_weights else 0
-  if m.buffers_input(r["reversible"]) and (j > 0 or first_input):
+  if methods_lib.keeps(m, r["reversible"]).input and (j > 0 or first_input):
     one_stream = r["reversible"] and rev_stash == "x1"
     entry += r["input_x1_bytes"] if one_stream else r["input_bytes"]
   return entry
@@ -130,7 +156,7 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
   """Peak bytes stage ``j`` holds between forward and backward.
 
   The method's schedule table gives how many micro-batches each stage holds
-  at most (:func:`petra_jax.engine.schedule.peak_held`: ``tau_j`` for the stream
+  at most (:func:`peak_held`: ``tau_j`` for the stream
   methods); each one costs the stage's input if it buffers it
   (:meth:`petra_jax.engine.methods.Method.buffers_input`) plus its
   parameters if the method stashes weights.
@@ -156,8 +182,8 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
     raise ValueError(f"rev_stash must be 'both' or 'x1', got {rev_stash!r}")
   m = methods_lib.get(method)
   J, k = len(sizes), accumulation_steps
-  held = schedule.peak_held(schedule.Schedule(m.schedule, J, k * 2 * J, k))
-  return [held[j] * _entry_bytes(r, j, m, rev_stash, first_input) for j, r in enumerate(sizes)]
+  peaks = peak_held(schedule.Schedule(m.schedule, J, k * 2 * J, k))
+  return [peaks[j] * _entry_bytes(r, j, m, rev_stash, first_input) for j, r in enumerate(sizes)]
 
 
 def table3(sizes: Sequence[dict], rev_stash: str = "x1") -> list[dict]:
@@ -175,7 +201,7 @@ def table3(sizes: Sequence[dict], rev_stash: str = "x1") -> list[dict]:
   for method in TABLE3_METHODS:
     m = methods_lib.get(method)
     total = model + sum(stored_bytes(sizes, method, rev_stash=rev_stash, first_input=False))
-    rows.append({"method": method, "input_buffer": m.stashes_inputs,
+    rows.append({"method": method, "input_buffer": m.pipelined and methods_lib.keeps(m, True).input,
                  "param_buffer": m.stashes_weights,
                  "memory_gb": total / GB})
   for r in rows:

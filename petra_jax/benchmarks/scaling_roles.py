@@ -19,13 +19,13 @@ import statistics
 import time
 from typing import Optional
 
+from petra_jax.engine import partition
 import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 import jax
 import numpy as np
 import optax
 
 from petra_jax import data as data_lib
-from petra_jax import models
 from petra_jax.benchmarks import cli
 from petra_jax.benchmarks.scaling_processes import available_cores, pin_to_cores
 from petra_jax.engine import quantize as quantize_lib
@@ -42,7 +42,7 @@ def build_stages(args) -> list:
   """The model's blocks grouped as ``--stage-sizes`` (one block per stage if empty)."""
   blocks = cli.build(args.model, args.dataset, args.width, depth=args.depth or None)
   sizes = stage_sizes(args)
-  return models.group_stages(blocks, sizes) if sizes else blocks
+  return partition.group_stages(blocks, sizes) if sizes else blocks
 
 
 def stage_sizes(args) -> list[int]:

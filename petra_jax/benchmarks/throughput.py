@@ -59,13 +59,14 @@ if __name__ == "__main__":  # before JAX starts: one device to run, one to send 
 import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
+from petra_jax.benchmarks import simulate
+from petra_jax.engine import partition
 import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from petra_jax import data as data_lib  # noqa: E402
-from petra_jax import models  # noqa: E402
 from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
 from petra_jax.engine import quantize as quantize_lib  # noqa: E402
@@ -191,7 +192,7 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
   J = len(costs)
   forward = list(costs[:-1]) + [0.0]  # the table needs F_j and B_j; only c_j matters
   backward = [0.0] * (J - 1) + [costs[-1]]
-  tick = schedule.ms_per_update("stream", J, 1, forward, backward, send_forward,
+  tick = simulate.ms_per_update("stream", J, 1, forward, backward, send_forward,
                                 send_backward)["simulated_ms_per_update"]
   return float(sum(costs)) / tick
 
@@ -258,7 +259,7 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
     kind = "stream" if method == "petra" else method
     out[method] = {}
     for k in ks:
-      sim = schedule.ms_per_update(
+      sim = simulate.ms_per_update(
           kind, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
           [x.get("send_forward", 0.0) for x in r], [x.get("send_backward", 0.0) for x in r])
       sim["stored_bytes_per_stage"] = stored_bytes(sizes, method, accumulation_steps=k)
@@ -321,7 +322,7 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
                           devices[0])
   ms, rows, rows_stored = _measure(stages, images, labels, iters, warmup, seed)
   costs = stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])
-  flops = models.block_flops(stages, (batch_size, *input_shape))
+  flops = partition.block_flops(stages, (batch_size, *input_shape))
   fwd_send = [r["send_forward"] for r in rows]
   bwd_send = [r["send_backward"] for r in rows]
   return {

@@ -50,18 +50,39 @@ loss ``l_b`` along the tangent (``L = mean_b l_b``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from petra_jax.engine.stage import forward
-from petra_jax.models import auxiliary, batchnorm
+from petra_jax.engine import auxiliary
+from petra_jax.engine.auxiliary import block_params
+from petra_jax.engine.stage import forward, linearizing
 
 GUESSES = ("local", "random")
 PERTURBS = ("weights", "activity")
 PROJECTIONS = ("batch", "sample")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """``config.forward_gradient``, and the run's ``seed`` (random guesses draw
+  from ``fold_in(fold_in(key(seed + 3), m), j)``). Checked on creation.
+
+  Raises:
+    ValueError: a bad option (:func:`check_options`).
+  """
+  guess: str = "local"
+  perturb: str = "activity"
+  emulate: bool = False
+  eps: float = 1e-16
+  projection: str = "batch"
+  seed: int = 0
+
+  def __post_init__(self):
+    check_options(self.guess, self.perturb, self.emulate, self.eps, self.projection)
 
 
 def check_options(guess: str, perturb: str, emulate, eps, projection: str = "batch") -> None:
@@ -84,11 +105,6 @@ def check_options(guess: str, perturb: str, emulate, eps, projection: str = "bat
   if bad:
     raise ValueError("Bad forward-gradient options: " + "; ".join(bad)
                      + ". Pass --config.forward_gradient.<option>=<a listed value>.")
-
-
-def block_params(params):
-  """A stage's parameters without its head."""
-  return {k: v for k, v in params.items() if k != auxiliary.AUX_KEY}
 
 
 def local_guess(stage, params, batch_stats, x, labels, perturb: str):
@@ -136,7 +152,7 @@ def push(stage, params, batch_stats, x, tangents: Optional[object], param_tangen
     ``param_tangent``).
   """
   block = block_params(params)
-  with batchnorm.forward_mode():  # BatchNorm's custom vjp has no jvp
+  with linearizing():  # BatchNorm's custom vjp has no jvp
     y, lin, stats = jax.linearize(lambda p, x: forward(stage, p, batch_stats, x), block, x,
                                   has_aux=True)
   zero_p = jax.tree.map(jnp.zeros_like, block)
@@ -163,7 +179,7 @@ def per_sample_losses(stage, params, batch_stats, x, labels) -> jax.Array:
 def loss_scalars(stage, params, batch_stats, x, labels, tangents) -> jax.Array:
   """``float32[n, B]``: ``s[i, b]``, the derivative of sample ``b``'s loss
   along tangent ``i`` (the last stage's input tangents, ``[n, B, ...]``)."""
-  with batchnorm.forward_mode():
+  with linearizing():
     _, lin = jax.linearize(lambda x: per_sample_losses(stage, params, batch_stats, x, labels), x)
   return jax.vmap(lin)(tangents)
 

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import transport
 from petra_jax.engine.stage import Stage, trace
-from petra_jax.engine.state import Deferred
 
 PyTree = Any
 
@@ -205,3 +204,27 @@ class Messenger:
       return None
     x = transport.transfer(x, self.placements[src], self.placements[dst], spec)
     return x if self.local[dst] else None
+
+
+class Deferred:
+  """A message from another process that arrives at the end of its tick.
+
+  Multi-process ticks dispatch every local computation first and the
+  cross-process transfers after (:meth:`petra_jax.engine.messages.Messenger.flush`),
+  so a process never waits for a message it does not need yet. Until then
+  the receiving box holds this placeholder; :func:`resolve` swaps in the
+  payload (``value``) when the tick ends.
+  """
+  __slots__ = ("args", "value")
+
+  def __init__(self, args: tuple):
+    self.args, self.value = args, None
+
+
+def resolve(boxes) -> None:
+  """Replaces every :class:`Deferred` in the per-stage ``boxes`` (lists of
+  ``{micro-batch: payload}``) by its transferred payload."""
+  for box in boxes:
+    for m, v in box.items():
+      if isinstance(v, Deferred):
+        box[m] = v.value

@@ -45,28 +45,31 @@ pipeline libraries ship them.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+
+class Keeps(NamedTuple):
+  """What a stage holds between a micro-batch's forward and its backward."""
+  input: bool
+  weights: bool
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """What a method keeps and which schedule it runs.
+  """One row of the tables above.
 
   Attributes:
     name: the ``config.method`` value.
     schedule: a kind of :class:`petra_jax.engine.schedule.Schedule`.
-    stashes_inputs: reversible stages keep their input too (non-reversible
-      ones always do).
-    stashes_weights: every stage keeps a copy of the weights its forward
-      used, for its backward's vjp.
+    stashes_weights: every stage keeps the weights its forward used.
     reconstructs: reversible stages rebuild their input from their output
       with their current weights (paper Eq. 5).
-    updates: what a stage's update follows: ``"backward"`` (the gradient
-      carried back by backward messages), ``"local"`` (its auxiliary loss)
-      or ``"forward_gradient"`` (its guess, scaled by scalars sent back).
+    updates: the task plan: ``"backward"`` (gradients carried back),
+      ``"local"`` (auxiliary losses) or ``"forward_gradient"`` (guesses
+      scaled by scalars sent back).
   """
   name: str
   schedule: str
-  stashes_inputs: bool
   stashes_weights: bool
   reconstructs: bool
   updates: str = "backward"
@@ -77,46 +80,48 @@ class Method:
     return self.schedule == "stream"
 
   @property
-  def needs_reversible(self) -> bool:
-    """Whether the model must have reversible stages."""
-    return self.reconstructs
-
-  def reconstructs_stage(self, reversible: bool) -> bool:
-    """Whether a stage rebuilds its input in the backward (Eq. 5) rather than
-    keep it: a reversible stage under a reconstructing method."""
-    return reversible and self.reconstructs
-
-  def buffers_input(self, reversible: bool) -> bool:
-    """Whether a stage keeps its input between forward and backward: every
-    stage that does not reconstruct. The engine and the memory model read
-    this one rule. ``local`` keeps nothing (its update runs with its
-    forward)."""
-    return self.updates != "local" and not self.reconstructs_stage(reversible)
-
-  @property
   def pipelined(self) -> bool:
     """Whether the method runs stage by stage (not ``jax.grad`` of the model)."""
     return self.schedule != "sequential"
 
+  def reconstructs_stage(self, reversible: bool) -> bool:
+    """Whether a stage rebuilds its input in the backward (Eq. 5)."""
+    return reversible and self.reconstructs
+
+
+def keeps(method: Method, reversible: bool, perturb: str = "activity",
+          emulate: bool = False) -> Keeps:
+  """What a stage keeps between forward and backward: the one rule the engine,
+  the memory model and the studies read.
+
+  Args:
+    method: the method.
+    reversible: whether the stage is reversible.
+    perturb, emulate: ``forward_gradient``'s options (its ``activity``
+      update, or emulation, runs a vjp at the kept input).
+  """
+  if method.updates == "local":
+    return Keeps(False, False)
+  if method.updates == "forward_gradient":
+    return Keeps(perturb == "activity" or emulate, True)
+  return Keeps(not method.reconstructs_stage(reversible), method.stashes_weights)
+
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("backprop", "sequential", stashes_inputs=False, stashes_weights=False,
-           reconstructs=False),
-    Method("revprop", "drained", stashes_inputs=False, stashes_weights=False, reconstructs=True),
-    Method("petra", "stream", stashes_inputs=False, stashes_weights=False, reconstructs=True),
-    Method("approximate_input", "stream", stashes_inputs=False, stashes_weights=True,
-           reconstructs=True),
-    Method("dsp", "stream", stashes_inputs=True, stashes_weights=False, reconstructs=False),
-    Method("delayed", "stream", stashes_inputs=True, stashes_weights=True, reconstructs=False),
-    Method("gpipe", "gpipe", stashes_inputs=True, stashes_weights=False, reconstructs=False),
-    Method("1f1b", "1f1b", stashes_inputs=True, stashes_weights=False, reconstructs=False),
+    Method("backprop", "sequential", stashes_weights=False, reconstructs=False),
+    Method("revprop", "drained", stashes_weights=False, reconstructs=True),
+    Method("petra", "stream", stashes_weights=False, reconstructs=True),
+    Method("approximate_input", "stream", stashes_weights=True, reconstructs=True),
+    Method("dsp", "stream", stashes_weights=False, reconstructs=False),
+    Method("delayed", "stream", stashes_weights=True, reconstructs=False),
+    Method("gpipe", "gpipe", stashes_weights=False, reconstructs=False),
+    Method("1f1b", "1f1b", stashes_weights=False, reconstructs=False),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
 LOCAL_METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("local", "forward", stashes_inputs=False, stashes_weights=False, reconstructs=False,
-           updates="local"),
-    Method("forward_gradient", "stream", stashes_inputs=False, stashes_weights=False,
-           reconstructs=False, updates="forward_gradient"),
+    Method("local", "forward", stashes_weights=False, reconstructs=False, updates="local"),
+    Method("forward_gradient", "stream", stashes_weights=False, reconstructs=False,
+           updates="forward_gradient"),
 )}
 ALL_METHODS: dict[str, Method] = {**METHODS, **LOCAL_METHODS}
 
@@ -133,8 +138,8 @@ def require_reversible(method: str, model: str, has_reversible: bool) -> None:
     ValueError: ``method`` needs a reversible model and ``has_reversible`` is
       false; the message lists the methods the model supports.
   """
-  if get(method).needs_reversible and not has_reversible:
-    others = [n for n, m in ALL_METHODS.items() if not m.needs_reversible]
+  if get(method).reconstructs and not has_reversible:
+    others = [n for n, m in ALL_METHODS.items() if not m.reconstructs]
     raise ValueError(f"method {method!r} reconstructs inputs and needs a reversible model, "
                      f"and {model!r} has no reversible stage: use one of {others}, or a RevNet.")
 

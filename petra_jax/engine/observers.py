@@ -26,7 +26,8 @@ from petra_jax.engine import quantize
 from petra_jax.engine import transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
-from petra_jax.engine.state import Observer, PipelineState, TaskResult, copy_tree
+from petra_jax.engine.pipeline_state import PipelineState
+from petra_jax.engine.tasks import Observer, TaskResult, copy_tree
 
 
 def _probed(m: int, every_updates: int, k: int) -> bool:

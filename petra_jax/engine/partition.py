@@ -5,12 +5,19 @@ unbalanced (the stem and the downsampling blocks cost more). Grouping
 consecutive blocks into ``J' <= J`` stages so that the slowest stage is as fast
 as possible shortens the tick; :func:`balanced_partition` finds the optimal
 contiguous grouping by dynamic programming over per-block costs (measured
-milliseconds, or FLOPs from XLA's cost analysis).
+milliseconds, :mod:`petra_jax.engine.timing`, or forward FLOPs from XLA's
+cost analysis, :func:`block_flops`); :func:`group_stages` builds the stages.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stage import Stage
 
 
 def group_cost(costs: Sequence[float], a: int, b: int,
@@ -103,3 +110,82 @@ def equal_partition(num_blocks: int, num_groups: int) -> list[tuple[int, int]]:
 def group_sizes(groups: Sequence[tuple[int, int]]) -> list[int]:
   """``[(first, last), ...]`` (inclusive) -> the number of blocks per group."""
   return [b - a + 1 for a, b in groups]
+
+
+def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
+  """Groups consecutive blocks into stages: stage ``g`` runs ``sizes[g]`` blocks.
+
+  Args:
+    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
+    sizes: blocks per stage, each >= 1, summing to ``len(blocks)``.
+
+  Returns:
+    ``len(sizes)`` stages (:func:`petra_jax.engine.stage.group`).
+
+  Raises:
+    ValueError: sizes that do not cover the blocks exactly, fewer than 2
+      stages, or more stages than blocks.
+  """
+  sizes = [int(n) for n in sizes]
+  if len(sizes) > len(blocks):
+    raise ValueError(f"{len(sizes)} stages but the model has only {len(blocks)} blocks; "
+                     f"use --config.model.num_stages <= {len(blocks)}.")
+  if len(sizes) < 2 or min(sizes) < 1 or sum(sizes) != len(blocks):
+    raise ValueError(f"model.stage_sizes={tuple(sizes)} must be >= 2 positive counts summing "
+                     f"to the model's {len(blocks)} blocks.")
+  out, i = [], 0
+  for n in sizes:
+    out.append(stage_lib.group(blocks[i:i + n]))
+    i += n
+  return out
+
+
+def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[float]:
+  """Forward FLOPs of each block on a ``float32[input_shape]`` batch.
+
+  From XLA's cost analysis of the lowered forward (nothing is compiled or
+  run). A block's backward (recompute or reconstruct, then vjp) costs about
+  three forwards whatever its kind, so forward FLOPs rank the blocks' tick
+  costs.
+  """
+  x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
+  flops = []
+  for s, (variables, y) in zip(blocks, stage_lib.trace(blocks, x)):
+    fwd = lambda v, x, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], x)[0]
+    cost = jax.jit(fwd).lower(variables, x).cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops.append(float((cost or {}).get("flops", 0.0)))
+    x = y
+  return flops
+
+
+def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
+                         input_shape: Sequence[int],
+                         costs: Optional[Sequence[float]] = None) -> list[int]:
+  """Blocks per stage that minimise the slowest stage's cost.
+
+  Args:
+    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
+    num_stages: ``J'``, the stages to group the blocks into.
+    input_shape: a micro-batch's shape ``[B, H, W, C]`` (for the FLOPs).
+    costs: per-block cost, e.g. measured ms per tick
+      (:func:`timing.measure_stage_costs`); default: forward FLOPs
+      (:func:`block_flops`).
+
+  Returns:
+    ``num_stages`` block counts (each >= 1, summing to ``len(blocks)``) for
+    :func:`group_stages`, from :func:`balanced_partition`.
+
+  Raises:
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
+      the wrong length.
+  """
+  if not 2 <= num_stages <= len(blocks):
+    raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "
+                     f"{len(blocks)} blocks); use --config.model.num_stages <= {len(blocks)}.")
+  if costs is None:
+    costs = block_flops(blocks, input_shape)
+  if len(costs) != len(blocks):
+    raise ValueError(f"{len(costs)} costs for {len(blocks)} blocks.")
+  groups, _ = balanced_partition(costs, num_stages)
+  return group_sizes(groups)

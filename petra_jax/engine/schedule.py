@@ -2,9 +2,8 @@
 
 A schedule is a table: tick ``t`` holds a tuple of :class:`Task` ``(stage,
 kind, micro_batch)``. The engine (:class:`petra_jax.engine.pipeline.Pipeline`) runs a
-tick's tasks in order; the timeline (paper Fig. 1), the memory model
-(:func:`held`), the simulated J-device time (:func:`simulate`) and the tests
-read the same table. A message a task sends is consumed on a later tick.
+tick's tasks in order; the timeline (paper Fig. 1), the memory model and the simulated J-device
+time (:mod:`petra_jax.benchmarks`) read the same table. A message a task sends is consumed on a later tick.
 
 Stages are numbered ``j = 0 .. J-1``; the last stage's task is ``loss``
 (forward, loss and backward at once). Kinds of schedule:
@@ -34,7 +33,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional
 
 FORWARD, BACKWARD, LOSS, BACKPROP = "forward", "backward", "loss", "backprop"
 KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential", "forward")
@@ -109,7 +108,7 @@ def _gpipe_round(J: int, k: int) -> list:
   return [tuple(sorted(cells.get(u, []))) for u in range(max(cells) + 1)]
 
 
-def _dependency(task: Task, J: int) -> Optional[Task]:
+def dependency(task: Task, J: int) -> Optional[Task]:
   """The task whose message ``task`` consumes (None for stage 0's forward)."""
   j, kind, m = task
   if kind == FORWARD:
@@ -136,7 +135,7 @@ def _one_f_one_b_round(J: int, k: int) -> list:
     for j in range(J):
       if nxt[j] < len(order[j]):
         task = order[j][nxt[j]]
-        dep = _dependency(task, J)
+        dep = dependency(task, J)
         if dep is None or done.get(dep, u) < u:
           now.append(task)
     for task in now:
@@ -224,135 +223,12 @@ class Schedule:
   def __iter__(self) -> Iterator[Tick]:
     return (self[t] for t in range(len(self)))
 
-  def feed_tick(self, m: int) -> int:
-    """The tick on which micro-batch ``m`` enters stage 0."""
-    if self.kind in ("stream", "forward"):
-      return m
-    table = self._table()
-    r, i = divmod(m, self.round_size)
-    u = next(u for u, tick in enumerate(table)
-             for task in tick if task.stage == 0 and task.kind in (FORWARD, BACKPROP)
-             and task.micro_batch == i)
-    return r * len(table) + u
-
-
 def fed(tick: Tick) -> Optional[int]:
   """The micro-batch that enters stage 0 on this tick, or None."""
   for task in tick:
     if task.stage == 0 and task.kind in (FORWARD, BACKPROP):
       return task.micro_batch
   return None
-
-
-def held(schedule: Schedule) -> list[list[int]]:
-  """Micro-batches each stage holds after each tick: forward run, backward not.
-
-  Returns:
-    ``[tick][stage]`` counts. Multiplied by what a stage keeps per micro-batch
-    (its input, its weights), this is the memory the schedule costs. The
-    last stage and ``backprop`` tasks keep nothing across ticks.
-  """
-  J = schedule.num_stages
-  count, out = [0] * J, []
-  for tick in schedule:
-    for task in tick:
-      if task.kind == FORWARD:
-        count[task.stage] += 1
-      elif task.kind == BACKWARD:
-        count[task.stage] -= 1
-    out.append(list(count))
-  return out
-
-
-def peak_held(schedule: Schedule) -> list[int]:
-  """``max`` over ticks of :func:`held`, per stage."""
-  table = held(schedule)
-  return [max((row[j] for row in table), default=0) for j in range(schedule.num_stages)]
-
-
-def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
-  """Cost of one task: ``F_j``, ``B_j``; the last stage's ``loss`` is its
-  ``B_{J-1}`` (which contains its forward); ``backprop`` is every stage's
-  ``F_j + B_j``."""
-  if task.kind == FORWARD:
-    return forward_ms[task.stage]
-  if task.kind == BACKPROP:
-    return float(sum(forward_ms[:-1]) + sum(backward_ms))
-  return backward_ms[task.stage]
-
-
-def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Sequence[float],
-             send_forward_ms: Optional[Sequence[float]] = None,
-             send_backward_ms: Optional[Sequence[float]] = None) -> dict:
-  """Event-driven time of ``schedule`` with one device per stage.
-
-  Each stage runs its tasks in table order; a task starts when its stage is
-  free and the message it consumes has arrived. A stage sends what a task
-  produces right after it (forward: to ``j+1``; backward and loss: to
-  ``j-1``) and is busy sending (a blocking copy), so in PETRA's steady state a
-  micro-batch costs ``max_j (F_j + B_j + T_j)``, the tick of
-  :func:`petra_jax.benchmarks.throughput.simulated_speedup`. No global
-  barrier: a tick is only the order.
-
-  Args:
-    schedule: the table.
-    forward_ms, backward_ms: per stage ``F_j`` and ``B_j`` in ms (the last
-      stage's ``B`` contains its forward; :func:`task_ms`).
-    send_forward_ms, send_backward_ms: per stage, ms to send its output to
-      ``j+1`` and its ``(x~, delta)`` to ``j-1`` (default 0).
-
-  Returns:
-    ``{"makespan_ms": float, "busy_ms": [float per stage]}``: ``busy_ms``
-    counts compute only (sending is idle time for the bubble).
-  """
-  J = schedule.num_stages
-  fsend = send_forward_ms or [0.0] * J
-  bsend = send_backward_ms or [0.0] * J
-  free, busy, sent = [0.0] * J, [0.0] * J, {}
-  for tick in schedule:
-    for task in tick:
-      dep = None if task.kind == BACKPROP else _dependency(task, J)
-      start = max(free[task.stage], sent.pop(dep) if dep is not None else 0.0)
-      cost = task_ms(task, forward_ms, backward_ms)
-      send = _send_ms(task, J, fsend, bsend)
-      free[task.stage] = sent[task] = start + cost + send
-      busy[task.stage] += cost
-  return {"makespan_ms": max(free), "busy_ms": busy}
-
-
-def _send_ms(task: Task, J: int, fsend: Sequence[float], bsend: Sequence[float]) -> float:
-  """Time stage ``task.stage`` spends sending what ``task`` produced."""
-  if task.kind == FORWARD:
-    return fsend[task.stage]
-  if task.kind in (BACKWARD, LOSS) and task.stage > 0:
-    return bsend[task.stage]
-  return 0.0
-
-
-def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,
-                  forward_ms: Sequence[float], backward_ms: Sequence[float],
-                  send_forward_ms: Optional[Sequence[float]] = None,
-                  send_backward_ms: Optional[Sequence[float]] = None,
-                  updates: int = 16) -> dict:
-  """Steady-state simulated ms per update and bubble fraction.
-
-  Simulates ``updates`` and ``2 * updates`` updates and takes the difference,
-  so a stream's fill and drain (paid once per run, not per update) cancel;
-  flushed schedules pay theirs every update.
-
-  Returns:
-    ``{"simulated_ms_per_update": float, "bubble_fraction": float}``: the
-    bubble is ``1 - sum_j busy_j / (J * time)`` over the same window
-    (GPipe/1F1B with equal stage costs: ``(J-1)/(k+J-1)``).
-  """
-  k = accumulation_steps
-  runs = [simulate(Schedule(kind, num_stages, u * k, k), forward_ms, backward_ms,
-                   send_forward_ms, send_backward_ms) for u in (updates, 2 * updates)]
-  time = runs[1]["makespan_ms"] - runs[0]["makespan_ms"]
-  busy = sum(runs[1]["busy_ms"]) - sum(runs[0]["busy_ms"])
-  J = 1 if kind == "sequential" else num_stages
-  return {"simulated_ms_per_update": time / updates,
-          "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,8 @@ evaluation updates them (the paper's policy: the backward recomputation).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Protocol, Sequence
@@ -50,9 +52,28 @@ import flax.linen as nn
 import jax
 import optax
 
-from petra_jax.engine.precision import DTYPES, FLOAT32, Precision, cast  # noqa: F401  (re-exported)
+from petra_jax.engine.precision import FLOAT32, Precision, cast
 
 PyTree = Any
+REVERSIBLE_BACKWARDS = ("vanilla", "pareprop")
+_LINEARIZING = contextvars.ContextVar("petra_jax_linearizing", default=False)
+
+
+@contextlib.contextmanager
+def linearizing():
+  """Within it, stages are traced for ``jax.jvp``/``jax.linearize``: modules
+  with a ``jax.custom_vjp`` (no jvp rule) should trace plain JAX instead
+  (:func:`is_linearizing`). Acts at trace time."""
+  token = _LINEARIZING.set(True)
+  try:
+    yield
+  finally:
+    _LINEARIZING.reset(token)
+
+
+def is_linearizing() -> bool:
+  """Whether the current trace is inside :func:`linearizing`."""
+  return _LINEARIZING.get()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -193,6 +214,25 @@ def with_precision(stages: Sequence[Stage], precision: Precision) -> list[Stage]
   return [one(s) for s in stages]
 
 
+def with_reversible_backward(stages: Sequence[Stage], backward: str) -> list[Stage]:
+  """``stages`` with every block (and group) using ``backward``.
+
+  Args:
+    stages: a model's stages.
+    backward: one of :data:`REVERSIBLE_BACKWARDS` (``config.model.reversible_backward``).
+
+  Raises:
+    ValueError: an unknown ``backward``.
+  """
+  if backward not in REVERSIBLE_BACKWARDS:
+    raise ValueError(f"Unknown reversible backward {backward!r}; choose one of {REVERSIBLE_BACKWARDS} "
+                     "(--config.model.reversible_backward=...).")
+  def one(s: Stage) -> Stage:
+    return dataclasses.replace(s, reversible_backward=backward,
+                               blocks=tuple(one(b) for b in s.blocks))
+  return [one(s) for s in stages]
+
+
 def _apply(stage: Stage, params, batch_stats, x, train):
   """``stage.module.apply`` -> ``(output, new_batch_stats)``, under the
   stage's :class:`Precision` (parameters and input cast to ``compute``, the
@@ -290,8 +330,7 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
     ``params``) and the running statistics of the reconstruction.
   """
   if stage.blocks and stage.reversible_backward == "pareprop":
-    from petra_jax.engine import reversible_backward  # pylint: disable=g-import-not-at-top
-    return reversible_backward.pareprop_vjp(stage, params, batch_stats, y, dy)
+    return pareprop_vjp(stage, params, batch_stats, y, dy)
   if stage.blocks:  # block by block, last first: x~ of one is y of the previous
     grads, stats = {}, {}
     for i in reversed(range(len(stage.blocks))):
@@ -319,6 +358,47 @@ def reconstruct_with_vjp(stage: Stage, params, batch_stats, y):
     dparams, dx1 = f_vjp(dy1)
     return _unshuffle(stage, (dy2 + dx1, dy1, *dcarried)), dparams, new_stats
   return _unshuffle(stage, (y2, y1 - f, *carried)), backward
+
+
+def pareprop_vjp(stage: Stage, params, batch_stats, y, dy):
+  """Backward of a reversible group, reconstruction one block ahead of the vjp.
+
+  Same contract and results (to float32 round-off) as
+  :func:`reverse_vjp` on a group.
+
+  Args:
+    stage: a reversible group (:func:`group`) of
+      ``n >= 1`` blocks; its variables under ``"block_0"``, ``"block_1"``...
+    params, batch_stats: the group's current variables.
+    y: the group's output streams ``(y1, y2, *carried)``.
+    dy: their cotangent, same structure.
+
+  Returns:
+    ``(x_tilde, dx, dparams, new_batch_stats)``: the reconstructed input,
+    its cotangent, the parameter gradients and the running statistics of the
+    gradient pass, per block.
+
+  Raises:
+    ValueError: ``stage`` is not a reversible group.
+  """
+  if not (stage.reversible and stage.blocks):
+    raise ValueError(f"PaReprop's backward needs a group of reversible blocks; stage "
+                     f"{stage.name!r} is not one: use model.reversible_backward='vanilla'.")
+  blocks, key = stage.blocks, lambda i: f"block_{i}"
+  n = len(blocks)
+  # Prologue: block n-1's input, reconstructed with its vjp recorded.
+  x_next, pending = reconstruct_with_vjp(
+      blocks[n - 1], params[key(n - 1)], batch_stats[key(n - 1)], y)
+  grads, stats = {}, {}
+  for i in reversed(range(n)):
+    # Two independent computations: block i's gradient (its recorded vjp at
+    # dy), and block i-1's reconstruction (with its vjp) from x_next.
+    dy, grads[key(i)], stats[key(i)] = pending(dy)
+    y = x_next
+    if i > 0:
+      x_next, pending = reconstruct_with_vjp(
+          blocks[i - 1], params[key(i - 1)], batch_stats[key(i - 1)], y)
+  return y, dy, grads, stats
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):

@@ -21,7 +21,7 @@ from petra_jax.engine import packing
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
                                     reverse_vjp, reverse_vjp_stashed)
-from petra_jax.engine.state import StageState
+from petra_jax.engine.stage_state import StageState
 
 PyTree = Any
 BN_POLICIES = ("backward", "forward")
@@ -152,108 +152,63 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
   return [_update(s, g, n, True) for s, g, n in zip(states, grads, new_stats)], loss
 
 
-def noop_step(fn: Callable) -> Callable:
-  """A step with ``fn``'s signature and outputs that computes nothing.
-
-  Its body traces ``fn`` only for its output shapes (``jax.eval_shape``)
-  and returns zeros of those shapes: jitted with ``fn``'s donation, it costs
-  the host exactly what dispatching ``fn`` costs, without ``fn``'s work
-  (the host-overhead benchmark, :mod:`petra_jax.benchmarks.host`).
-  """
-  def body(*args):
-    shapes = jax.eval_shape(fn, *args)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  return body
-
-
-def _jit(fn: Callable, donate_argnums=(), hollow: bool = False):
+def _jit(fn: Callable, donate_argnums=(), wrap: Optional[Callable] = None):
   """``fn`` (a step on ``(state, ...)``) jitted for packed states too
-  (:func:`petra_jax.engine.packing.on_packed`); with ``hollow``, its
-  :func:`noop_step` (of the packed signature when given a packed state)."""
+  (:func:`packing.on_packed`), through ``wrap`` if given."""
   fn = packing.on_packed(fn)
-  return jax.jit(noop_step(fn) if hollow else fn, donate_argnums=donate_argnums)
+  return jax.jit(fn if wrap is None else wrap(fn), donate_argnums=donate_argnums)
 
 
 class StageSteps:
-  """Every stage's jitted steps, and the rule of what a backward takes.
-
-  The one place that says which step a stage's backward runs (reconstruct,
-  recompute or the loss), which arguments it takes and which it donates.
-  The engine, :mod:`petra_jax.engine.timing`, the memory benchmark and the
-  gradient probe all call stages through it. Each step is compiled once per
-  stage. Every step that takes a state also takes it packed
-  (:func:`petra_jax.engine.packing.on_packed`: then its new state comes out
-  packed too), compiled once more for that.
+  """Every stage's jitted steps: the one place that says which backward a
+  stage runs (reconstruct, recompute or the loss), on which arguments,
+  donating which. Every step taking a state also takes it packed
+  (:func:`packing.on_packed`).
 
   Args:
     stages: the model's stages.
     method: the method (what it stashes, whether it reconstructs).
-    bn_stats: one of :data:`BN_POLICIES` (see
-      :class:`petra_jax.engine.pipeline.Pipeline`).
+    bn_stats: one of :data:`BN_POLICIES`.
     predictors: per stage, None or ``(params, opt_state) -> params``: the
-      weights its forward uses instead of the current ones (weight
-      prediction, :mod:`petra_jax.optim.compensation`). Backwards always use
-      the current weights (a reconstructing stage rebuilds its input with
-      them, Eq. 5) or, for methods that stash weights, the ones the forward
-      used.
-    donate_messages: whether a reconstructing backward donates its ``(y,
-      dy)`` (useless when they arrive quantised: int8 or 16-bit buffers
-      cannot hold the float32 results).
+      weights its forward uses. Backwards use the current weights (Eq. 5)
+      or, for methods that stash, the forward's.
+    donate_messages: whether a reconstructing backward donates ``(y, dy)``
+      (not when they arrive quantised).
+    wrap: applied to the forward, backward, fused and predictor steps before
+      they are jitted (e.g. the host benchmark's no-op steps).
 
   Attributes:
-    reconstructs: per stage, whether its backward rebuilds its input from
-      its output (:meth:`petra_jax.engine.methods.Method.reconstructs_stage`).
-    buffers_input: per stage, whether its forward keeps its input for the
-      backward (:meth:`petra_jax.engine.methods.Method.buffers_input`).
+    reconstructs: per stage, whether its backward rebuilds its input (Eq. 5).
   """
 
   def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
                predictors: Optional[Sequence[Optional[Callable]]] = None,
-               donate_messages: bool = True):
+               donate_messages: bool = True, wrap: Optional[Callable] = None):
     self.stages, self.method = list(stages), method
-    self.donate_messages = donate_messages
+    self.donate_messages, self._wrap = donate_messages, wrap
     self._predictors = list(predictors or [None] * len(stages))
-    self._predict = [None if p is None else _jit(functools.partial(predict_step, p))
+    self._predict = [None if p is None else _jit(functools.partial(predict_step, p), wrap=wrap)
                      for p in self._predictors]
     self._params, self._stats = _jit(params_step), _jit(stats_step, donate_argnums=0)
     self.num_stages = len(stages)
     self.stats_in_forward = bn_stats == "forward"
-    # Stage j rebuilds its input from its output, or buffers it (methods.py).
     self.reconstructs = [method.reconstructs_stage(s.reversible) for s in stages]
-    self.buffers_input = [method.buffers_input(s.reversible) for s in stages]
-    self._forward = [_jit(functools.partial(forward_step, s)) for s in stages]
+    self._forward = [_jit(functools.partial(forward_step, s), wrap=wrap) for s in stages]
     self._eval = [_jit(functools.partial(eval_step, s)) for s in stages]
-    self._backward = [_jit(self._backward_fn(j), donate_argnums=self._donated(j))
+    self._backward = [_jit(self._backward_fn(j), donate_argnums=self._donated(j), wrap=wrap)
                       for j in range(self.num_stages)]
     self._fused = [self._fused_jit(j) for j in range(self.num_stages - 1)]
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
-    self.hollow = False
 
-  def make_hollow(self) -> None:
-    """Replaces every stage's forward, backward and predictor by a
-    :func:`noop_step` of the same signature and donation, in place (the
-    engine's task functions see the change). For measuring the engine's
-    own host cost only: the pipeline then trains nothing."""
-    for j, s in enumerate(self.stages):
-      self._forward[j] = _jit(functools.partial(forward_step, s), hollow=True)
-      self._backward[j] = _jit(self._backward_fn(j), donate_argnums=self._donated(j),
-                               hollow=True)
-      if self._predictors[j] is not None:
-        self._predict[j] = _jit(functools.partial(predict_step, self._predictors[j]),
-                                hollow=True)
-      if j < self.num_stages - 1:
-        self._fused[j] = self._fused_jit(j, hollow=True)
-    self.hollow = True
-
-  def _fused_jit(self, j: int, hollow: bool = False):
-    """Stage ``j``'s jitted :func:`fused_step` (a :func:`noop_step` of it if
-    ``hollow``), donating the state and what the backward donates."""
+  def _fused_jit(self, j: int):
+    """Stage ``j``'s jitted :func:`fused_step`, donating the state and what
+    the backward donates."""
     fn = functools.partial(fused_step, functools.partial(forward_step, self.stages[j]),
                            self._backward_fn(j), self._predictors[j], self.stats_in_forward,
                            self.method.stashes_weights)
     donated = self._donated(j)
     donated = (0, 2, 3) if donated != 0 else 0  # after the forward's input
-    return _jit(fn, donate_argnums=donated, hollow=hollow)
+    return _jit(fn, donate_argnums=donated, wrap=self._wrap)
 
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or, with ``grads_only``, its gradient

@@ -19,7 +19,7 @@ import optax
 
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
-from petra_jax.engine.state import copy_tree
+from petra_jax.engine.tasks import copy_tree
 
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
@@ -65,7 +65,7 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   J = pipe.num_stages
   acts = [images]
   for j in range(J - 1):
-    acts.append(pipe.steps.forward(j, state.train_states[j], acts[j])[0])
+    acts.append(pipe.steps.forward(j, state.stage_states[j], acts[j])[0])
   rows = []
   for j in range(J):
     y = acts[j + 1] if j < J - 1 else None
@@ -79,7 +79,7 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
 
   Args:
     pipe, state: a pipeline whose stage ``j`` runs in this process, and its
-      state (``state.train_states[j]`` is advanced by the backward steps,
+      state (``state.stage_states[j]`` is advanced by the backward steps,
       which donate it).
     j: the stage.
     x: its input pytree (on its device); y: its output (None for the last
@@ -90,17 +90,17 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
     ``{"name", "reversible", "forward": ms, "backward": ms}``.
   """
   stage, box = pipe.stages[j], {"args": None}
-  fwd = median_ms(lambda: pipe.steps.forward(j, state.train_states[j], x), iters, warmup)
+  fwd = median_ms(lambda: pipe.steps.forward(j, state.stage_states[j], x), iters, warmup)
 
   def setup():  # fresh copies: a backward may donate its arguments
     box["args"] = copy_tree(pipe.steps.backward_args(
         j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
-        labels=labels, stashed=state.train_states[j].params))
+        labels=labels, stashed=state.stage_states[j].params))
     return box["args"]
 
   def bwd():
-    out = pipe.steps.backward(j, state.train_states[j], *box["args"])
-    state.train_states[j] = out[0]
+    out = pipe.steps.backward(j, state.stage_states[j], *box["args"])
+    state.stage_states[j] = out[0]
     return out
   return {"name": stage.name, "reversible": stage.reversible, "forward": fwd,
           "backward": median_ms(bwd, iters, warmup, setup=setup)}

@@ -18,8 +18,6 @@ Modules, one concept each:
   the backprop baselines.
 * :mod:`~petra_jax.models.specs`: the registry (:data:`MODEL_SPECS`,
   :data:`MODEL_FAMILY`) and :func:`build_model`.
-* :mod:`~petra_jax.models.grouping`: consecutive blocks grouped into stages
-  (:func:`group_stages`, :func:`balanced_stage_sizes`).
 * :mod:`~petra_jax.models.summary`: per-stage shapes and parameter counts, and
   the CLI ``python -m petra_jax.models NAME --dataset=cifar10 [--width=W]
   [--depth=N] [--json]``. Not imported here: it reads the data registry.
@@ -28,7 +26,6 @@ Whether a model has reversible blocks: :func:`petra_jax.engine.stage.has_reversi
 """
 
 from petra_jax.models import invertible
-from petra_jax.models.grouping import balanced_stage_sizes, block_flops, group_stages
 from petra_jax.models.layers import Head, Stem
 from petra_jax.models.resnet import ResNetBasicBlock, ResNetBottleneck
 from petra_jax.models.revnet import (BasicDownsample, BasicResidual, BottleneckDownsample,
@@ -39,6 +36,5 @@ from petra_jax.models.vit import TOKENIZERS
 __all__ = [
     "BasicDownsample", "BasicResidual", "BottleneckDownsample", "BottleneckResidual",
     "Head", "MODEL_FAMILY", "MODEL_SPECS", "ModelSpec", "ResNetBasicBlock",
-    "ResNetBottleneck", "Stem", "TOKENIZERS", "balanced_stage_sizes", "block_flops", "build_model",
-    "group_stages", "invertible",
+    "ResNetBottleneck", "Stem", "TOKENIZERS", "build_model", "invertible",
 ]

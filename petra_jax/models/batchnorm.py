@@ -24,14 +24,14 @@ Gradients equal autodiff of Flax's graph up to float32 round-off
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+
+from petra_jax.engine import stage as stage_lib
 
 _F32 = jnp.float32
 _BLOCKS = (64, 32, 16, 8, 4, 2, 1)
@@ -68,12 +68,6 @@ def channel_sums(*arrays):
   both = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)
   sums = jnp.dot(both.T, jnp.ones((n // k,), both.dtype), precision="highest")
   return tuple(sums[i * c:(i + 1) * c] for i in range(len(arrays)))
-
-
-def channel_sum(a):
-  """``a.sum(all axes but the last)``: ``float32[..., C] -> float32[C]``
-  (:func:`channel_sums` of one array)."""
-  return channel_sums(a)[0]
 
 
 def _stats(x):
@@ -149,28 +143,6 @@ def _bwd(eps, relu, res, cts):
 
 batch_norm.defvjp(_fwd, _bwd, symbolic_zeros=True)
 
-_FORWARD_MODE = contextvars.ContextVar("petra_jax_batchnorm_forward_mode", default=False)
-
-
-@contextlib.contextmanager
-def forward_mode():
-  """Within it, :class:`BatchNorm` traces as plain JAX operations.
-
-  A ``jax.custom_vjp`` cannot be differentiated in forward mode, so code
-  that pushes tangents through a stage with ``jax.jvp`` or
-  ``jax.linearize`` (forward gradients:
-  :mod:`petra_jax.engine.forward_gradient`) traces its stages inside this
-  context: the same forward arithmetic (:func:`_stats`, :func:`_affine`),
-  differentiated by JAX's rules instead of the closed form. Acts at trace
-  time; not thread-safe across concurrent traces of other contexts.
-  """
-  token = _FORWARD_MODE.set(True)
-  try:
-    yield
-  finally:
-    _FORWARD_MODE.reset(token)
-
-
 def _batch_norm_plain(x, scale, bias, eps: float, relu: bool):
   """:func:`batch_norm` without its custom vjp (forward-mode differentiable)."""
   mean, var = _stats(x)
@@ -207,7 +179,7 @@ class BatchNorm(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, c, _F32)
     if use_running_average:
       return _affine(x, ra_mean.value, ra_var.value, scale, bias, self.epsilon, self.relu)
-    fn = _batch_norm_plain if _FORWARD_MODE.get() else batch_norm
+    fn = _batch_norm_plain if stage_lib.is_linearizing() else batch_norm
     y, mean, var = fn(x, scale, bias, self.epsilon, self.relu)
     if not self.is_initializing():
       m = self.momentum

@@ -19,11 +19,12 @@ import optax
 
 from petra_jax import data as data_lib
 from petra_jax import models, optim
-from petra_jax.engine import local as local_lib
+from petra_jax.models import auxiliary
+from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import observers
+from petra_jax.engine import partition
 from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import reversible_backward
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine import timing
@@ -167,7 +168,7 @@ def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_clas
   """Blocks per stage from ``config.model``, or None for one block per stage.
 
   ``stage_sizes`` if set; else, with ``num_stages``, the grouping that
-  minimises the slowest stage's cost (:func:`models.balanced_stage_sizes`):
+  minimises the slowest stage's cost (:func:`partition.balanced_stage_sizes`):
   forward FLOPs, or with ``balance_by="time"`` each block's forward and
   backward timed on this process's first device. Timings vary from run to
   run, so a resumed run reuses the grouping saved in its checkpoint, and in a
@@ -191,7 +192,7 @@ def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_clas
     if jax.process_count() > 1:
       costs = distributed.broadcast_floats(costs)
     logging.info("measured ms per tick of each block: %s", [round(c, 2) for c in costs])
-  return models.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
+  return partition.balanced_stage_sizes(blocks, m.num_stages, micro_shape, costs=costs)
 
 
 def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
@@ -210,11 +211,11 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                               patch_size=config.model.patch_size or None,
                               tokenizer=config.model.tokenizer)
   stages = stage_lib.with_precision(stages, precision(config))
-  stages = reversible_backward.with_reversible_backward(stages, config.model.reversible_backward)
+  stages = stage_lib.with_reversible_backward(stages, config.model.reversible_backward)
   sizes = stage_sizes(config, stages, (micro,) + info.image_shape, info.num_classes,
                       os.path.join(workdir, "checkpoints"))
   if sizes:
-    stages = models.group_stages(stages, sizes)
+    stages = partition.group_stages(stages, sizes)
     logging.info("stages of %s blocks each", sizes)
   devices = distributed.devices(config)
   if not methods_lib.get(config.method).pipelined:
@@ -229,8 +230,8 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
   if schedule is None:
     schedule = optim.learning_rate_schedule(config, steps_per_epoch)
-  pipe_cls, stages, options = local_lib.pipeline_for(config, stages, info.num_classes)
-  pipe = pipe_cls(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
+  stages, options = method_setup(config, stages, info.num_classes)
+  pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
                                                         delays, schedule=schedule), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
@@ -239,6 +240,23 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   formats=message_formats(config), send_losses=False,
                   data_parallel=config.data_parallel, **options)
   return pipe, sizes, probes
+
+
+def method_setup(config, stages, num_classes: int) -> tuple:
+  """``(stages, Pipeline options)`` of ``config.method``: auxiliary heads
+  (``config.auxiliary``) for ``local`` and for forward gradients with a local
+  guess; ``forward_gradient``'s options (``config.forward_gradient``)."""
+  if config.method not in ("local", "forward_gradient"):
+    return stages, {}
+  fg = config.forward_gradient
+  if config.method == "local" or fg.guess == "local":
+    stages = auxiliary.with_heads(stages, config.auxiliary.head, num_classes,
+                                  config.auxiliary.hidden)
+  if config.method == "local":
+    return stages, {}
+  options = fg_lib.Options(guess=fg.guess, perturb=fg.perturb, emulate=fg.emulate, eps=fg.eps,
+                           projection=fg.projection, seed=config.seed)
+  return stages, {"forward_gradient": options}
 
 
 def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:

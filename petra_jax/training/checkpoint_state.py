@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.state import PipelineState, message_fields
+from petra_jax.engine.pipeline_state import PipelineState, message_fields
 
 
 def _encode(payload, leaves: list):

@@ -18,8 +18,8 @@ from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import precision as precision_lib
 from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import stage as stage_lib
 from petra_jax.optim import compensation
 
 
@@ -202,9 +202,9 @@ def _check_choices(config) -> None:
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
-  if (methods_lib.get(config.method).needs_reversible
+  if (methods_lib.get(config.method).reconstructs
       and not models.MODEL_SPECS[config.model.name].reversible):
-    supported = [n for n, m in methods_lib.ALL_METHODS.items() if not m.needs_reversible]
+    supported = [n for n, m in methods_lib.ALL_METHODS.items() if not m.reconstructs]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
         f"{config.model.name} supports {supported}, or use a RevNet "
@@ -218,8 +218,8 @@ def _check_choices(config) -> None:
 def _check_numerics(config) -> None:
   """``dtype``, ``stream_dtype`` and the ``quantize`` formats."""
   for flag, value, choices in (
-      ("dtype", config.dtype, stage_lib.DTYPES),
-      ("stream_dtype", config.stream_dtype, ("",) + stage_lib.DTYPES),
+      ("dtype", config.dtype, precision_lib.DTYPES),
+      ("stream_dtype", config.stream_dtype, ("",) + precision_lib.DTYPES),
       *((f"quantize.{k}", config.quantize[k], quantize_lib.FORMATS)
         for k in quantize_lib.KINDS)):
     if value not in choices:

@@ -1,0 +1,141 @@
+"""Method ``forward_gradient``'s tasks (the ``stream`` table).
+
+Per micro-batch ``m`` (the math: :mod:`petra_jax.engine.forward_gradient`):
+
+* ``forward`` of stage ``j < J-1`` (tick ``m + j``, ``theta_j^t``): the guess
+  ``v_j``; the forward pushing the ``j`` tangents received and starting its
+  own; ``(y, labels, tangents [j + 1, B, ...])`` to ``j+1``. It keeps
+  ``(v_j, head gradient)`` in ``weight_stash`` and, for ``activity``, its input.
+* ``loss`` (tick ``m + J - 1``): the last stage's update; scalars
+  ``float32[J-1, B]`` (each sample's loss derivative along each tangent) to ``J-2``.
+* ``backward`` of stage ``j`` (tick ``m + 2(J-1) - j``): row ``j`` of the
+  scalars, the update along ``g~_j``; rows ``0..j-1`` back.
+
+``emulate=True``: no tangents; ``dL/dx`` travels back as in ``dsp`` and each
+stage takes its scalars from it (:func:`forward_gradient.emulated_scalars`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import jax
+
+from petra_jax.engine import forward_gradient as fg
+from petra_jax.engine import local
+from petra_jax.engine.pipeline_state import PipelineState, take
+from petra_jax.engine.stage import forward
+from petra_jax.engine.stage_state import StageState
+from petra_jax.engine.tasks import NOTHING, TaskResult
+
+if TYPE_CHECKING:
+  from petra_jax.engine.pipeline import Pipeline
+
+
+def fg_forward(stage, guess_kind, perturb, emulate, state: StageState, x, labels, tangents, key):
+  """Stage forward with its guess and tangents.
+
+  Returns:
+    ``(new_state, y, tangents_out, guess, head_grads)``: ``new_state`` with
+    this forward's BatchNorm statistics; ``tangents_out`` None when emulating.
+  """
+  p, bs = state.params, state.batch_stats
+  if guess_kind == "local":
+    guess, head = fg.local_guess(stage, p, bs, x, labels, perturb)
+  else:
+    head = None
+    like = (fg.block_params(p) if perturb == "weights"
+            else jax.eval_shape(lambda: forward(stage, p, bs, x)[0]))
+    guess = fg.random_guess(key, like)
+  param_tangent = guess if perturb == "weights" and not emulate else None
+  y, stats, pushed, own = fg.push(stage, p, bs, x, None if emulate else tangents, param_tangent)
+  out = None
+  if not emulate:
+    out = fg.stack(pushed, own if perturb == "weights" else guess)
+  return state.replace(batch_stats=stats), y, out, guess, head
+
+
+def fg_update(stage, perturb, eps, projection, state: StageState, scalars, guess, head, x):
+  """Stage ``j``'s update along ``g~_j`` from its scalars ``float32[B]``."""
+  grads = fg.estimate(stage, state.params, state.batch_stats, x, guess, scalars, perturb, eps,
+                      projection)
+  return state.apply_gradients(fg.with_head(grads, state.params, head), state.batch_stats)
+
+
+def fg_emulated_update(stage, perturb, eps, projection, state: StageState, dy, guess, head, x):
+  """``emulate=True``: scalars from the exact gradient, the update, and
+  ``dL/dx`` for the previous stage: ``(new_state, dx)``."""
+  scalars, dx = fg.emulated_scalars(stage, state.params, state.batch_stats, x, dy, guess,
+                                    perturb)
+  return fg_update(stage, perturb, eps, projection, state, scalars, guess, head, x), dx
+
+
+def last_scalars(stage, state: StageState, x, labels, tangents):
+  """The last stage's ``float32[J-1, B]`` scalars."""
+  return fg.loss_scalars(stage, state.params, state.batch_stats, x, labels, tangents)
+
+
+def forward_task(pipe: "Pipeline", j: int) -> Callable:
+  """Stage ``j``'s guess and forward; ``(y, labels, tangents)`` to ``j+1``."""
+  if j == 0:
+    local.check_setup(pipe)
+  o, stage = pipe.forward_gradient, pipe.stages[j]
+  step = jax.jit(functools.partial(fg_forward, stage, o.guess, o.perturb, o.emulate),
+                 donate_argnums=0)
+  send, keeps_input = pipe.messages.route("forward", j, j + 1), pipe.keeps[j].input
+  base = jax.random.key(o.seed + 3)
+
+  def task(state: PipelineState, m: int, batches) -> TaskResult:
+    x, labels, *rest = local.inputs_with_labels(pipe, state, j, m, batches)
+    tangents = rest[0] if rest else None
+    key = jax.random.fold_in(jax.random.fold_in(base, m), j)
+    if keeps_input:  # (the forward donates its state only)
+      state.buffers[j][m] = x
+    state.stage_states[j], y, out, guess, head = step(state.stage_states[j], x, labels,
+                                                      tangents, key)
+    state.weight_stash[j][m] = (guess, head)
+    state.inbox[j + 1][m] = send((y, labels, out), m)
+    return NOTHING
+  return task
+
+
+def loss_task(pipe: "Pipeline", j: int) -> Callable:
+  """The last stage's update; its scalars (or ``dL/dx``) to ``j-1``."""
+  emulate = pipe.forward_gradient.emulate
+  scalars = jax.jit(functools.partial(last_scalars, pipe.stages[j]))
+  send = pipe.messages.route("backward", j, j - 1)
+
+  def task(state: PipelineState, m: int, batches) -> TaskResult:
+    x, _, tangents = take(state.inbox[j], m, "input", j)
+    labels = take(state.labels, m, "labels", j)
+    back = None if emulate else scalars(state.stage_states[j], x, labels, tangents)
+    state.stage_states[j], dx, loss = pipe.steps.backward(j, state.stage_states[j], x, labels)
+    state.grad_inbox[j - 1][m] = send(dx if emulate else back, m)
+    return TaskResult(loss=loss)
+  return task
+
+
+def backward_task(pipe: "Pipeline", j: int) -> Callable:
+  """Stage ``j``'s update from its row of scalars; the earlier rows to ``j-1``."""
+  o = pipe.forward_gradient
+  update = fg_emulated_update if o.emulate else fg_update
+  step = jax.jit(functools.partial(update, pipe.stages[j], o.perturb, o.eps, o.projection),
+                 donate_argnums=0)
+  send = None if j == 0 else pipe.messages.route("backward", j, j - 1)
+  keeps_input = pipe.keeps[j].input
+
+  def task(state: PipelineState, m: int, batches) -> TaskResult:
+    message = take(state.grad_inbox[j], m, "scalars", j)
+    guess, head = take(state.weight_stash[j], m, "guess", j)
+    x = take(state.buffers[j], m, "buffered input", j) if keeps_input else None
+    st = state.stage_states[j]
+    if o.emulate:
+      state.stage_states[j], back = step(st, message, guess, head, x)
+    else:
+      state.stage_states[j] = step(st, message[j], guess, head, x)
+      back = message[:j]
+    if send is not None:
+      state.grad_inbox[j - 1][m] = send(back, m)
+    return NOTHING
+  return task

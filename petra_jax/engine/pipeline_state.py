@@ -1,0 +1,111 @@
+"""What the engine carries between ticks: stage states and messages in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from petra_jax.engine import packing
+from petra_jax.engine.messages import Deferred
+from petra_jax.engine import quantize as quantize_lib
+
+
+class ScheduleError(RuntimeError):
+  """A task ran before the message it consumes arrived (a broken schedule)."""
+
+
+def _messages(where: str, routed: bool = False):
+  return dataclasses.field(default_factory=list if where == "per_stage" else dict,
+                           metadata={"messages": where, "routed": routed})
+
+
+@dataclasses.dataclass
+class PipelineState:
+  """Everything the next tick depends on; create it with :meth:`empty`.
+
+  Message fields hold ``{micro_batch: payload}``; their ``messages`` metadata
+  says where they live (``per_stage``: one dict per stage, on its device;
+  ``last_stage``: one dict on the last stage's device), which is how
+  checkpoints save them. Across processes every process keeps every key of
+  the ``routed`` fields, the payloads on the stage's owner only.
+
+  Attributes:
+    stage_states: per stage, its state as the steps last returned it: a
+      :class:`StageState` or a :class:`packing.PackedState` (None for another
+      process's stage).
+    tick: ticks run so far.
+    inbox: the input each stage runs forward (or ``loss``) on.
+    grad_inbox: ``(y_j or None, delta_{j+1})`` each stage runs backward on.
+    buffers: the inputs each stage kept for its backward.
+    weight_stash: the weights each stage's forward used (or a method's own
+      per-micro-batch keep, e.g. forward gradients' guess).
+    labels: labels in flight to the last stage.
+  """
+  stage_states: list
+  tick: int = 0
+  inbox: list = _messages("per_stage", routed=True)
+  grad_inbox: list = _messages("per_stage", routed=True)
+  buffers: list = _messages("per_stage")
+  weight_stash: list = _messages("per_stage")
+  labels: dict = _messages("last_stage")
+
+  @classmethod
+  def empty(cls, train_states: list, tick: int = 0) -> "PipelineState":
+    """A state with no micro-batch in flight."""
+    J = len(train_states)
+    per_stage = {name: [{} for _ in range(J)] for name, each in _MESSAGE_BOXES if each}
+    return cls(stage_states=list(train_states), tick=tick, **per_stage)
+
+  def successor(self) -> "PipelineState":
+    """The same contents in new lists and dicts (arrays shared): what a tick
+    fills, leaving ``self``'s containers as they were."""
+    boxes = {name: [b.copy() for b in getattr(self, name)] if each
+             else getattr(self, name).copy() for name, each in _MESSAGE_BOXES}
+    return PipelineState(stage_states=list(self.stage_states), tick=self.tick, **boxes)
+
+  @property
+  def train_states(self) -> list:
+    """Per stage, its :class:`StageState` (None for another process's
+    stage): a packed state is read unpacked, into fresh arrays."""
+    return [packing.unpack(s) for s in self.stage_states]
+
+  def in_flight(self) -> int:
+    """Micro-batches fed whose backward has not reached stage 0 yet."""
+    waiting = set(self.labels)
+    for name, each in _MESSAGE_BOXES:
+      if each:
+        for box in getattr(self, name):
+          waiting |= set(box)
+    return len(waiting)
+
+  def stored_bytes(self) -> list[int]:
+    """Bytes each stage holds between forwards and backwards (input buffers
+    and weight stashes; messages in flight excluded)."""
+    return [quantize_lib.nbytes(list(b.values())) + quantize_lib.nbytes(list(w.values()))
+            for b, w in zip(self.buffers, self.weight_stash)]
+
+
+def message_fields() -> list[dataclasses.Field]:
+  """The fields of :class:`PipelineState` that hold messages."""
+  return [f for f in dataclasses.fields(PipelineState) if "messages" in f.metadata]
+
+
+_MESSAGE_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
+
+
+def take(box: dict, m: int, what: str, j: int):
+  """Pops micro-batch ``m``'s entry of ``box`` (stage ``j``'s ``what``).
+
+  Raises:
+    ScheduleError: no entry for ``m``, or only a cross-process message of
+      the current tick (not transferred yet).
+  """
+  try:
+    v = box.pop(m)
+  except KeyError:
+    raise ScheduleError(f"stage {j} has no {what} for micro-batch {m}: the schedule runs "
+                        "a task before the message it consumes was sent.") from None
+  if isinstance(v, Deferred):
+    raise ScheduleError(f"stage {j}'s {what} for micro-batch {m} comes from another process "
+                        "on this very tick: a schedule's tasks consume messages of earlier "
+                        "ticks only.")
+  return v
