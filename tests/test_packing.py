@@ -1,11 +1,14 @@
 """Packed stage states (petra_jax/engine/packing.py): exact round trips, and
 packed steps that compute exactly what the unpacked ones do."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from petra_jax.engine import pipeline as pipeline_lib
 
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import packing
@@ -76,16 +79,21 @@ def test_large_states_stay_unpacked_small_ones_are_packed():
   assert packing.Packer.of(small).pays and isinstance(packing.pack(small),
                                                       packing.PackedState)
   assert not packing.Packer.of(large).pays
-  assert packing.pack(large) is large  # on the CPU; an accelerator packs every state
+  assert packing.pack(large) is large
 
 
-def test_an_accelerator_packs_large_states_too(monkeypatch):
-  large = {"a": jnp.zeros((packing.Packer.MAX_MEAN_LEAF_BYTES,)), "b": jnp.zeros((3,))}
-  assert packing._on_cpu(large)
+def test_off_the_cpu_no_state_is_packed(monkeypatch):
+  small = {"a": jnp.zeros((8,)), "b": jnp.zeros((3,))}
+  assert packing.pays(small)
   monkeypatch.setattr(packing, "_on_cpu", lambda tree: False)
-  packed = packing.pack(large)
-  assert isinstance(packed, packing.PackedState)
-  _same(packing.unpack(packed), large)
+  assert not packing.pays(small) and packing.pack(small) is small
+
+
+def test_a_large_state_packs_and_unpacks_exactly():
+  large = {"a": jnp.arange(packing.Packer.MAX_MEAN_LEAF_BYTES, dtype=jnp.float32),
+           "b": jnp.ones((3,), jnp.int32)}
+  packer = packing.Packer.of(large)
+  _same(packing.unpack(packer.pack(large)), large)
 
 
 def _steps(stages, method="petra"):
@@ -114,20 +122,22 @@ def test_a_packed_backward_and_fused_step_equal_the_unpacked_ones():
 
 @pytest.mark.parametrize("method", ["petra", "delayed"])
 def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch):
-  """Same losses and states to the last bit, reading ``train_states`` (an
-  unpack and a later repack) midway in the packed run."""
+  """Same losses and states to the last bit, reading ``train_states`` (a plain
+  read: the stored states stay packed) midway in the packed run."""
   x, _ = random_batch()
   results, tx = {}, _tx()  # one optimizer: it is part of the states' structure
   for packs in (True, False):
-    monkeypatch.setattr(Pipeline, "_packs", lambda self, d, p=packs: p)
+    real = pipeline_lib.regime
+    monkeypatch.setattr(pipeline_lib, "regime",
+                        lambda *a, p=packs: dataclasses.replace(real(*a), pack=p))
     pipe = Pipeline(tiny_revnet(), tx, jax.devices()[:1], method=method)
-    assert pipe.packs is packs
+    assert pipe.regime.pack is packs
     state = pipe.init(0, x)
     state, first = run_ticks(pipe, state, 6, batches_of(), num_ticks=9)
     if packs:
       assert any(isinstance(s, packing.PackedState) for s in state.stage_states)
       _ = state.train_states[1].params
-      assert not any(isinstance(s, packing.PackedState) for s in state.stage_states)
+      assert isinstance(state.stage_states[1], packing.PackedState)
     table = pipe.schedule(6)
     state, rest = pipe.run(state, (table[t] for t in range(9, len(table))), batches_of())
     results[packs] = ([float(o.loss) for o in first + rest], state.train_states)

@@ -156,14 +156,20 @@ def _unpack(packed: PackedState) -> PyTree:
   return packed.unpacked()
 
 
-def pack(tree: PyTree):
-  """``tree`` packed (one jitted call, not donating: ``tree`` stays valid),
-  or ``tree`` itself where it cannot be packed (:meth:`Packer.of`) or, on
-  the CPU, packing would not pay (:attr:`Packer.pays`)."""
+def pays(tree: PyTree) -> bool:
+  """The one rule of where packing is used: where it was measured to pay
+  (docs/benchmarks.md): states on the CPU whose mean leaf has at most
+  :attr:`Packer.MAX_MEAN_LEAF_BYTES` bytes. Unmeasured elsewhere, so off."""
   if isinstance(tree, PackedState):
-    return tree
+    return True
   packer = Packer.of(tree)
-  if packer is None or (not packer.pays and _on_cpu(tree)):
+  return packer is not None and packer.pays and _on_cpu(tree)
+
+
+def pack(tree: PyTree):
+  """``tree`` packed (one jitted call, not donating), or ``tree`` itself
+  where packing does not pay (:func:`pays`)."""
+  if isinstance(tree, PackedState) or not pays(tree):
     return tree
   return _pack(tree)
 

@@ -83,16 +83,16 @@ def drain_ticks(num_stages: int) -> int:
   return 2 * (num_stages - 1)
 
 
-def _stream_tick(t: int, J: int, M: int, offset: int = 0, backward: bool = True) -> Tick:
+def _stream_tick(t: int, J: int, M: int, backward: bool = True) -> Tick:
   """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)`` (without
   its backward tasks: the ``forward`` kind)."""
   tasks = []
   for j in range(J - 1):
     for kind, m in ((FORWARD, t - j), (BACKWARD, t - 2 * (J - 1) + j))[:2 if backward else 1]:
       if 0 <= m < M:
-        tasks.append(Task(j, kind, m + offset))
+        tasks.append(Task(j, kind, m))
   if 0 <= t - (J - 1) < M:
-    tasks.append(Task(J - 1, LOSS, t - (J - 1) + offset))
+    tasks.append(Task(J - 1, LOSS, t - (J - 1)))
   return tuple(tasks)
 
 

@@ -1,0 +1,53 @@
+"""The code base's shape: comment density, one task plan, a README map that holds."""
+
+import ast
+import io
+import pathlib
+import re
+import tokenize
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "petra_jax"
+
+
+def _doc_and_comment_lines(src: str) -> set:
+  lines = {t.start[0] for t in tokenize.generate_tokens(io.StringIO(src).readline)
+           if t.type == tokenize.COMMENT}
+  for node in ast.walk(ast.parse(src)):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+      first = node.body[0] if node.body else None
+      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+          and isinstance(first.value.value, str)):
+        lines.update(range(first.lineno, first.end_lineno + 1))
+  return lines
+
+
+def test_docstrings_and_comments_are_at_most_a_quarter_of_the_package():
+  doc = total = 0
+  for path in PACKAGE.rglob("*.py"):
+    src = path.read_text()
+    doc += len(_doc_and_comment_lines(src))
+    total += len(src.splitlines())
+  assert doc <= 0.25 * total, f"{doc} of {total} lines are docstrings or comments"
+
+
+def test_no_class_derives_from_pipeline():
+  for path in PACKAGE.rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ClassDef):
+        bases = [ast.unparse(b) for b in node.bases]
+        assert not any(b.split(".")[-1] == "Pipeline" for b in bases), (path, node.name)
+
+
+def test_engine_holds_no_experiment_code():
+  for path in (PACKAGE / "engine").glob("*.py"):
+    assert "hollow" not in path.read_text(), path
+
+
+def test_readme_is_a_short_guide_whose_map_names_real_files():
+  readme = (REPO / "README.md").read_text()
+  assert len(readme.splitlines()) <= 210
+  named = set(re.findall(r"`((?:petra_jax|configs|tests|docs|launch)/[\w/.]+)`", readme))
+  assert named, "the README has no map of the code"
+  for rel in named:
+    assert (REPO / rel.rstrip("/")).exists(), f"README names {rel}, which does not exist"
