@@ -32,7 +32,7 @@ def _flat(tree: PyTree) -> jax.Array:
 
 
 def cosine_similarity(a: PyTree, b: PyTree) -> jax.Array:
-  """``<a, b> / (||a|| ||b||)`` over the flattened leaves in float32 (App. B); NaN if either is zero."""
+  """``<a, b> / (||a|| ||b||)`` over the flattened leaves, float32 (App. B); NaN if one is 0."""
   x, y = _flat(a), _flat(b)
   return jnp.vdot(x, y) / (jnp.linalg.norm(x) * jnp.linalg.norm(y))
 
@@ -54,10 +54,7 @@ def relative_error(x_tilde: PyTree, x: PyTree) -> jax.Array:
 def composed_grads(stages: Sequence[Stage], params: Sequence[PyTree],
                    batch_stats: Sequence[PyTree], images: jax.Array,
                    labels: jax.Array) -> list:
-  """Per-stage ``jax.grad`` of the composed mean cross-entropy.
-
-  ``images float32[B, H, W, C]``, ``labels int32[B]``; ``batch_stats`` give structure only.
-  """
+  """Per-stage ``jax.grad`` of the composed mean cross-entropy (``images float32[B, H, W, C]``)."""
   return jax.grad(lambda ps: composed_loss(stages, ps, batch_stats, images, labels)[0])(
       list(params))
 
@@ -66,13 +63,9 @@ def grad_quality(stages: Sequence[Stage], applied_grads: Sequence[PyTree],
                  forward_params: Sequence[PyTree], backward_params: Sequence[PyTree],
                  batch_stats: Sequence[PyTree], images: jax.Array,
                  labels: jax.Array) -> dict[str, jax.Array]:
-  """Per-stage cosine similarities and norm ratios (paper Figs. 5-6).
+  """Per-stage cosine similarities and norm ratios (paper Figs. 5-6): ``{name: float32[J]}``.
 
-  ``delayed`` at ``forward_params``, ``e2e`` at ``backward_params``; ``images
-  float32[B, H, W, C]``, ``labels int32[B]``.
-
-  Returns:
-    ``{name: float32[J]}`` for every name in :data:`METRICS`.
+  ``delayed`` at ``forward_params``, ``e2e`` at ``backward_params``.
   """
   grads = {"applied": list(applied_grads),
            "delayed": composed_grads(stages, forward_params, batch_stats, images, labels),

@@ -32,11 +32,7 @@ PROJECTIONS = ("batch", "sample")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """``config.forward_gradient`` and the run's ``seed``.
-
-  Raises:
-    ValueError: a bad option (:func:`check_options`).
-  """
+  """``config.forward_gradient`` and the run's ``seed``; raises ValueError on a bad option."""
   guess: str = "local"
   perturb: str = "activity"
   emulate: bool = False
@@ -67,11 +63,7 @@ def check_options(guess: str, perturb: str, emulate, eps, projection: str = "bat
 
 
 def local_guess(stage, params, batch_stats, x, labels, perturb: str):
-  """``(guess, head_grads)``: the auxiliary-loss gradient and the head's.
-
-  ``guess`` is like the block's parameters (``weights``) or the output ``y``
-  ``[B, ...]`` (``activity``).
-  """
+  """``(guess, head_grads)``: like the block's params (``weights``) or ``y [B, ...]``."""
   if perturb == "weights":
     grads = jax.grad(lambda p: auxiliary.aux_loss(
         stage, p, forward(stage, p, batch_stats, x)[0], labels))(params)
@@ -91,13 +83,9 @@ def random_guess(key: jax.Array, like):
 
 
 def push(stage, params, batch_stats, x, tangents: Optional[object], param_tangent=None):
-  """The stage's forward with the input tangents pushed through (one :func:`jax.linearize`).
+  """The forward with ``tangents`` (like ``x``, ``[n, B, ...]``) pushed through it.
 
-  ``tangents``: like ``x`` stacked ``[n, B, ...]``, or None; ``param_tangent``:
-  ``v_j`` for ``weights``.
-
-  Returns:
-    ``(y, batch_stats, pushed [n, B, ...] or None, own J_theta F v_j or None)``.
+  Returns ``(y, batch_stats, pushed [n, B, ...] or None, own J_theta F v_j or None)``.
   """
   block = block_params(params)
   with linearizing():
@@ -143,10 +131,7 @@ def _per_sample_dot(a, b) -> jax.Array:
 
 def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: float,
              projection: str = "batch"):
-  """The forward-gradient estimate, a pytree like the block's parameters.
-
-  ``x``: buffered input (None for ``weights``); ``scalars``: ``float32[B]``.
-  """
+  """The estimate, like the block's params; ``x`` buffered input, ``scalars float32[B]``."""
   if perturb == "weights":
     c = jnp.mean(scalars)
     return jax.tree.map(lambda v: c / (_dot(guess, guess) + eps) * v, guess)
@@ -160,11 +145,7 @@ def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: f
 
 
 def emulated_scalars(stage, params, batch_stats, x, dy, guess, perturb: str):
-  """The scalars from the exact gradient ``dy = dL/dy_j`` (``emulate=True``).
-
-  Returns:
-    ``(scalars float32[B], dx)``.
-  """
+  """``(scalars float32[B], dx)`` from the exact gradient ``dy = dL/dy_j`` (``emulate=True``)."""
   _, vjp = jax.vjp(lambda p, x: forward(stage, p, batch_stats, x)[0], block_params(params), x)
   g, dx = vjp(dy)
   batch = jax.tree.leaves(dy)[0].shape[0]

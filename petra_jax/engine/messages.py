@@ -56,7 +56,7 @@ class Messenger:
     self._deferred: list = []
 
   def start(self, seed: int, sample_input, multiprocess: bool) -> None:
-    """Sets the rounding key from ``seed`` and, multi-process, the input spec ``float32[B, H, W, C]``."""
+    """Sets the rounding key from ``seed``; multi-process, the input spec ``[B, H, W, C]``."""
     self._base_key = jax.random.key(seed + 2)
     self._sample = (jax.ShapeDtypeStruct(sample_input.shape, sample_input.dtype)
                     if multiprocess else None)
@@ -94,7 +94,7 @@ class Messenger:
     return self._encoders[kind](x, None)
 
   def route(self, kind: str, src: int, dst: int, first: bool = True) -> Callable:
-    """``(payload, m) -> payload on dst's device``: encodes and moves ``kind`` payloads ``src -> dst``.
+    """``(payload, m) -> payload on dst's device``: ``kind`` payloads ``src -> dst``.
 
     ``first``: for ``backward``, whether the sender's input travels (else None).
     """
@@ -124,7 +124,7 @@ class Messenger:
     return self._deferred[-1]
 
   def flush(self) -> None:
-    """Runs the tick's deferred moves: local ones in one ``jax.device_put``, then transfers in order."""
+    """Runs the tick's deferred moves: local ones in one ``device_put``, then transfers."""
     within = [d for d in self._deferred if self.local[d.args[1]] and self.local[d.args[2]]]
     if within:
       values = transport.send([d.args[0] for d in within],
@@ -137,7 +137,7 @@ class Messenger:
     self._deferred = []
 
   def move(self, x, src: int, dst: int, spec):
-    """Payload ``x`` from stage ``src``'s device to ``dst``'s; None if ``dst`` is another process's."""
+    """Payload ``x`` from stage ``src``'s device to ``dst``'s; None if ``dst`` is not local."""
     if self.local[src] and self.local[dst]:
       if self.placements[src] == self.placements[dst]:
         return x

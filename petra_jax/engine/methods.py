@@ -1,10 +1,10 @@
 """The training methods: what each stage keeps and which schedule it runs.
 
-Paper Table 4, kept between a micro-batch's forward and backward (a
-non-reversible stage always keeps its input; docs/methods.md has the table):
-petra reconstructs with current weights; approximate_input also stashes
-weights; dsp keeps inputs; delayed keeps inputs and weights; gpipe and 1f1b keep
-inputs, exact and flushed each update. :data:`LOCAL_METHODS` send no gradient back.
+Paper Table 4, between a micro-batch's forward and backward (a non-reversible
+stage always keeps its input): backprop is ``jax.grad``; revprop has no delay;
+petra reconstructs with current weights; approximate_input also stashes weights;
+dsp keeps inputs; delayed inputs and weights; gpipe and 1f1b keep inputs, exact,
+flushed every update. :data:`LOCAL_METHODS` send no gradient back.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ class Keeps(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """One method.
+  """One method: its ``schedule`` kind, whether it stashes weights or ``reconstructs`` (Eq. 5).
 
-  Attributes:
-    schedule: a kind of :class:`petra_jax.engine.schedule.Schedule`.
-    reconstructs: reversible stages rebuild their input (paper Eq. 5).
-    updates: ``"backward"``, ``"local"`` or ``"forward_gradient"``.
+  ``updates``: ``"backward"``, ``"local"`` or ``"forward_gradient"``.
   """
   name: str
   schedule: str

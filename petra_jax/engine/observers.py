@@ -28,7 +28,7 @@ def _probed(m: int, every_updates: int, k: int) -> bool:
 
 
 class ReconstructionProbe(Observer):
-  """``||x~ - x|| / ||x||`` of reconstructing stages, first micro-batch of every ``every_updates``-th update."""
+  """``||x~ - x|| / ||x||`` of reconstructing stages, every ``every_updates`` updates."""
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
     self.every, self.k = every_updates, accumulation_steps

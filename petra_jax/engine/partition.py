@@ -30,10 +30,7 @@ def group_cost(costs: Sequence[float], a: int, b: int,
 def balanced_partition(costs: Sequence[float], num_groups: int,
                        send_forward: Optional[Sequence[float]] = None,
                        send_backward: Optional[Sequence[float]] = None):
-  """Contiguous split of ``costs`` (ms) into ``num_groups`` groups minimising the slowest.
-
-  Returns:
-    ``(groups, max_cost)``: inclusive ``(first, last)`` pairs, and ms.
+  """``(groups, max_cost ms)``: inclusive ``(first, last)`` groups minimising the slowest.
 
   Raises:
     ValueError: ``num_groups`` outside ``[1, len(costs)]``.
@@ -119,13 +116,10 @@ def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[flo
 def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
                          input_shape: Sequence[int],
                          costs: Optional[Sequence[float]] = None) -> list[int]:
-  """Blocks per stage minimising the slowest stage (``costs`` default: :func:`block_flops`).
-
-  ``input_shape``: a micro-batch ``[B, H, W, C]``.
+  """Blocks per stage minimising the slowest (``input_shape`` ``[B, H, W, C]``; default FLOPs).
 
   Raises:
-    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
-      the wrong length.
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or wrong ``costs`` length.
   """
   if not 2 <= num_stages <= len(blocks):
     raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "

@@ -44,7 +44,7 @@ PLANS = {
 
 @dataclasses.dataclass(frozen=True)
 class Regime:
-  """How the tick loop runs: ``fuse`` forward+backward in one call, ``pack`` states, ``defer`` moves."""
+  """How ticks run: ``fuse`` forward+backward in one call, ``pack`` states, ``defer`` moves."""
   fuse: bool
   pack: bool
   defer: bool
@@ -52,7 +52,7 @@ class Regime:
 
 def regime(method: methods_lib.Method, observers: bool, multiprocess: bool,
            data_parallel: int, num_places: int) -> Regime:
-  """The one place that decides :class:`Regime` (fused/packed: one process, no observers)."""
+  """Decides :class:`Regime` (fuse: one process, no observers; pack: D = 1)."""
   fast = (method.updates == "backward" and method.pipelined and not observers
           and not multiprocess)
   return Regime(fuse=fast, pack=fast and data_parallel == 1, defer=num_places > 1)
@@ -145,10 +145,7 @@ class Pipeline:
     return self.local[-1]
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
-    """Initialises this process's stages; stage ``j`` draws from ``fold_in(key(seed), j)`` (rbg).
-
-    ``sample_input``: ``float32[B, H, W, C]`` (shape and dtype only).
-    """
+    """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
@@ -183,10 +180,7 @@ class Pipeline:
     """Runs one tick's tasks in order; ``state``'s arrays are donated.
 
     ``batches``: ``m -> (images float32[B, H, W, C], labels int32[B])``.
-
-    Returns:
-      ``(new_state, outputs)``: losses of the ``loss``/``backprop`` tasks run
-      (multi-process: on the process receiving losses, None elsewhere).
+    Returns ``(new_state, outputs)``: the losses of the tick's ``loss``/``backprop`` tasks.
 
     Raises:
       ScheduleError: a task's input has not arrived.

@@ -175,7 +175,7 @@ def error_bound(x: PyTree, fmt: str, *, per_channel: bool = False,
 
 
 def nbytes(tree: PyTree) -> int:
-  """Bytes of the array leaves of ``tree`` (``size * itemsize``); static, works under ``jax.jit``."""
+  """Bytes of the array leaves of ``tree`` (``size * itemsize``); works under ``jax.jit``."""
   total = 0
   for leaf in jax.tree.leaves(tree):
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: tick ``t`` holds a tuple of :class:`Task` ``(stage, kind, micro_batch)``.
+"""Pipeline schedules as data: tick ``t`` holds tasks ``(stage, kind, micro_batch)``.
 
 Stages ``j = 0 .. J-1``; the last stage's task is ``loss``. Kinds: ``stream``
 (paper Alg. 1: micro-batch ``m`` forward at stage ``j`` on tick ``m + j``,
@@ -20,7 +20,7 @@ KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential", "forward")
 
 
 class Task(NamedTuple):
-  """One stage's ``"forward"``, ``"backward"``, ``"loss"`` or ``"backprop"`` (stage 0) on one micro-batch."""
+  """One stage's ``"forward"``, ``"backward"``, ``"loss"`` or ``"backprop"`` on a micro-batch."""
   stage: int
   kind: str
   micro_batch: int

@@ -47,12 +47,9 @@ def is_linearizing() -> bool:
 class Stage:
   """One pipeline stage: one residual block, or a group of consecutive ones.
 
-  Attributes:
-    module: ``F`` on one stream (``[B, H, W, C] -> [B, H, W, C]``) if
-      reversible, else the whole block; None for a group.
-    blocks: a group's single-block stages, variables under ``"block_i"``.
-    pre: optional :class:`Reshuffle` applied before the coupling.
-    reversible_backward: ``"vanilla"`` or ``"pareprop"``.
+  ``module``: ``F`` on one stream (``[B, H, W, C] -> [B, H, W, C]``) if
+  reversible, else the whole block; None for a group, whose ``blocks`` hold
+  variables under ``"block_i"``. ``pre``: an optional :class:`Reshuffle`.
   """
   name: str
   module: nn.Module | None
@@ -107,10 +104,7 @@ def has_reversible(stages: Sequence[Stage]) -> bool:
 
 
 def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> list[tuple]:
-  """Per stage ``(variables, output)`` as ``jax.ShapeDtypeStruct`` pytrees (:func:`jax.eval_shape`).
-
-  ``x`` is the first stage's input, e.g. ``float32[B, H, W, 3]``.
-  """
+  """Per stage ``(variables, output)`` as ``ShapeDtypeStruct``; ``x`` e.g. ``[B, H, W, 3]``."""
   key = jax.random.key(0) if key is None else key
   out = []
   for s in stages:
@@ -166,7 +160,7 @@ def with_reversible_backward(stages: Sequence[Stage], backward: str) -> list[Sta
 
 
 def _apply(stage: Stage, params, batch_stats, x, train):
-  """``(output, new_batch_stats)``; computes in ``precision.compute``, outputs ``precision.streams``."""
+  """``(output, new_batch_stats)``, computed in ``precision.compute``, out in ``streams``."""
   module, precision = stage.module, stage.precision
   if not precision.is_float32:
     params, x = cast(params, precision.compute), cast(x, precision.compute)
@@ -188,10 +182,7 @@ def _apply_module(module, params, batch_stats, x, train):
 
 
 def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
-  """Stage forward ``x_j = F_j(x_{j-1}, theta_j)`` (paper Eq. 1).
-
-  Returns ``(y, new_batch_stats)``; ``train`` False uses running statistics.
-  """
+  """Stage forward ``x_j = F_j(x_{j-1}, theta_j)`` (paper Eq. 1): ``(y, new_batch_stats)``."""
   if stage.blocks:
     new_stats = {}
     for i, block in enumerate(stage.blocks):
@@ -229,10 +220,7 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
     delta_j = d_x F(x~, theta)^T dy     = (dy2 + J_F(y2)^T dy1, dy1)
     Delta_j = d_theta F(x~, theta)^T dy = d_theta F(y2)^T dy1
 
-  ``y``, ``dy``: streams ``[B, H, W, C]`` (then carried arrays); ``F`` evaluated once.
-
-  Returns:
-    ``(x_tilde, dx, dparams, new_batch_stats)``.
+  ``y``, ``dy``: streams ``[B, H, W, C]``. Returns ``(x_tilde, dx, dparams, new_batch_stats)``.
   """
   if stage.blocks and stage.reversible_backward == "pareprop":
     return pareprop_vjp(stage, params, batch_stats, y, dy)
@@ -284,7 +272,7 @@ def pareprop_vjp(stage: Stage, params, batch_stats, y, dy):
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
-  """Reconstruct with ``theta^t``, vjp at ``theta^{t-tau}`` (Table 4 line 4); as :func:`reverse_vjp`."""
+  """Reconstruct at ``theta^t``, vjp at ``theta^{t-tau}`` (Table 4 l. 4); as :func:`reverse_vjp`."""
   if stage.blocks:
     grads, stats = {}, {}
     for i in reversed(range(len(stage.blocks))):
@@ -304,9 +292,9 @@ def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
 
 
 def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool = True):
-  """Backward by recomputation from the buffered input ``x`` (Alg. 1 l. 15-17).
+  """Backward by recomputation from the kept input (Alg. 1 l. 15-17).
 
-  Returns ``(dx, dparams, new_batch_stats)``; ``dx`` None if not ``input_grad``.
+  Returns ``(dx, dparams, new_batch_stats)``; ``dx`` None without ``input_grad``.
   """
   if input_grad:
     _, vjp, new_stats = jax.vjp(
@@ -327,9 +315,9 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequence,
                   images: jax.Array, labels: jax.Array):
-  """Mean cross-entropy of the composed stages (paper Eq. 2) -> ``(loss, new_batch_stats)``.
+  """Mean cross-entropy of the composed stages (paper Eq. 2): ``(loss, new_batch_stats)``.
 
-  ``images float32[B, H, W, C]``, ``labels int32[B]``; one pytree per stage.
+  ``images float32[B, H, W, C]``, ``labels int32[B]``.
   """
   x, new_stats = images, []
   for stage, p, bs in zip(stages, params, batch_stats):
@@ -339,10 +327,7 @@ def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequen
 
 
 def loss_vjp(stage: Stage, params, batch_stats, x, labels):
-  """Last stage: forward, loss and backward (Alg. 1 l. 27-30).
-
-  Returns ``(loss, dx, dparams, new_batch_stats)``, ``loss`` a float32 scalar.
-  """
+  """Last stage: forward, loss and backward (Alg. 1 l. 27-30): ``(loss, dx, dparams, stats)``."""
   def loss_fn(p, x):
     logits, new_stats = forward(stage, p, batch_stats, x)
     return cross_entropy(logits, labels), new_stats

@@ -30,7 +30,7 @@ def forward_step(stage: Stage, state: StageState, x, params=None):
 
 
 def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
-  """Reconstruction and vjp (Eq. 5 rows 2-4), at ``vjp_params`` if given: ``(x~, dx, grads, stats)``."""
+  """Reconstruct, vjp (Eq. 5 rows 2-4) at ``vjp_params`` if given: ``(x~, dx, grads, stats)``."""
   y, dy = quantize_lib.dequantize((y, dy))
   if vjp_params is None:
     return reverse_vjp(stage, state.params, state.batch_stats, y, dy)
@@ -176,7 +176,7 @@ class StageSteps:
 
   def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
                     stashed=None) -> tuple:
-    """``(x, labels)`` (last stage), ``(y, dy)`` (reconstructing) or ``(x, dy)``, then ``stashed`` if stashing."""
+    """``(x, labels)`` (last), ``(y, dy)`` (reconstructing) or ``(x, dy)``; + ``stashed``."""
     if j == self.num_stages - 1:
       return (x, labels)
     args = (y, dy) if self.reconstructs[j] else (x, dy)

@@ -18,7 +18,7 @@ from petra_jax.engine.tasks import copy_tree
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
               setup: Optional[Callable[[], None]] = None) -> float:
-  """Median wall time (ms) of ``step()`` over ``iters`` calls after ``warmup``; ``setup`` untimed."""
+  """Median wall time (ms) of ``step()``, ``iters`` calls after ``warmup``; ``setup`` untimed."""
   times = []
   for i in range(warmup + iters):
     if setup is not None:
@@ -72,7 +72,7 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
 
 
 def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:
-  """Compute (ms) per tick: ``F_j + B_j``; the last stage ``B_j`` (its backward holds its forward)."""
+  """Compute (ms) per tick: ``F_j + B_j``; the last stage ``B_j`` (it holds its forward)."""
   costs = [f + b for f, b in zip(forward_ms, backward_ms)]
   costs[-1] = backward_ms[-1]
   return costs
