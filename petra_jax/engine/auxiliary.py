@@ -1,11 +1,4 @@
-"""Stages that carry an auxiliary head (local learning: DGL, local guesses).
-
-A head is a Flax module mapping a stage's output to logits ``float32[B, K]``.
-Its parameters live in the stage's own ``params`` under :data:`AUX_KEY`, so
-they share the stage's :class:`StageState`, optimizer and checkpoint; the
-stage's forward ignores that key, so an :class:`AuxStage` computes exactly
-what its plain stage does.
-"""
+"""Stages with an auxiliary head (logits ``float32[B, K]``), parameters under :data:`AUX_KEY`."""
 
 from __future__ import annotations
 
@@ -55,6 +48,5 @@ def block_params(params) -> dict:
 
 
 def aux_loss(stage: AuxStage, params, y, labels) -> jax.Array:
-  """Mean cross-entropy (float32 scalar) of the head on the stage's output
-  ``y``; ``labels`` int32[B]."""
+  """Mean cross-entropy (float32) of the head on ``y``; ``labels int32[B]``."""
   return cross_entropy(stage.head.apply({"params": params[AUX_KEY]}, y), labels)

@@ -1,51 +1,15 @@
-"""Forward gradients with local guesses: the per-stage functions.
+"""Forward gradients with local guesses: the per-stage functions (Fournier et al., ICML 2023).
 
-Fournier, Rivaud, Belilovsky, Eickenberg, Oyallon, "Can Forward Gradient
-Match Backpropagation?" (ICML 2023). Stage ``j`` guesses its gradient
-``v_j`` (``guess="local"``: the gradient of its auxiliary loss,
-:mod:`petra_jax.models.auxiliary`; ``"random"``: a standard Gaussian draw),
-and only the projection of the true gradient ``g_j`` on it is measured::
+Stage ``j`` guesses ``v_j`` (``"local"``: its auxiliary-loss gradient;
+``"random"``: Gaussian) and measures the projection of the true gradient::
 
-    g~_j = <g_j, v_j> / (||v_j||^2 + eps) v_j          (paper, Sec. 3)
+    g~_j = <g_j, v_j> / (||v_j||^2 + eps) v_j          (paper Sec. 3)
 
-``<g_j, v_j>`` is the directional derivative of the loss along ``v_j``: a
-Jacobian-vector product (:func:`jax.linearize`) whose tangent rides forward
-with the activations through every later stage; the last stage turns each
-tangent into per-sample scalars (:func:`loss_scalars`).
-
-Two perturbations (``perturb``):
-
-* ``weights``: ``v_j`` lives in parameter space (one direction per
-  micro-batch); the tangent stage ``j`` starts is ``J_theta F_j v_j``. The
-  update is ``c / (||v||^2 + eps) v`` with ``c = mean_b s_b = <g_j, v_j>``.
-  (The authors project per-sample weight gradients; one direction per
-  micro-batch needs no per-sample gradients.)
-* ``activity``: ``v_j`` lives in the stage's output space ``[B, ...]`` (the
-  tangent is ``v_j`` itself) and the update is the vjp of the stage at its
-  buffered input along a cotangent ``w v_j``. Two projections
-  (``projection``):
-
-  - ``batch`` (default): one direction for the whole micro-batch, ``w =
-    mean_b s_b / (||v_j||^2 + eps)``. ``mean_b s_b`` is exactly the
-    derivative of ``L`` along ``v_j``, also through train-mode BatchNorm,
-    so ``|w| ||v_j|| <= ||dL/dy_j||``: the step is never longer than the
-    true gradient's.
-  - ``sample``: per sample (the paper's), ``w_b = (s_b / B) /
-    (||v_j[b]||^2 + eps)``. ``s_b / B`` equals ``<dL/dy_j[b], v_j[b]>`` only
-    when later stages do not mix samples; train-mode BatchNorm does (one jvp
-    cannot separate samples), and then a sample with a small guess
-    (``||v_j[b]||`` near 0, e.g. a local guess on a sample the auxiliary
-    head already fits) receives the other samples' terms divided by its
-    own small norm: steps far longer than the gradient, which made
-    ``guess=local`` diverge on RevNet18 in 10 stages (docs/local_learning.md).
-
-``emulate=True`` takes the scalars from the exact gradient instead
-(:func:`emulated_scalars`; what the authors' experiments do): with nothing
-delayed its update equals the forward-mode one to round-off (``weights``;
-``activity`` without sample-mixing layers downstream).
-
-Scalars have one unit throughout: ``s[b]``, the derivative of sample ``b``'s
-loss ``l_b`` along the tangent (``L = mean_b l_b``).
+``<g_j, v_j>`` is a jvp whose tangent rides forward to the last stage, which
+returns per-sample scalars ``s[b]`` (derivative of ``l_b`` along the tangent).
+``perturb="weights"``: ``v_j`` in parameter space; ``"activity"``: in the
+output space ``[B, ...]``, the update a vjp along ``w v_j``, with ``w`` per
+micro-batch (``projection="batch"``) or per sample (``"sample"``).
 """
 
 from __future__ import annotations
@@ -68,12 +32,7 @@ PROJECTIONS = ("batch", "sample")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """``config.forward_gradient``, and the run's ``seed`` (random guesses draw
-  from ``fold_in(fold_in(key(seed + 3), m), j)``). Checked on creation.
-
-  Raises:
-    ValueError: a bad option (:func:`check_options`).
-  """
+  """``config.forward_gradient`` and the run's ``seed``; raises ValueError on a bad option."""
   guess: str = "local"
   perturb: str = "activity"
   emulate: bool = False
@@ -86,11 +45,7 @@ class Options:
 
 
 def check_options(guess: str, perturb: str, emulate, eps, projection: str = "batch") -> None:
-  """The one check of ``config.forward_gradient``.
-
-  Raises:
-    ValueError: one message naming every bad option and its choices.
-  """
+  """Raises ValueError naming every bad ``config.forward_gradient`` option."""
   bad = []
   if guess not in GUESSES:
     bad.append(f"forward_gradient.guess={guess!r} (choose one of {GUESSES})")
@@ -108,14 +63,7 @@ def check_options(guess: str, perturb: str, emulate, eps, projection: str = "bat
 
 
 def local_guess(stage, params, batch_stats, x, labels, perturb: str):
-  """The auxiliary-loss gradient as the guess, and the head's gradient.
-
-  Returns:
-    ``(guess, head_grads)``: for ``weights`` a pytree like the block's
-    parameters (head excluded), for ``activity`` one like the stage's
-    output ``y`` (``[B, ...]``, per sample); ``head_grads`` like
-    ``params[AUX_KEY]`` (the head trains on its own loss).
-  """
+  """``(guess, head_grads)``: like the block's params (``weights``) or ``y [B, ...]``."""
   if perturb == "weights":
     grads = jax.grad(lambda p: auxiliary.aux_loss(
         stage, p, forward(stage, p, batch_stats, x)[0], labels))(params)
@@ -135,24 +83,12 @@ def random_guess(key: jax.Array, like):
 
 
 def push(stage, params, batch_stats, x, tangents: Optional[object], param_tangent=None):
-  """The stage's forward, with the incoming tangents pushed through it.
+  """The forward with ``tangents`` (like ``x``, ``[n, B, ...]``) pushed through it.
 
-  One :func:`jax.linearize` of ``(theta, x) -> y``: the primal once, then
-  its linear map per tangent (``jax.vmap`` over the stack).
-
-  Args:
-    tangents: ``n`` input tangents stacked on a leading axis (a pytree like
-      ``x`` with shapes ``[n, B, ...]``), or None.
-    param_tangent: for ``weights``, ``v_j`` (like the block's parameters):
-      its output tangent ``J_theta F v_j`` is returned too.
-
-  Returns:
-    ``(y, batch_stats, pushed, own)``: ``pushed`` shaped ``[n, B, ...]``
-    like ``y`` (None without tangents), ``own`` like ``y`` (None without
-    ``param_tangent``).
+  Returns ``(y, batch_stats, pushed [n, B, ...] or None, own J_theta F v_j or None)``.
   """
   block = block_params(params)
-  with linearizing():  # BatchNorm's custom vjp has no jvp
+  with linearizing():
     y, lin, stats = jax.linearize(lambda p, x: forward(stage, p, batch_stats, x), block, x,
                                   has_aux=True)
   zero_p = jax.tree.map(jnp.zeros_like, block)
@@ -177,8 +113,7 @@ def per_sample_losses(stage, params, batch_stats, x, labels) -> jax.Array:
 
 
 def loss_scalars(stage, params, batch_stats, x, labels, tangents) -> jax.Array:
-  """``float32[n, B]``: ``s[i, b]``, the derivative of sample ``b``'s loss
-  along tangent ``i`` (the last stage's input tangents, ``[n, B, ...]``)."""
+  """``float32[n, B]``: derivative of sample ``b``'s loss along tangent ``i`` (``[n, B, ...]``)."""
   with linearizing():
     _, lin = jax.linearize(lambda x: per_sample_losses(stage, params, batch_stats, x, labels), x)
   return jax.vmap(lin)(tangents)
@@ -196,18 +131,7 @@ def _per_sample_dot(a, b) -> jax.Array:
 
 def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: float,
              projection: str = "batch"):
-  """The forward-gradient estimate of the block's parameter gradient.
-
-  Args:
-    params, batch_stats: the stage's current variables.
-    x: its buffered input (``activity``; None for ``weights``).
-    guess: ``v_j`` (see :func:`local_guess`).
-    scalars: ``float32[B]``: ``s[b]`` of this stage's tangent.
-    projection: ``activity`` only: ``batch`` or ``sample`` (module docstring).
-
-  Returns:
-    A pytree like the block's parameters (head excluded).
-  """
+  """The estimate, like the block's params; ``x`` buffered input, ``scalars float32[B]``."""
   if perturb == "weights":
     c = jnp.mean(scalars)
     return jax.tree.map(lambda v: c / (_dot(guess, guess) + eps) * v, guess)
@@ -221,15 +145,7 @@ def estimate(stage, params, batch_stats, x, guess, scalars, perturb: str, eps: f
 
 
 def emulated_scalars(stage, params, batch_stats, x, dy, guess, perturb: str):
-  """The scalars from the exact gradient (``emulate=True``).
-
-  Args:
-    x: the stage's buffered input; dy: ``dL/dy_j`` (backprop's cotangent).
-
-  Returns:
-    ``(scalars float32[B], dx)``: for ``weights`` ``<g_j, v_j>`` in every
-    entry, for ``activity`` ``B <dL/dy_j[b], v_j[b]>``; ``dx = dL/dx_j``.
-  """
+  """``(scalars float32[B], dx)`` from the exact gradient ``dy = dL/dy_j`` (``emulate=True``)."""
   _, vjp = jax.vjp(lambda p, x: forward(stage, p, batch_stats, x)[0], block_params(params), x)
   g, dx = vjp(dy)
   batch = jax.tree.leaves(dy)[0].shape[0]

@@ -1,18 +1,9 @@
-"""Method ``forward_gradient``'s tasks (the ``stream`` table).
+"""Method ``forward_gradient``'s tasks on the ``stream`` table (math: :mod:`forward_gradient`).
 
-Per micro-batch ``m`` (the math: :mod:`petra_jax.engine.forward_gradient`):
-
-* ``forward`` of stage ``j < J-1`` (tick ``m + j``, ``theta_j^t``): the guess
-  ``v_j``; the forward pushing the ``j`` tangents received and starting its
-  own; ``(y, labels, tangents [j + 1, B, ...])`` to ``j+1``. It keeps
-  ``(v_j, head gradient)`` in ``weight_stash`` and, for ``activity``, its input.
-* ``loss`` (tick ``m + J - 1``): the last stage's update; scalars
-  ``float32[J-1, B]`` (each sample's loss derivative along each tangent) to ``J-2``.
-* ``backward`` of stage ``j`` (tick ``m + 2(J-1) - j``): row ``j`` of the
-  scalars, the update along ``g~_j``; rows ``0..j-1`` back.
-
-``emulate=True``: no tangents; ``dL/dx`` travels back as in ``dsp`` and each
-stage takes its scalars from it (:func:`forward_gradient.emulated_scalars`).
+``forward`` of stage ``j``: guess ``v_j``, push tangents, send
+``(y, labels, tangents [j + 1, B, ...])``. ``loss``: scalars
+``float32[J-1, B]`` back. ``backward`` of ``j``: update from row ``j``, rows
+``0..j-1`` back. ``emulate=True`` sends ``dL/dx`` back instead.
 """
 
 from __future__ import annotations
@@ -36,9 +27,7 @@ if TYPE_CHECKING:
 def fg_forward(stage, guess_kind, perturb, emulate, state: StageState, x, labels, tangents, key):
   """Stage forward with its guess and tangents.
 
-  Returns:
-    ``(new_state, y, tangents_out, guess, head_grads)``: ``new_state`` with
-    this forward's BatchNorm statistics; ``tangents_out`` None when emulating.
+  Returns ``(new_state, y, tangents_out or None, guess, head_grads)``.
   """
   p, bs = state.params, state.batch_stats
   if guess_kind == "local":
@@ -64,8 +53,7 @@ def fg_update(stage, perturb, eps, projection, state: StageState, scalars, guess
 
 
 def fg_emulated_update(stage, perturb, eps, projection, state: StageState, dy, guess, head, x):
-  """``emulate=True``: scalars from the exact gradient, the update, and
-  ``dL/dx`` for the previous stage: ``(new_state, dx)``."""
+  """``emulate=True``: the update from the exact gradient: ``(new_state, dx)``."""
   scalars, dx = fg.emulated_scalars(stage, state.params, state.batch_stats, x, dy, guess,
                                     perturb)
   return fg_update(stage, perturb, eps, projection, state, scalars, guess, head, x), dx
@@ -90,7 +78,7 @@ def forward_task(pipe: "Pipeline", j: int) -> Callable:
     x, labels, *rest = local.inputs_with_labels(pipe, state, j, m, batches)
     tangents = rest[0] if rest else None
     key = jax.random.fold_in(jax.random.fold_in(base, m), j)
-    if keeps_input:  # (the forward donates its state only)
+    if keeps_input:
       state.buffers[j][m] = x
     state.stage_states[j], y, out, guess, head = step(state.stage_states[j], x, labels,
                                                       tangents, key)

@@ -1,11 +1,8 @@
-"""Method ``local``'s tasks: decoupled greedy learning (DGL).
+"""Method ``local``'s tasks: decoupled greedy learning (Belilovsky et al., ICML 2020).
 
-Belilovsky, Eickenberg, Oyallon, "Decoupled Greedy Learning of CNNs" (ICML
-2020). Stage ``j < J-1`` updates ``(theta_j, head_j)`` on the gradient of its
-auxiliary loss ``L_j(h_j(F_j(x_j)), labels)``; its output, computed with
-``theta_j^t`` before the update, goes forward detached with the labels:
-``(y, labels int32[B])``. The last stage trains on the real loss. Nothing
-travels backward: every delay is 0 (the ``forward`` table).
+Stage ``j < J-1`` updates ``(theta_j, head_j)`` on its auxiliary loss and
+sends ``(y, labels int32[B])`` forward; the last stage trains on the real
+loss. Nothing travels backward.
 """
 
 from __future__ import annotations
@@ -27,17 +24,10 @@ if TYPE_CHECKING:
 
 
 def local_grads(stage, state: StageState, x, labels):
-  """Stage forward and the gradient of its auxiliary loss.
-
-  Args:
-    stage: an :class:`petra_jax.engine.auxiliary.AuxStage`.
-    state: its state (``params`` holds the head under ``AUX_KEY``).
-    x: its input activation (may be a quantised message); labels: ``int32[B]``.
+  """Stage forward and the gradient of its auxiliary loss (``labels int32[B]``).
 
   Returns:
-    ``(y, aux_loss, grads, batch_stats)``: the output with the current
-    weights, the float32 auxiliary loss, its gradient (a pytree like
-    ``state.params``) and the forward's running statistics.
+    ``(y, aux_loss float32, grads like state.params, batch_stats)``.
   """
   x = quantize_lib.dequantize(x)
 
@@ -56,12 +46,7 @@ def local_step(stage, state: StageState, x, labels):
 
 
 def check_setup(pipe: "Pipeline") -> None:
-  """Stops what the local methods do not support.
-
-  Raises:
-    ValueError: quantised messages, several processes, or a stage before
-      the last without an auxiliary head.
-  """
+  """Raises ValueError for quantised messages, several processes, or a missing head."""
   name = pipe.method.name
   if pipe.formats.active:
     raise ValueError(f"method {name!r} sends labels with its forward messages and does not "
@@ -82,8 +67,7 @@ def check_setup(pipe: "Pipeline") -> None:
 
 
 def inputs_with_labels(pipe: "Pipeline", state: PipelineState, j: int, m: int, batches):
-  """Stage ``j``'s forward message ``(x, labels, *rest)`` of micro-batch
-  ``m``; stage 0 feeds the micro-batch and takes its labels."""
+  """Stage ``j``'s forward message ``(x, labels, *rest)``; stage 0 feeds it."""
   if j == 0:
     feed(pipe, state, m, batches)
     labels = jax.device_put(state.labels[m], pipe.devices[0])

@@ -1,45 +1,10 @@
 """The training methods: what each stage keeps and which schedule it runs.
 
-One :class:`Method` record per ``config.method``; the engine, the memory
-model, the benchmarks, the studies and the config validation all read
-:data:`METHODS`. Between a micro-batch's forward and its backward
-(paper Table 4; the last stage keeps nothing, a non-reversible stage always
-keeps its input):
-
-============== ========== ============ ============= ==================================
-method         schedule   input buffer weight stash  reversible stages
-============== ========== ============ ============= ==================================
-backprop       sequential (whole graph) no           ``jax.grad`` of the composed model
-revprop        drained    no           no            reconstruct; every delay 0
-petra          stream     no           no            reconstruct with current weights
-approximate_   stream     no           yes           reconstruct (current), vjp with
-input                                                the stashed weights
-dsp            stream     yes          no            current weights (Xu et al., 2020)
-delayed        stream     yes          yes           stashed weights (PipeDream)
-gpipe          gpipe      yes          no            exact; flushed every update
-1f1b           1f1b       yes          no            exact; flushed every update
-============== ========== ============ ============= ==================================
-
-Local methods (:data:`LOCAL_METHODS`; no backward message carries a
-gradient, so they are kept apart from :data:`METHODS`, the end-to-end ones
-every backward-message test and benchmark iterates):
-
-================ ========== ===================================================
-method           schedule   what a stage updates on
-================ ========== ===================================================
-local            forward    its auxiliary loss (DGL, Belilovsky et al., 2020);
-                            forward messages only, no delay
-forward_gradient stream     its guess scaled by the directional derivative of
-                            the loss along it, returned as scalars
-                            (Fournier et al., 2023;
-                            :mod:`petra_jax.engine.forward_gradient`)
-================ ========== ===================================================
-
-``gpipe`` and ``1f1b`` store every stage's input, as GPipe with
-re-materialisation and PipeDream-Flush do, rather than reconstruct: their
-gradients are then exact (no reconstruction round-off, so their losses equal
-``backprop``'s), and the memory benchmark compares PETRA with the schedules as
-pipeline libraries ship them.
+Paper Table 4, between a micro-batch's forward and backward (a non-reversible
+stage always keeps its input): backprop is ``jax.grad``; revprop has no delay;
+petra reconstructs with current weights; approximate_input also stashes weights;
+dsp keeps inputs; delayed inputs and weights; gpipe and 1f1b keep inputs, exact,
+flushed every update. :data:`LOCAL_METHODS` send no gradient back.
 """
 
 from __future__ import annotations
@@ -56,17 +21,9 @@ class Keeps(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """One row of the tables above.
+  """One method: its ``schedule`` kind, whether it stashes weights or ``reconstructs`` (Eq. 5).
 
-  Attributes:
-    name: the ``config.method`` value.
-    schedule: a kind of :class:`petra_jax.engine.schedule.Schedule`.
-    stashes_weights: every stage keeps the weights its forward used.
-    reconstructs: reversible stages rebuild their input from their output
-      with their current weights (paper Eq. 5).
-    updates: the task plan: ``"backward"`` (gradients carried back),
-      ``"local"`` (auxiliary losses) or ``"forward_gradient"`` (guesses
-      scaled by scalars sent back).
+  ``updates``: ``"backward"``, ``"local"`` or ``"forward_gradient"``.
   """
   name: str
   schedule: str
@@ -91,15 +48,7 @@ class Method:
 
 def keeps(method: Method, reversible: bool, perturb: str = "activity",
           emulate: bool = False) -> Keeps:
-  """What a stage keeps between forward and backward: the one rule the engine,
-  the memory model and the studies read.
-
-  Args:
-    method: the method.
-    reversible: whether the stage is reversible.
-    perturb, emulate: ``forward_gradient``'s options (its ``activity``
-      update, or emulation, runs a vjp at the kept input).
-  """
+  """What a stage keeps between its forward and its backward."""
   if method.updates == "local":
     return Keeps(False, False)
   if method.updates == "forward_gradient":
@@ -129,14 +78,8 @@ ALL_METHODS: dict[str, Method] = {**METHODS, **LOCAL_METHODS}
 def require_reversible(method: str, model: str, has_reversible: bool) -> None:
   """Stops a method that reconstructs inputs on a model with no reversible stage.
 
-  Args:
-    method: the ``config.method`` name.
-    model: the model's name, for the message.
-    has_reversible: whether any of the model's blocks is reversible.
-
   Raises:
-    ValueError: ``method`` needs a reversible model and ``has_reversible`` is
-      false; the message lists the methods the model supports.
+    ValueError: ``method`` reconstructs and ``has_reversible`` is false.
   """
   if get(method).reconstructs and not has_reversible:
     others = [n for n, m in ALL_METHODS.items() if not m.reconstructs]
@@ -148,7 +91,7 @@ def get(name: str) -> Method:
   """The method called ``name``.
 
   Raises:
-    ValueError: unknown name; the message lists the known ones.
+    ValueError: unknown name.
   """
   if name not in ALL_METHODS:
     raise ValueError(f"Unknown method {name!r}; choose one of {tuple(ALL_METHODS)}.")

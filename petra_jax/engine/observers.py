@@ -1,16 +1,8 @@
-"""Diagnostics that watch the engine at task boundaries.
+"""Diagnostics that watch the engine at task boundaries (:class:`Observer`).
 
-Each is a :class:`petra_jax.engine.state.Observer` passed to
-``Pipeline(observers=[...])``; a pipeline without observers runs no
-diagnostic code. Results stay in the observer (device arrays, read without a
-wait once computed), never in the pipeline state or its checkpoints.
-
-* :class:`ReconstructionProbe`: ``||x~ - x|| / ||x||`` of every reconstructing
-  stage (paper Sec. 3.2: the reconstruction of Eq. 5 with moved weights).
-* :class:`GradientProbe`: the applied, delayed and end-to-end gradients of
-  probed micro-batches compared stage by stage (paper App. B, Figs. 5-6).
-* :class:`TimelineRecorder`: the ``(tick, stage, "F"|"B", micro_batch)``
-  events that ran (paper Fig. 1).
+:class:`ReconstructionProbe` (paper Sec. 3.2), :class:`GradientProbe` (App. B,
+Figs. 5-6) and :class:`TimelineRecorder` (Fig. 1). Results stay in the
+observer, never in the pipeline state.
 """
 
 from __future__ import annotations
@@ -36,17 +28,7 @@ def _probed(m: int, every_updates: int, k: int) -> bool:
 
 
 class ReconstructionProbe(Observer):
-  """Relative reconstruction error of reconstructing stages.
-
-  The first micro-batch of every ``every_updates``-th update has its true
-  input copied at each reconstructing stage's forward, compared with the
-  input that stage rebuilds in its backward. Cost per probed micro-batch and
-  stage: one copy of the input and one reduction.
-
-  Args:
-    every_updates: updates between probes (> 0).
-    accumulation_steps: ``k``, micro-batches per update.
-  """
+  """``||x~ - x|| / ||x||`` of reconstructing stages, every ``every_updates`` updates."""
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
     self.every, self.k = every_updates, accumulation_steps
@@ -76,9 +58,7 @@ class ReconstructionProbe(Observer):
 
 @dataclasses.dataclass
 class _Probe:
-  """What one probed micro-batch gathered so far (per stage: None until known,
-  and on a multi-process run None for the stages of other processes, except on
-  stage 0's process, which receives them all)."""
+  """What one probed micro-batch gathered so far (None per stage until known)."""
   images: jax.Array
   labels: jax.Array
   forward_params: list
@@ -88,26 +68,10 @@ class _Probe:
 
 
 class GradientProbe(Observer):
-  """Gradient quality of probed micro-batches (paper App. B).
+  """Applied, delayed and end-to-end gradients of probed micro-batches (paper App. B).
 
-  For the first micro-batch of every ``every_updates``-th update, each stage
-  copies the weights its forward used and those it holds at its backward,
-  and computes the gradient its backward applies
-  (:meth:`petra_jax.engine.steps.StageSteps.gradient`: the same function,
-  jitted without the update). When the backward reaches
-  stage 0, :func:`diagnostics.grad_quality` compares it with the delayed and
-  end-to-end gradients (two ``jax.grad`` of the composed model on stage 0's
-  device). Cost per probe: about two passes of the whole model plus one more
-  backward per stage, and three copies of the parameters while in flight.
-
-  Multi-process (``jax.distributed``): every process runs the probe; a stage
-  owned by a process other than stage 0's sends its forward and backward
-  weights, its gradient and its BatchNorm statistics (the last stage also the
-  labels) to stage 0's device at its backward, through
-  :func:`petra_jax.engine.transport.transfer` (every process calls the probe at the
-  same task, so the transfers pair up). Stage 0's process then computes the
-  same figures, with the same jitted function on the same values, as a
-  single process; the others have no results.
+  Multi-process, each stage sends its part to stage 0's device at its backward
+  (:func:`petra_jax.engine.transport.transfer`); only stage 0's process has results.
   """
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
@@ -138,7 +102,7 @@ class GradientProbe(Observer):
     if m not in self._probes or j != 0:
       return
     if task.kind == FORWARD and pipe.local[0]:  # the micro-batch, as fed
-      self._probes[m].images = quantize.dequantize(state.buffers[0][m])  # (buffer format)
+      self._probes[m].images = quantize.dequantize(state.buffers[0][m])
     elif task.kind == BACKWARD:
       probe = self._probes.pop(m)
       if pipe.local[0]:
@@ -154,9 +118,7 @@ class GradientProbe(Observer):
     self.results.append((m, self._quality(*args)))
 
   def pop_results(self, wait: bool = False) -> list:
-    """``(micro_batch, {name: float32[J]})`` whose figures are computed
-    (all of them with ``wait``); the others stay for the next call. Always
-    empty on a process that does not own stage 0."""
+    """``(micro_batch, {name: float32[J]})`` computed so far (all with ``wait``)."""
     ready, pending = [], []
     for m, quality in self.results:
       done = wait or all(v.is_ready() for v in quality.values())
@@ -166,12 +128,10 @@ class GradientProbe(Observer):
 
 
 def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> None:
-  """Copies what this process's stage ``task.stage`` knows of the probe:
-  its forward's weights at a forward, its weights and gradient at its
-  backward (before the backward donates them), the labels at the loss."""
+  """Copies stage ``task.stage``'s forward weights, backward weights, gradient and labels."""
   j, m = task.stage, task.micro_batch
   params = copy_tree(state.train_states[j].params)
-  if task.kind == FORWARD:  # the weights the forward uses (predicted, if so)
+  if task.kind == FORWARD:
     probe.forward_params[j] = copy_tree(pipe.steps.forward_params(j, state.train_states[j]))
   elif task.kind == LOSS:
     probe.forward_params[j] = params
@@ -184,11 +144,7 @@ def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> 
 
 
 def _gather(pipe: Pipeline, state: PipelineState, probe: _Probe, j: int) -> None:
-  """Stage ``j``'s part of the probe, from its process to stage 0's device.
-
-  Called on both processes (the owner of stage ``j`` sends, the owner of
-  stage 0 receives) at stage ``j``'s backward; the receiver fills ``probe``.
-  """
+  """Stage ``j``'s part of the probe to stage 0's device (called by both processes)."""
   src, dst = pipe.devices[j], pipe.devices[0]
   last = j == pipe.num_stages - 1
   spec = _part_spec(pipe, j, probe.images) if pipe.local[0] else None
@@ -207,9 +163,7 @@ def _gather(pipe: Pipeline, state: PipelineState, probe: _Probe, j: int) -> None
 
 
 def _part_spec(pipe: Pipeline, j: int, images: jax.Array) -> tuple:
-  """Shapes of :func:`_gather`'s message from stage ``j``: ``(forward
-  params, backward params, gradient, statistics, labels int32[B] or None)``,
-  from stage ``j``'s variables (``jax.eval_shape`` of its init)."""
+  """Shapes of :func:`_gather`'s message: params x3, statistics, labels ``int32[B]`` or None."""
   x = pipe.message_specs(images)[j]
   variables = jax.eval_shape(pipe.stages[j].init, jax.random.key(0, impl="rbg"), x)
   params, stats = variables["params"], variables["batch_stats"]
@@ -228,8 +182,7 @@ def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) ->
 
 
 class TimelineRecorder(Observer):
-  """Records ``(tick, stage, "F"|"B", micro_batch)`` of every task that ran
-  (a ``loss`` task is both; ``backprop`` tasks are not recorded)."""
+  """Records ``(tick, stage, "F"|"B", micro_batch)`` of every task (``loss`` is both)."""
 
   def __init__(self):
     self.events: list[tuple[int, int, str, int]] = []

@@ -1,32 +1,9 @@
 """Packed stage states: a pytree of many arrays as one flat buffer per dtype.
 
-On XLA:CPU the host cost of a jitted call grows with the number of array
-leaves it returns (about 3-4 µs each), and a stage's
-:class:`petra_jax.engine.state.StageState` has tens of leaves (parameters,
-BatchNorm statistics, momentum, the ``optax.MultiSteps`` accumulator). Its
-hot-path steps therefore take and return it packed:
-
-* :class:`Packer`: the static layout of one pytree (treedef, each leaf's
-  shape, dtype and slot in its dtype's buffer);
-* :class:`PackedState`: a pytree node holding the buffers (its leaves: one
-  1-D array per dtype, e.g. ``float32[P]`` and ``int32[I]``) and its
-  :class:`Packer` (static);
-* :func:`on_packed`: wraps a step ``(state, *args) -> outputs`` so that,
-  given a :class:`PackedState`, it runs on the unpacked pytree (static
-  slices inside the jit: the exact arrays of the unpacked state) and returns
-  every new state of the unpacked kind packed again (one concatenation per
-  dtype); given an unpacked state it is the step itself;
-* :func:`pack`, :func:`unpack`: the jitted conversions, off the hot path.
-
-On the CPU packing pays only for small states (:attr:`Packer.pays`): the
-concatenation writes every byte of the state once more per step, which for
-RevNet18 at width 64 (megabytes per stage) costs more than the dispatch it
-saves (a PETRA tick 2130 -> 2018 ms unpacked, docs/benchmarks.md); such
-states stay unpacked there. On an accelerator (memory bandwidth in TB/s, a
-host that must keep up with sub-millisecond stages) every state is packed.
-
-Packing moves bits only (slices, reshapes, concatenations): a packed step
-computes exactly what the unpacked one does.
+A jitted call's host cost grows with its leaf count, so hot-path steps take
+and return states packed (:func:`on_packed`: static slices in, one
+concatenation per dtype out). On the CPU only small states are packed
+(:attr:`Packer.pays`). Packing moves bits only.
 """
 
 from __future__ import annotations
@@ -44,14 +21,10 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class Packer:
-  """The static layout of a packed pytree (hashable: a jit's static data).
+  """The static layout of a packed pytree (hashable).
 
   Attributes:
-    kind: the type of the packed pytree's root (e.g. ``StageState``): what
-      :func:`on_packed` packs again in a step's outputs.
-    treedef: the pytree's structure (static fields included).
-    shapes: each leaf's shape, in flattening order.
-    dtypes: the buffers' dtypes, one buffer each.
+    kind: the root's type, packed again in a step's outputs.
     slots: per leaf, ``(buffer index, offset, size)`` in elements.
     sizes: each buffer's length.
   """
@@ -62,23 +35,17 @@ class Packer:
   slots: tuple
   sizes: tuple
 
-  # On the CPU packing pays while the copy it adds (every byte once more per
-  # step, at ~5-10 GB/s) costs less than the dispatch it saves (~3-4 µs per
-  # leaf on XLA:CPU): a mean leaf of at most this many bytes.
   MAX_MEAN_LEAF_BYTES = 16 * 1024
 
   @property
   def pays(self) -> bool:
-    """Whether packing this layout saves time on the CPU: its mean leaf has
-    at most :attr:`MAX_MEAN_LEAF_BYTES` bytes."""
+    """Whether packing pays on the CPU: mean leaf at most :attr:`MAX_MEAN_LEAF_BYTES`."""
     nbytes = sum(n * d.itemsize for n, d in zip(self.sizes, self.dtypes))
     return nbytes <= self.MAX_MEAN_LEAF_BYTES * len(self.slots)
 
   @classmethod
   def of(cls, tree: PyTree) -> Optional["Packer"]:
-    """The layout of ``tree`` (arrays or ``jax.ShapeDtypeStruct``\\ s); None
-    where it cannot be packed (a leaf of an extended dtype such as a PRNG
-    key, a weakly typed leaf, or no leaf at all)."""
+    """The layout of ``tree``; None if unpackable (extended or weak dtype, no leaf)."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves or not all(_packable(x) for x in leaves):
       return None
@@ -92,7 +59,7 @@ class Packer:
                tuple(slots), tuple(sizes))
 
   def pack(self, tree: PyTree) -> "PackedState":
-    """``tree`` (laid out as this packer says) as one 1-D buffer per dtype.
+    """``tree`` as one 1-D buffer per dtype.
 
     Raises:
       ValueError: ``tree``'s structure, shapes or dtypes differ from the layout.
@@ -123,8 +90,7 @@ def _concat(parts: list) -> jax.Array:
 
 @jax.tree_util.register_pytree_node_class
 class PackedState:
-  """A packed pytree: ``buffers`` (one 1-D array per dtype, the leaves) and
-  its :class:`Packer` (static)."""
+  """A packed pytree: ``buffers`` (one 1-D array per dtype) and its :class:`Packer`."""
   __slots__ = ("buffers", "packer")
 
   def __init__(self, buffers: tuple, packer: Packer):
@@ -157,9 +123,8 @@ def _unpack(packed: PackedState) -> PyTree:
 
 
 def pays(tree: PyTree) -> bool:
-  """The one rule of where packing is used: where it was measured to pay
-  (docs/benchmarks.md): states on the CPU whose mean leaf has at most
-  :attr:`Packer.MAX_MEAN_LEAF_BYTES` bytes. Unmeasured elsewhere, so off."""
+  """Where packing is used: where it was measured to pay (docs/benchmarks.md),
+  on the CPU with a mean leaf of at most ``MAX_MEAN_LEAF_BYTES``."""
   if isinstance(tree, PackedState):
     return True
   packer = Packer.of(tree)
@@ -167,8 +132,7 @@ def pays(tree: PyTree) -> bool:
 
 
 def pack(tree: PyTree):
-  """``tree`` packed (one jitted call, not donating), or ``tree`` itself
-  where packing does not pay (:func:`pays`)."""
+  """``tree`` packed (not donating), or ``tree`` where it does not pay."""
   if isinstance(tree, PackedState) or not pays(tree):
     return tree
   return _pack(tree)
@@ -182,19 +146,12 @@ def _on_cpu(tree: PyTree) -> bool:
 
 
 def unpack(tree):
-  """The pytree a :class:`PackedState` holds (one jitted call, fresh
-  arrays); anything else is returned as it is."""
+  """The pytree a :class:`PackedState` holds (fresh arrays); anything else as is."""
   return _unpack(tree) if isinstance(tree, PackedState) else tree
 
 
 def on_packed(step: Callable) -> Callable:
-  """``step(state, *args)`` that also takes ``state`` packed.
-
-  Given a :class:`PackedState`, the wrapper runs ``step`` on the unpacked
-  pytree and packs every object of the same kind in its outputs with the
-  same packer (a step's new state); given anything else it is ``step``.
-  Meant to be jitted: the unpacking and packing are then inside the call.
-  """
+  """``step(state, *args)`` that also takes ``state`` packed (and packs new states out)."""
   @functools.wraps(step)
   def wrapped(state, *args):
     if not isinstance(state, PackedState):

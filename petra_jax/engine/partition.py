@@ -1,12 +1,7 @@
-"""Contiguous grouping of blocks into pipeline stages (stage balancing).
+"""Contiguous grouping of blocks into ``J' <= J`` stages minimising the slowest stage.
 
-The paper keeps one residual block per stage, which leaves its stages
-unbalanced (the stem and the downsampling blocks cost more). Grouping
-consecutive blocks into ``J' <= J`` stages so that the slowest stage is as fast
-as possible shortens the tick; :func:`balanced_partition` finds the optimal
-contiguous grouping by dynamic programming over per-block costs (measured
-milliseconds, :mod:`petra_jax.engine.timing`, or forward FLOPs from XLA's
-cost analysis, :func:`block_flops`); :func:`group_stages` builds the stages.
+Costs are measured ms (:mod:`petra_jax.engine.timing`) or forward FLOPs
+(:func:`block_flops`); :func:`balanced_partition` is a dynamic program.
 """
 
 from __future__ import annotations
@@ -23,12 +18,7 @@ from petra_jax.engine.stage import Stage
 def group_cost(costs: Sequence[float], a: int, b: int,
                send_forward: Optional[Sequence[float]] = None,
                send_backward: Optional[Sequence[float]] = None) -> float:
-  """Tick time (ms) of one device running stages ``a..b`` (inclusive).
-
-  Its compute plus the sends that leave the group: the forward output of
-  stage ``b`` (unless last) and the backward message of stage ``a`` (unless
-  first). Sends within the group are free (same device).
-  """
+  """Tick time (ms) of one device running stages ``a..b`` (inclusive), outgoing sends included."""
   total = float(sum(costs[a:b + 1]))
   if send_forward is not None and b < len(costs) - 1:
     total += send_forward[b]
@@ -40,19 +30,7 @@ def group_cost(costs: Sequence[float], a: int, b: int,
 def balanced_partition(costs: Sequence[float], num_groups: int,
                        send_forward: Optional[Sequence[float]] = None,
                        send_backward: Optional[Sequence[float]] = None):
-  """Contiguous split of stages into groups minimising the slowest group.
-
-  Dynamic programming over ``best[g][i]``: the smallest max group cost of the
-  first ``i`` stages in ``g`` groups (:func:`group_cost`, sends included when
-  given).
-
-  Args:
-    costs: per-stage (per-block) compute, ms.
-    num_groups: ``J'``, between 1 and ``len(costs)``.
-
-  Returns:
-    ``(groups, max_cost)``: ``groups`` a list of ``(first, last)`` stage
-    indices (inclusive), ``max_cost`` the slowest group's cost (ms).
+  """``(groups, max_cost ms)``: inclusive ``(first, last)`` groups minimising the slowest.
 
   Raises:
     ValueError: ``num_groups`` outside ``[1, len(costs)]``.
@@ -67,7 +45,7 @@ def balanced_partition(costs: Sequence[float], num_groups: int,
   best[0][0] = 0.0
   for g in range(1, num_groups + 1):
     for i in range(g, n + 1):
-      for k in range(g - 1, i):  # last group is stages k..i-1
+      for k in range(g - 1, i):
         value = max(best[g - 1][k], cost(k, i - 1))
         if value < best[g][i]:
           best[g][i], cut[g][i] = value, k
@@ -80,18 +58,7 @@ def balanced_partition(costs: Sequence[float], num_groups: int,
 
 
 def equal_partition(num_blocks: int, num_groups: int) -> list[tuple[int, int]]:
-  """Consecutive groups of (nearly) equal block counts: the unbalanced baseline.
-
-  The first ``num_blocks % num_groups`` groups get one block more, e.g. 10
-  blocks in 4 groups -> sizes ``[3, 3, 2, 2]``.
-
-  Args:
-    num_blocks: blocks to split (``J``).
-    num_groups: groups (``J'``), between 1 and ``num_blocks``.
-
-  Returns:
-    ``[(first, last), ...]`` block indices (inclusive), as
-    :func:`balanced_partition`.
+  """Consecutive groups of near-equal size, e.g. 10 blocks in 4 -> ``[3, 3, 2, 2]``.
 
   Raises:
     ValueError: ``num_groups`` outside ``[1, num_blocks]``.
@@ -115,15 +82,8 @@ def group_sizes(groups: Sequence[tuple[int, int]]) -> list[int]:
 def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
   """Groups consecutive blocks into stages: stage ``g`` runs ``sizes[g]`` blocks.
 
-  Args:
-    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
-    sizes: blocks per stage, each >= 1, summing to ``len(blocks)``.
-
-  Returns:
-    ``len(sizes)`` stages (:func:`petra_jax.engine.stage.group`).
-
   Raises:
-    ValueError: sizes that do not cover the blocks exactly, fewer than 2
+    ValueError: sizes that do not sum to ``len(blocks)``, fewer than 2
       stages, or more stages than blocks.
   """
   sizes = [int(n) for n in sizes]
@@ -141,13 +101,7 @@ def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
 
 
 def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[float]:
-  """Forward FLOPs of each block on a ``float32[input_shape]`` batch.
-
-  From XLA's cost analysis of the lowered forward (nothing is compiled or
-  run). A block's backward (recompute or reconstruct, then vjp) costs about
-  three forwards whatever its kind, so forward FLOPs rank the blocks' tick
-  costs.
-  """
+  """Forward FLOPs of each block on a ``float32[input_shape]`` batch (XLA cost analysis)."""
   x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
   flops = []
   for s, (variables, y) in zip(blocks, stage_lib.trace(blocks, x)):
@@ -162,23 +116,10 @@ def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[flo
 def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
                          input_shape: Sequence[int],
                          costs: Optional[Sequence[float]] = None) -> list[int]:
-  """Blocks per stage that minimise the slowest stage's cost.
-
-  Args:
-    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
-    num_stages: ``J'``, the stages to group the blocks into.
-    input_shape: a micro-batch's shape ``[B, H, W, C]`` (for the FLOPs).
-    costs: per-block cost, e.g. measured ms per tick
-      (:func:`timing.measure_stage_costs`); default: forward FLOPs
-      (:func:`block_flops`).
-
-  Returns:
-    ``num_stages`` block counts (each >= 1, summing to ``len(blocks)``) for
-    :func:`group_stages`, from :func:`balanced_partition`.
+  """Blocks per stage minimising the slowest (``input_shape`` ``[B, H, W, C]``; default FLOPs).
 
   Raises:
-    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
-      the wrong length.
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or wrong ``costs`` length.
   """
   if not 2 <= num_stages <= len(blocks):
     raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "

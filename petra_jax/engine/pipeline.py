@@ -1,21 +1,10 @@
 """The engine: runs a schedule's tasks on stages placed on their own devices.
 
-Each stage ``j`` lives on one device (``jax.device_put``) and owns a carried
-:class:`StageState`. :meth:`Pipeline.run_tick` runs one tick of a
-:class:`Schedule`: each task calls its stage's function of its kind, built
-once from the method's task plan (:data:`PLANS`), a row of data per
-``Method.updates``:
-
-* ``backward`` (the end-to-end methods, :mod:`petra_jax.engine.tasks`):
-  ``forward`` sends ``x_{j+1} = F_j(x_j, theta_j^t)``; ``backward``
-  reconstructs the input from the output with the *current* weights and
-  takes the vjp there (paper Eq. 5), or recomputes from a kept input; ``loss``
-  is Alg. 1, l. 27-30; ``backprop`` is ``jax.grad`` of the composed model;
-* ``local`` (:mod:`petra_jax.engine.local`) and ``forward_gradient``
-  (:mod:`petra_jax.engine.forward_gradient_tasks`).
-
-A task consumes messages sent on earlier ticks, so a tick dispatches its
-compute first and its moves after (:meth:`Messenger.flush`).
+:meth:`Pipeline.run_tick` runs one tick of a :class:`Schedule`; each task
+calls its stage's function from the method's row of :data:`PLANS`:
+``backward`` (reconstruct and vjp, paper Eq. 5; loss, Alg. 1 l. 27-30),
+``local`` or ``forward_gradient``. A tick dispatches its compute first, its
+moves after.
 """
 
 from __future__ import annotations
@@ -41,9 +30,8 @@ from petra_jax.engine.stage_state import StageState
 from petra_jax.engine.steps import BN_POLICIES, StageSteps
 from petra_jax.engine.tasks import Observer, TaskResult, TickOutput
 
-Batches = Callable[[int], tuple]  # micro-batch index -> (images [B,H,W,C], labels [B])
+Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
 
-# Method.updates -> {task kind: (pipeline, stage j) -> stage j's task}.
 PLANS = {
     "backward": {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
                  LOSS: tasks.loss_task, BACKPROP: tasks.backprop_task},
@@ -56,14 +44,7 @@ PLANS = {
 
 @dataclasses.dataclass(frozen=True)
 class Regime:
-  """How the tick loop runs a pipeline.
-
-  Attributes:
-    fuse: a stage's forward then backward in one tick run as one jitted call.
-    pack: the steps take stage states packed (:func:`packing.pack` then
-      decides per state whether it pays).
-    defer: a tick's moves run after its compute (stages on several devices).
-  """
+  """How ticks run: ``fuse`` forward+backward in one call, ``pack`` states, ``defer`` moves."""
   fuse: bool
   pack: bool
   defer: bool
@@ -71,10 +52,7 @@ class Regime:
 
 def regime(method: methods_lib.Method, observers: bool, multiprocess: bool,
            data_parallel: int, num_places: int) -> Regime:
-  """The one place that decides :class:`Regime`: fusion and packing only for
-  the end-to-end stream of one process without observers (observers read
-  states between tasks; processes share a message order), packing only
-  with unreplicated states (``data_parallel == 1``)."""
+  """Decides :class:`Regime` (fuse: one process, no observers; pack: D = 1)."""
   fast = (method.updates == "backward" and method.pipelined and not observers
           and not multiprocess)
   return Regime(fuse=fast, pack=fast and data_parallel == 1, defer=num_places > 1)
@@ -89,31 +67,19 @@ class Pipeline:
   """A method's stages on their devices, and the tasks of its schedule.
 
   Args:
-    stages: the model's stages (at least 2; the last one computes the loss).
+    stages: at least 2; the last computes the loss.
     tx: the optax optimizer of every stage, or one per stage.
-    devices: devices to spread the stages over in contiguous blocks (default:
-      all local devices); ``backprop`` needs one.
-    method: a name in :data:`methods.ALL_METHODS`; ``"petra"`` is Eq. 5.
-    accumulation_steps: ``k``, micro-batches per update (``tx`` accumulates).
-    bn_stats: ``"backward"`` (paper, Sec. 4: running statistics from the
-      backward's recomputation) or ``"forward"`` (the authors' code).
-    observers: :class:`Observer`\\ s called around every task.
-    predictors: per stage, None or ``(params, opt_state) -> params``: the
-      weights its forward uses (weight prediction).
-    formats: message formats (:class:`quantize.MessageFormats`).
-    send_losses: multi-process: move each loss to process 0 when computed.
-    data_parallel: ``D``, devices per stage (states replicated, micro-batches
-      sharded over the group).
-    forward_gradient: ``forward_gradient``'s :class:`forward_gradient.Options`.
-    step_wrap: applied to every stage step before it is jitted
-      (:class:`StageSteps`' ``wrap``).
+    method: a name in :data:`methods.ALL_METHODS`.
+    accumulation_steps: ``k``, micro-batches per update.
+    bn_stats: ``"backward"`` (paper Sec. 4) or ``"forward"``.
+    predictors: per stage, None or ``(params, opt_state) -> params``.
+    data_parallel: ``D``, devices per stage.
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
       unknown ``bn_stats`` or method, a reconstructing method without
-      reversible stages, ``backprop`` on several device groups, a number of
-      devices that is not a multiple of ``D``, or a setting the method's
-      plan does not support.
+      reversible stages, ``backprop`` on several device groups, or devices
+      not a multiple of ``D``.
   """
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
@@ -179,20 +145,14 @@ class Pipeline:
     return self.local[-1]
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
-    """Initialises every stage on its device (this process's stages only).
-
-    Args:
-      seed: integer seed; stage ``j`` draws from ``fold_in(key(seed), j)``
-        (the ``"rbg"`` PRNG).
-      sample_input: a model input ``float32[B, H, W, C]`` (shape and dtype).
-    """
+    """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):
       states = []
       for j, (stage, x) in enumerate(zip(self.stages, inputs)):
-        if not self.local[j]:  # another process's stage
+        if not self.local[j]:
           states.append(None)
           continue
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x)
@@ -217,19 +177,10 @@ class Pipeline:
 
   def run_tick(self, state: PipelineState, tick: schedule_lib.Tick,
                batches: Optional[Batches] = None) -> tuple[PipelineState, list[TickOutput]]:
-    """Runs one tick's tasks in order.
+    """Runs one tick's tasks in order; ``state``'s arrays are donated.
 
-    Args:
-      state: the state before the tick; its arrays are donated: use only
-        the returned state afterwards.
-      tick: the tasks (a row of :meth:`schedule`).
-      batches: ``m -> (images float32[B, H, W, C], labels int32[B])``, called
-        for the micro-batch stage 0 takes on this tick.
-
-    Returns:
-      ``(new_state, outputs)``: the losses of the micro-batches whose
-      ``loss`` or ``backprop`` task ran (multi-process: on process 0, or with
-      ``send_losses=False`` on the last stage's process; None elsewhere).
+    ``batches``: ``m -> (images float32[B, H, W, C], labels int32[B])``.
+    Returns ``(new_state, outputs)``: the losses of the tick's ``loss``/``backprop`` tasks.
 
     Raises:
       ScheduleError: a task's input has not arrived.
@@ -287,14 +238,9 @@ class Pipeline:
     return out
 
   def predict(self, state: PipelineState, images) -> Optional[jax.Array]:
-    """Logits ``float32[B, K]`` with the current weights and running statistics.
+    """Logits ``float32[B, K]`` (running statistics) from ``images float32[B, H, W, C]``.
 
-    Args:
-      images: ``float32[B, H, W, C]``. Multi-process: on processes without
-        stage 0, anything of its shape and dtype; every process must call it.
-
-    Returns:
-      The logits on the last stage's device; None on other processes.
+    Every process must call it; None on processes without the last stage.
     """
     J = self.num_stages
     specs = self.message_specs(images) if self.multiprocess else [None] * (J + 1)

@@ -22,23 +22,14 @@ def _messages(where: str, routed: bool = False):
 class PipelineState:
   """Everything the next tick depends on; create it with :meth:`empty`.
 
-  Message fields hold ``{micro_batch: payload}``; their ``messages`` metadata
-  says where they live (``per_stage``: one dict per stage, on its device;
-  ``last_stage``: one dict on the last stage's device), which is how
-  checkpoints save them. Across processes every process keeps every key of
-  the ``routed`` fields, the payloads on the stage's owner only.
+  Message fields hold ``{micro_batch: payload}``; metadata ``messages`` is
+  ``per_stage`` (one dict per stage) or ``last_stage``.
 
   Attributes:
-    stage_states: per stage, its state as the steps last returned it: a
-      :class:`StageState` or a :class:`packing.PackedState` (None for another
-      process's stage).
-    tick: ticks run so far.
-    inbox: the input each stage runs forward (or ``loss``) on.
+    stage_states: per stage a :class:`StageState`, a :class:`packing.PackedState`
+      or None (another process's stage).
     grad_inbox: ``(y_j or None, delta_{j+1})`` each stage runs backward on.
-    buffers: the inputs each stage kept for its backward.
-    weight_stash: the weights each stage's forward used (or a method's own
-      per-micro-batch keep, e.g. forward gradients' guess).
-    labels: labels in flight to the last stage.
+    weight_stash: the forward's weights (or a method's per-micro-batch keep).
   """
   stage_states: list
   tick: int = 0
@@ -56,16 +47,14 @@ class PipelineState:
     return cls(stage_states=list(train_states), tick=tick, **per_stage)
 
   def successor(self) -> "PipelineState":
-    """The same contents in new lists and dicts (arrays shared): what a tick
-    fills, leaving ``self``'s containers as they were."""
+    """The same contents in new containers (arrays shared)."""
     boxes = {name: [b.copy() for b in getattr(self, name)] if each
              else getattr(self, name).copy() for name, each in _MESSAGE_BOXES}
     return PipelineState(stage_states=list(self.stage_states), tick=self.tick, **boxes)
 
   @property
   def train_states(self) -> list:
-    """Per stage, its :class:`StageState` (None for another process's
-    stage): a packed state is read unpacked, into fresh arrays."""
+    """Per stage, its :class:`StageState` (unpacked into fresh arrays) or None."""
     return [packing.unpack(s) for s in self.stage_states]
 
   def in_flight(self) -> int:
@@ -78,8 +67,7 @@ class PipelineState:
     return len(waiting)
 
   def stored_bytes(self) -> list[int]:
-    """Bytes each stage holds between forwards and backwards (input buffers
-    and weight stashes; messages in flight excluded)."""
+    """Bytes each stage keeps in buffers and weight stashes."""
     return [quantize_lib.nbytes(list(b.values())) + quantize_lib.nbytes(list(w.values()))
             for b, w in zip(self.buffers, self.weight_stash)]
 
@@ -93,11 +81,10 @@ _MESSAGE_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in 
 
 
 def take(box: dict, m: int, what: str, j: int):
-  """Pops micro-batch ``m``'s entry of ``box`` (stage ``j``'s ``what``).
+  """Pops micro-batch ``m``'s entry of ``box``.
 
   Raises:
-    ScheduleError: no entry for ``m``, or only a cross-process message of
-      the current tick (not transferred yet).
+    ScheduleError: no entry for ``m``, or a cross-process message of this tick.
   """
   try:
     v = box.pop(m)

@@ -1,17 +1,8 @@
 """Where a stage lives: one device, or ``D`` devices along a ``data`` axis.
 
-With data parallelism within a stage (``config.data_parallel = D``) each
-stage runs on a group of ``D`` devices: its state (parameters, optimizer
-state, BatchNorm statistics) is replicated over the group and every batched
-array it receives (images, labels, activations, cotangents) is sharded
-along the batch axis over a one-axis mesh ``Mesh(group, ("data",))``. The
-stage's jitted steps then run SPMD over the group (computation follows the
-data's ``NamedSharding``): XLA inserts the all-reduces, so BatchNorm
-statistics and gradients are those of the whole micro-batch, as with
-``D = 1``.
-
-With ``D = 1`` a placement is its device itself: every ``jax.device_put``
-goes to the ``jax.Device``, as a pipeline without data parallelism does.
+With ``D > 1`` the state is replicated over ``Mesh(group, ("data",))`` and
+batched arrays ``[B, ...]`` sharded along the batch; XLA inserts the
+all-reduces. With ``D = 1`` a placement is its device.
 """
 
 from __future__ import annotations
@@ -31,13 +22,8 @@ class Placement:
   """One stage's devices and the two ways its arrays lie on them.
 
   Attributes:
-    devices: the stage's ``D`` devices (a tuple; ``D >= 1``).
-    replicated: where the state goes: the device itself when ``D = 1``,
-      else ``NamedSharding(mesh, P())``.
-    batch: where batched arrays ``[B, ...]`` go: the device when ``D = 1``,
-      else ``NamedSharding(mesh, P("data"))`` (``B`` must divide by ``D``).
-    batch_sharding: ``batch`` as a ``jax.sharding.Sharding`` (what an array
-      already in place has: ``transport.send_if_elsewhere`` compares it).
+    replicated: the state's target (device, or ``NamedSharding(mesh, P())``).
+    batch: ``[B, ...]`` arrays' target (device, or ``P("data")``; ``D | B``).
   """
   devices: tuple
   replicated: Any
@@ -56,7 +42,7 @@ class Placement:
 
   @property
   def state_sharding(self) -> jax.sharding.Sharding:
-    """The state's sharding (what a restore asks orbax for)."""
+    """The state's sharding (for orbax restore)."""
     if self.size == 1:
       return jax.sharding.SingleDeviceSharding(self.device)
     return self.replicated
@@ -80,9 +66,7 @@ def place(devices: Sequence[jax.Device]) -> Placement:
 
 
 def assign(num_stages: int, devices: Sequence[jax.Device], data_parallel: int = 1) -> list:
-  """Each stage's :class:`Placement`: the devices cut into groups of
-  ``data_parallel`` consecutive devices, and stages spread over the groups
-  in contiguous blocks (stage ``j`` -> group ``j * G // J``).
+  """Each stage's :class:`Placement`: stage ``j`` -> group ``j * G // J`` of ``data_parallel``.
 
   Raises:
     ValueError: the number of devices is not a multiple of ``data_parallel``.

@@ -12,17 +12,11 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-  """Mixed-precision policy of a stage (Micikevicius et al., 2018, with
-  bfloat16: no loss scaling is needed).
+  """Mixed-precision policy of a stage (bfloat16, no loss scaling).
 
-  Attributes:
-    compute: dtype of the convolutions, BatchNorm and activations inside a
-      block; parameters are cast to it on use, so their gradients and every
-      optimizer state stay float32. BatchNorm statistics are reduced and kept
-      in float32 (Flax's ``force_float32_reductions``).
-    streams: dtype of the activations between blocks and stages (the
-      coupling's streams, messages and buffers); a block's output is cast to
-      it. Logits are cast to float32 before the loss.
+  ``compute``: dtype inside a block (parameters cast on use, gradients and
+  optimizer state float32, BatchNorm reductions float32); ``streams``: dtype
+  between blocks and stages. Logits go to float32 before the loss.
 
   Raises:
     ValueError: a dtype outside :data:`DTYPES`.

@@ -1,31 +1,11 @@
-"""Pipeline schedules as data: which task each stage runs on each tick.
+"""Pipeline schedules as data: tick ``t`` holds tasks ``(stage, kind, micro_batch)``.
 
-A schedule is a table: tick ``t`` holds a tuple of :class:`Task` ``(stage,
-kind, micro_batch)``. The engine (:class:`petra_jax.engine.pipeline.Pipeline`) runs a
-tick's tasks in order; the timeline (paper Fig. 1), the memory model and the simulated J-device
-time (:mod:`petra_jax.benchmarks`) read the same table. A message a task sends is consumed on a later tick.
-
-Stages are numbered ``j = 0 .. J-1``; the last stage's task is ``loss``
-(forward, loss and backward at once). Kinds of schedule:
-
-* ``stream`` (``petra``, ``approximate_input``, ``dsp``, ``delayed``): paper
-  Alg. 1. Micro-batch ``m`` runs its forward at stage ``j`` on tick ``m + j``
-  and its backward there on tick ``m + 2(J-1) - j``: the gradient of stage
-  ``j`` is ``tau_j = 2(J-1-j)`` ticks late (the paper's ``2(J-j)`` with stages
-  numbered from 1) and every stage runs a forward and a backward per tick in
-  steady state. ``2(J-1)`` ticks fill the pipeline and ``2(J-1)`` drain it.
-* ``forward`` (``local``): the stream without its backward tasks; each
-  stage updates in its forward task. ``J-1`` ticks drain it.
-* ``drained`` (``revprop``): the stream table of one micro-batch, repeated;
-  every delay is 0.
-* ``gpipe`` (Huang et al., 2019): per update of ``k`` micro-batches, every
-  forward, then every backward; flushed at the end of each update.
-* ``1f1b`` (PipeDream-Flush, Narayanan et al., 2021): per update, stage ``j``
-  runs ``min(J-1-j, k)`` forwards, then alternates one forward and one
-  backward, then the remaining backwards; at most one task per stage and
-  tick, each as early as its input allows. Flushed per update.
-* ``sequential`` (``backprop``): one ``backprop`` task per tick, the whole
-  model on one device.
+Stages ``j = 0 .. J-1``; the last stage's task is ``loss``. Kinds: ``stream``
+(paper Alg. 1: micro-batch ``m`` forward at stage ``j`` on tick ``m + j``,
+backward on tick ``m + 2(J-1) - j``, delay ``tau_j = 2(J-1-j)``); ``forward``
+(the stream without backwards); ``drained`` (one micro-batch at a time, no
+delay); ``gpipe`` and ``1f1b`` (flushed every update of ``k``);
+``sequential`` (one ``backprop`` task per tick).
 """
 
 from __future__ import annotations
@@ -40,12 +20,7 @@ KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential", "forward")
 
 
 class Task(NamedTuple):
-  """One stage's work on one micro-batch during a tick.
-
-  ``kind`` is ``"forward"``, ``"backward"`` (reconstruct or recompute, vjp,
-  update), ``"loss"`` (the last stage's forward, loss and backward) or
-  ``"backprop"`` (``jax.grad`` of the whole model; ``stage`` is 0).
-  """
+  """One stage's ``"forward"``, ``"backward"``, ``"loss"`` or ``"backprop"`` on a micro-batch."""
   stage: int
   kind: str
   micro_batch: int
@@ -55,13 +30,7 @@ Tick = tuple  # tuple[Task, ...]
 
 
 def require_stages(num_stages: int) -> None:
-  """Stops a pipeline of fewer than 2 stages (the engine and every schedule
-  but ``sequential`` call it: the last stage computes the loss, and a
-  pipeline needs a stage before it).
-
-  Raises:
-    ValueError: ``num_stages < 2``.
-  """
+  """Raises ValueError if ``num_stages < 2``."""
   if num_stages < 2:
     raise ValueError(f"a pipeline needs at least 2 stages, got {num_stages}: split the model "
                      "into 2 or more stages.")
@@ -84,8 +53,7 @@ def drain_ticks(num_stages: int) -> int:
 
 
 def _stream_tick(t: int, J: int, M: int, backward: bool = True) -> Tick:
-  """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)`` (without
-  its backward tasks: the ``forward`` kind)."""
+  """Tasks of tick ``t`` of the stream over micro-batches ``[0, M)``."""
   tasks = []
   for j in range(J - 1):
     for kind, m in ((FORWARD, t - j), (BACKWARD, t - 2 * (J - 1) + j))[:2 if backward else 1]:
@@ -97,13 +65,13 @@ def _stream_tick(t: int, J: int, M: int, backward: bool = True) -> Tick:
 
 
 def _gpipe_round(J: int, k: int) -> list:
-  """One update of GPipe: forward wave of ``k`` micro-batches, then backwards."""
+  """One update of GPipe: forwards of ``k`` micro-batches, then backwards."""
   cells: dict[int, list] = {}
   for m in range(k):
     for j in range(J - 1):
       cells.setdefault(m + j, []).append(Task(j, FORWARD, m))
     cells.setdefault(m + J - 1, []).append(Task(J - 1, LOSS, m))
-    for j in range(J - 1):  # after every forward: tick k + J - 1 onwards
+    for j in range(J - 1):
       cells.setdefault(k + J - 1 + m + (J - 2 - j), []).append(Task(j, BACKWARD, m))
   return [tuple(sorted(cells.get(u, []))) for u in range(max(cells) + 1)]
 
@@ -119,7 +87,7 @@ def dependency(task: Task, J: int) -> Optional[Task]:
 
 
 def _one_f_one_b_round(J: int, k: int) -> list:
-  """One update of 1F1B: each stage's order, each task as early as possible."""
+  """One update of 1F1B (PipeDream-Flush), each task as early as possible."""
   order = [[Task(J - 1, LOSS, m) for m in range(k)]]
   for j in reversed(range(J - 1)):
     warmup = min(J - 1 - j, k)
@@ -153,23 +121,15 @@ def _round(kind: str, J: int, k: int) -> tuple:
     return tuple(_gpipe_round(J, k))
   if kind == "1f1b":
     return tuple(_one_f_one_b_round(J, k))
-  return ((Task(0, BACKPROP, 0),),)  # sequential
+  return ((Task(0, BACKPROP, 0),),)
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The tick table of one method over ``num_micro_batches`` micro-batches.
+  """The tick table of one method over ``num_micro_batches`` micro-batches, computed lazily.
 
-  Indexable and iterable (``schedule[t]`` is tick ``t``'s tuple of tasks),
-  computed lazily from closed forms, so a run of millions of micro-batches
-  costs no memory. Periodic kinds repeat one round per update (``k``
-  micro-batches; one micro-batch for ``drained`` and ``sequential``).
-
-  Attributes:
-    kind: one of :data:`KINDS`.
-    num_stages: ``J >= 2`` (1 for ``sequential``).
-    num_micro_batches: ``M``; a multiple of ``k`` for ``gpipe`` and ``1f1b``.
-    accumulation_steps: ``k``, micro-batches per update.
+  ``schedule[t]`` is tick ``t``'s tasks; ``M`` must be a multiple of ``k`` for
+  ``gpipe`` and ``1f1b``.
 
   Raises:
     ValueError: unknown kind, fewer than 2 stages, or ``M`` not a multiple of
@@ -191,7 +151,7 @@ class Schedule:
 
   @property
   def round_size(self) -> int:
-    """Micro-batches per repeated round (0 for ``stream``, which has none)."""
+    """Micro-batches per repeated round (0 for ``stream`` and ``forward``)."""
     if self.kind in ("stream", "forward"):
       return 0
     return self.accumulation_steps if self.kind in ("gpipe", "1f1b") else 1
@@ -233,17 +193,7 @@ def fed(tick: Tick) -> Optional[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Chained:
-  """Schedules run one after the other, each drained before the next starts.
-
-  Part ``i`` runs its own micro-batches ``0..M_i-1`` as micro-batches
-  ``offsets[i] + 0..M_i-1``; its last tick leaves no micro-batch in flight.
-  Indexable and iterable like :class:`Schedule` (lazily). One part at offset
-  0 is that schedule tick for tick.
-
-  Attributes:
-    parts: the schedules.
-    offsets: the first micro-batch of each part.
-  """
+  """Schedules run one after the other, each drained first; part ``i`` offset by ``offsets[i]``."""
   parts: tuple
   offsets: tuple
 
@@ -256,8 +206,7 @@ class Chained:
     return tuple(out)
 
   def ends(self) -> list[int]:
-    """The tick count after each part (cumulative): the pipeline is empty
-    after tick ``ends()[i] - 1``."""
+    """Cumulative tick count after each part."""
     return list(self._ends)
 
   def __len__(self) -> int:

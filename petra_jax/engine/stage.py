@@ -1,43 +1,12 @@
 """A PETRA stage as pure functions: forward, reconstruction and reverse vjp.
 
-Activations are pytrees of ``float32`` arrays: the image ``[B, H, W, 3]`` at
-the input of stage 0, two streams ``(x1, x2)`` of ``[B, H, W, C]`` between
-stages. Parameters and BatchNorm statistics are Flax variable dicts.
-
-A *reversible* stage holds only the residual function ``F`` (one stream) and
-implements the coupling of paper Fig. 2::
-
-    forward:  (y1, y2) = (x2 + F(x1), x1)
-    inverse:  (x1, x2) = (y2, y1 - F(y2))
-
-Its backward (:func:`reverse_vjp`) reconstructs the input from the output with
-the *current* weights and takes the vector-Jacobian product at the
-reconstruction (paper Eq. 5); ``F`` is evaluated once, its vjp recorded while
-reconstructing.
-
-A reversible stage may also hold a ``pre``: a parameter-free linear map ``P``
-with ``P^T P = I`` (a permutation such as i-RevNet's space-to-depth ``psi``, or
-an injective zero-padding; see :mod:`petra_jax.models.invertible`) applied to its
-input before the coupling, so the stage is ``x -> C(P x)``. ``P^T`` is then both
-the reconstruction of ``x`` from ``P x`` and ``P``'s vjp. Activations after
-such a stage may carry, after the two streams, arrays set aside by ``P``
-(``(x1, x2, *carried)``); the coupling passes them through unchanged.
-
-A non-reversible stage (stem, downsampling, head) recomputes its forward from
-a buffered input (:func:`recompute_vjp`, Alg. 1 l. 15-17).
-
-Mixed precision (:class:`Precision`): a stage may compute in ``bfloat16``
-(convolutions, BatchNorm, activations) while its parameters, optimizer state
-and gradients stay ``float32``; the streams between stages are in
-``Precision.streams``. A ``float32`` stream with ``bfloat16`` compute keeps the
-coupling's addition ``x2 + F(x1)`` and its inverse ``y1 - F(y2)`` in float32, so
-the reconstruction is as exact as in float32 (``F`` is deterministic: the
-same ``y2`` gives the same ``F(y2)``).
-
-BatchNorm always normalises with the current batch's statistics in training
-(forward and reconstruction alike). Every function returns the BatchNorm
-running statistics its evaluation would produce; the engine decides which
-evaluation updates them (the paper's policy: the backward recomputation).
+Activations are ``float32`` pytrees: the image ``[B, H, W, 3]`` into stage 0,
+streams ``(x1, x2, *carried)`` of ``[B, H, W, C]`` between stages. A reversible
+stage holds ``F`` and an optional ``pre`` ``P`` (``P^T P = I``) and computes
+``(y1, y2) = (x2 + F(x1), x1)`` on ``P x`` (paper Fig. 2); its backward
+reconstructs the input with the current weights (paper Eq. 5). A non-reversible
+stage recomputes from a buffered input (Alg. 1 l. 15-17). BatchNorm uses batch
+statistics in training; every function returns the running statistics.
 """
 
 from __future__ import annotations
@@ -61,9 +30,7 @@ _LINEARIZING = contextvars.ContextVar("petra_jax_linearizing", default=False)
 
 @contextlib.contextmanager
 def linearizing():
-  """Within it, stages are traced for ``jax.jvp``/``jax.linearize``: modules
-  with a ``jax.custom_vjp`` (no jvp rule) should trace plain JAX instead
-  (:func:`is_linearizing`). Acts at trace time."""
+  """Marks a trace for ``jax.jvp``/``jax.linearize``: custom-vjp modules trace plain JAX."""
   token = _LINEARIZING.set(True)
   try:
     yield
@@ -80,25 +47,9 @@ def is_linearizing() -> bool:
 class Stage:
   """One pipeline stage: one residual block, or a group of consecutive ones.
 
-  Attributes:
-    name: a readable label, e.g. ``"group1_rev1"``.
-    module: the Flax module of a single-block stage. For a reversible stage,
-      the residual function ``F`` on one stream (``[B, H, W, C] -> [B, H, W,
-      C]``); otherwise the whole block on the stage's input activation.
-      Modules take ``train``. None for a group.
-    reversible: whether the stage can rebuild its input from its output: the
-      coupling of ``module`` (Fig. 2), or a group of reversible blocks only.
-    blocks: for a group (:func:`group`), its single-block stages in order;
-      their variables live under ``"block_0"``, ``"block_1"``, ...
-    pre: for a reversible single-block stage, an optional :class:`Reshuffle`
-      applied to the input before the coupling (e.g. invertible
-      downsampling); None for the plain coupling of Fig. 2.
-    precision: the block's :class:`Precision` (a group's blocks carry
-      their own; :func:`with_precision`).
-    reversible_backward: a reversible group's backward, ``"vanilla"``
-      (:func:`reverse_vjp`) or ``"pareprop"``
-      (:mod:`petra_jax.engine.reversible_backward`); a group takes its
-      first block's.
+  ``module``: ``F`` on one stream (``[B, H, W, C] -> [B, H, W, C]``) if
+  reversible, else the whole block; None for a group, whose ``blocks`` hold
+  variables under ``"block_i"``. ``pre``: an optional :class:`Reshuffle`.
   """
   name: str
   module: nn.Module | None
@@ -126,11 +77,8 @@ class Stage:
 class Reshuffle(Protocol):
   """A parameter-free linear map ``P`` with ``P^T P = I``, before a coupling.
 
-  A permutation (then ``P^T = P^{-1}``) or an injection such as zero-padding
-  channels. ``transpose`` is ``P^T``: it rebuilds ``x`` exactly from ``P x``
-  (:func:`inverse`) and is ``P``'s vjp (:func:`reverse_vjp`), so the stage's
-  backward still evaluates ``F`` once. Both map activation pytrees:
-  ``(x1, x2, *carried)`` in and out.
+  ``transpose`` (``P^T``) is both the reconstruction of ``x`` from ``P x`` and
+  ``P``'s vjp. Both map ``(x1, x2, *carried)``.
   """
 
   def apply(self, x: PyTree) -> PyTree:
@@ -156,20 +104,7 @@ def has_reversible(stages: Sequence[Stage]) -> bool:
 
 
 def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> list[tuple]:
-  """Shapes through ``stages``, nothing computed (:func:`jax.eval_shape`).
-
-  Args:
-    stages: the stages in order.
-    x: the first stage's input: arrays or ``jax.ShapeDtypeStruct``s, e.g.
-      ``float32[B, H, W, 3]``.
-    key: the initialisation key (default ``jax.random.key(0)``; only its
-      type matters).
-
-  Returns:
-    Per stage ``(variables, output)``: ``{"params", "batch_stats"}`` and the
-    output activation, as pytrees of ``jax.ShapeDtypeStruct``. Parameters do
-    not depend on the batch size; outputs have the batch of ``x``.
-  """
+  """Per stage ``(variables, output)`` as ``ShapeDtypeStruct``; ``x`` e.g. ``[B, H, W, 3]``."""
   key = jax.random.key(0) if key is None else key
   out = []
   for s in stages:
@@ -182,12 +117,7 @@ def trace(stages: Sequence[Stage], x: PyTree, key: jax.Array | None = None) -> l
 
 
 def group(blocks: Sequence[Stage], name: str | None = None) -> Stage:
-  """One stage running ``blocks`` in sequence (stage balancing).
-
-  A group of reversible blocks only is reversible: its reconstruction runs
-  the blocks' inverses in reverse order, each block's ``F`` evaluated once
-  (:func:`reverse_vjp`). A group with any non-reversible block buffers its
-  input and recomputes, as a single non-reversible stage does.
+  """One stage running ``blocks`` in sequence; reversible iff all blocks are.
 
   Raises:
     ValueError: ``blocks`` is empty.
@@ -217,12 +147,8 @@ def with_precision(stages: Sequence[Stage], precision: Precision) -> list[Stage]
 def with_reversible_backward(stages: Sequence[Stage], backward: str) -> list[Stage]:
   """``stages`` with every block (and group) using ``backward``.
 
-  Args:
-    stages: a model's stages.
-    backward: one of :data:`REVERSIBLE_BACKWARDS` (``config.model.reversible_backward``).
-
   Raises:
-    ValueError: an unknown ``backward``.
+    ValueError: ``backward`` not in :data:`REVERSIBLE_BACKWARDS`.
   """
   if backward not in REVERSIBLE_BACKWARDS:
     raise ValueError(f"Unknown reversible backward {backward!r}; choose one of {REVERSIBLE_BACKWARDS} "
@@ -234,9 +160,7 @@ def with_reversible_backward(stages: Sequence[Stage], backward: str) -> list[Sta
 
 
 def _apply(stage: Stage, params, batch_stats, x, train):
-  """``stage.module.apply`` -> ``(output, new_batch_stats)``, under the
-  stage's :class:`Precision` (parameters and input cast to ``compute``, the
-  output to ``streams``)."""
+  """``(output, new_batch_stats)``, computed in ``precision.compute``, out in ``streams``."""
   module, precision = stage.module, stage.precision
   if not precision.is_float32:
     params, x = cast(params, precision.compute), cast(x, precision.compute)
@@ -258,18 +182,7 @@ def _apply_module(module, params, batch_stats, x, train):
 
 
 def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
-  """Stage forward ``x_j = F_j(x_{j-1}, theta_j)`` (paper Eq. 1).
-
-  Args:
-    stage: the stage.
-    params, batch_stats: its variables.
-    x: input activation (image ``[B, H, W, 3]`` or streams ``(x1, x2)``).
-    train: BatchNorm uses batch statistics when True, running ones otherwise.
-
-  Returns:
-    ``(y, new_batch_stats)``: the output activation and the running statistics
-    updated by this evaluation (unchanged when ``train`` is False).
-  """
+  """Stage forward ``x_j = F_j(x_{j-1}, theta_j)`` (paper Eq. 1): ``(y, new_batch_stats)``."""
   if stage.blocks:
     new_stats = {}
     for i, block in enumerate(stage.blocks):
@@ -284,10 +197,7 @@ def forward(stage: Stage, params, batch_stats, x, *, train: bool = True):
 
 
 def inverse(stage: Stage, params, batch_stats, y):
-  """Reconstruction ``x = F_j^{-1}(y, theta_j)`` of a reversible stage.
-
-  Returns the streams ``(x1, x2) = (y2, y1 - F(y2))`` (any carried arrays
-  passed through), mapped back by ``P^T`` for a stage with a ``pre``.
+  """Reconstruction ``(x1, x2) = (y2, y1 - F(y2))``, then ``P^T``.
 
   Raises:
     ValueError: if the stage is not reversible.
@@ -304,34 +214,17 @@ def inverse(stage: Stage, params, batch_stats, y):
 
 
 def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
-  """Reverse-backward of a reversible stage (paper Eq. 5, rows 2-4).
+  """Reverse-backward of a reversible stage (paper Eq. 5, rows 2-4)::
 
-  With ``y = (y1, y2)`` the stage's output (as rebuilt by the next stage) and
-  ``dy = (dy1, dy2)`` its cotangent ``delta_{j+1}``::
-
-    x~ = F^{-1}(y, theta)          = (y2, y1 - F(y2))
-    delta_j = d_x F(x~, theta)^T dy = (dy2 + J_F(y2)^T dy1, dy1)
+    x~ = F^{-1}(y, theta)               = (y2, y1 - F(y2))
+    delta_j = d_x F(x~, theta)^T dy     = (dy2 + J_F(y2)^T dy1, dy1)
     Delta_j = d_theta F(x~, theta)^T dy = d_theta F(y2)^T dy1
 
-  ``F`` is evaluated once: its vjp is recorded while reconstructing. With a
-  ``pre`` ``P`` (the stage is ``x -> C(P x)``), both ``x~`` and ``delta_j``
-  are mapped back by ``P^T``, ``P``'s inverse and vjp; arrays carried after
-  the streams pass through with their cotangents.
-
-  Args:
-    stage: a reversible stage.
-    params, batch_stats: the stage's *current* variables (``theta_j^t``).
-    y: streams ``(y1, y2)``, each ``[B, H, W, C]`` (then any carried arrays).
-    dy: cotangent streams, same structure.
-
-  Returns:
-    ``(x_tilde, dx, dparams, new_batch_stats)``: the reconstructed input
-    streams, their cotangent, the parameter gradient (a pytree like
-    ``params``) and the running statistics of the reconstruction.
+  ``y``, ``dy``: streams ``[B, H, W, C]``. Returns ``(x_tilde, dx, dparams, new_batch_stats)``.
   """
   if stage.blocks and stage.reversible_backward == "pareprop":
     return pareprop_vjp(stage, params, batch_stats, y, dy)
-  if stage.blocks:  # block by block, last first: x~ of one is y of the previous
+  if stage.blocks:
     grads, stats = {}, {}
     for i in reversed(range(len(stage.blocks))):
       key = f"block_{i}"
@@ -343,12 +236,7 @@ def reverse_vjp(stage: Stage, params, batch_stats, y, dy):
 
 
 def reconstruct_with_vjp(stage: Stage, params, batch_stats, y):
-  """A single reversible block's reconstruction and its pending backward.
-
-  Returns ``(x_tilde, backward)``: ``x~`` as :func:`inverse`, and
-  ``backward(dy) -> (dx, dparams, new_batch_stats)``, Eq. 5's rows 3-4 from
-  the vjp recorded while reconstructing (``F`` evaluated once).
-  """
+  """``(x_tilde, backward)``, ``backward(dy) -> (dx, dparams, new_batch_stats)`` (Eq. 5)."""
   y1, y2, *carried = y
   f, f_vjp, new_stats = jax.vjp(lambda p, x1: _apply(stage, p, batch_stats, x1, True),
                                 params, y2, has_aux=True)
@@ -361,22 +249,7 @@ def reconstruct_with_vjp(stage: Stage, params, batch_stats, y):
 
 
 def pareprop_vjp(stage: Stage, params, batch_stats, y, dy):
-  """Backward of a reversible group, reconstruction one block ahead of the vjp.
-
-  Same contract and results (to float32 round-off) as
-  :func:`reverse_vjp` on a group.
-
-  Args:
-    stage: a reversible group (:func:`group`) of
-      ``n >= 1`` blocks; its variables under ``"block_0"``, ``"block_1"``...
-    params, batch_stats: the group's current variables.
-    y: the group's output streams ``(y1, y2, *carried)``.
-    dy: their cotangent, same structure.
-
-  Returns:
-    ``(x_tilde, dx, dparams, new_batch_stats)``: the reconstructed input,
-    its cotangent, the parameter gradients and the running statistics of the
-    gradient pass, per block.
+  """:func:`reverse_vjp` of a group, reconstructing one block ahead of the vjp (PaReprop).
 
   Raises:
     ValueError: ``stage`` is not a reversible group.
@@ -386,13 +259,10 @@ def pareprop_vjp(stage: Stage, params, batch_stats, y, dy):
                      f"{stage.name!r} is not one: use model.reversible_backward='vanilla'.")
   blocks, key = stage.blocks, lambda i: f"block_{i}"
   n = len(blocks)
-  # Prologue: block n-1's input, reconstructed with its vjp recorded.
   x_next, pending = reconstruct_with_vjp(
       blocks[n - 1], params[key(n - 1)], batch_stats[key(n - 1)], y)
   grads, stats = {}, {}
   for i in reversed(range(n)):
-    # Two independent computations: block i's gradient (its recorded vjp at
-    # dy), and block i-1's reconstruction (with its vjp) from x_next.
     dy, grads[key(i)], stats[key(i)] = pending(dy)
     y = x_next
     if i > 0:
@@ -402,15 +272,7 @@ def pareprop_vjp(stage: Stage, params, batch_stats, y, dy):
 
 
 def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
-  """Reconstruct with the current weights, vjp with the stashed ones.
-
-  The "approximate input" configuration of paper Table 4 (line 4):
-  ``x~ = F^{-1}(y, theta^t)`` and the derivatives at ``(x~, theta^{t-tau})``.
-  ``F`` is evaluated twice (once per weight set).
-
-  Returns:
-    ``(x_tilde, dx, dparams, new_batch_stats)`` as :func:`reverse_vjp`.
-  """
+  """Reconstruct at ``theta^t``, vjp at ``theta^{t-tau}`` (Table 4 l. 4); as :func:`reverse_vjp`."""
   if stage.blocks:
     grads, stats = {}, {}
     for i in reversed(range(len(stage.blocks))):
@@ -430,17 +292,9 @@ def reverse_vjp_stashed(stage: Stage, params, vjp_params, batch_stats, y, dy):
 
 
 def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool = True):
-  """Backward of a non-reversible stage by recomputation (Alg. 1, l. 15-17).
+  """Backward by recomputation from the kept input (Alg. 1 l. 15-17).
 
-  Args:
-    stage: any stage.
-    params, batch_stats: the stage's current variables.
-    x: the buffered input activation.
-    dy: cotangent of the stage's output.
-    input_grad: whether to compute ``dx`` (stage 0 does not need it).
-
-  Returns:
-    ``(dx, dparams, new_batch_stats)``; ``dx`` is None if not ``input_grad``.
+  Returns ``(dx, dparams, new_batch_stats)``; ``dx`` None without ``input_grad``.
   """
   if input_grad:
     _, vjp, new_stats = jax.vjp(
@@ -454,24 +308,16 @@ def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool 
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy: ``logits [B, K]`` (computed in float32),
-  ``labels int32 [B]``."""
+  """Mean softmax cross-entropy in float32: ``logits [B, K]``, ``labels int32 [B]``."""
   return optax.softmax_cross_entropy_with_integer_labels(
       logits.astype(jax.numpy.float32), labels).mean()
 
 
 def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequence,
                   images: jax.Array, labels: jax.Array):
-  """Mean cross-entropy of the stages composed: the model's loss (paper Eq. 2).
+  """Mean cross-entropy of the composed stages (paper Eq. 2): ``(loss, new_batch_stats)``.
 
-  Args:
-    stages: the model's ``J`` stages.
-    params, batch_stats: one pytree per stage.
-    images: ``float32[B, H, W, C]``; labels: ``int32[B]``.
-
-  Returns:
-    ``(loss, new_batch_stats)``: a float32 scalar and the running statistics
-    of each stage after this (training-mode) forward.
+  ``images float32[B, H, W, C]``, ``labels int32[B]``.
   """
   x, new_stats = images, []
   for stage, p, bs in zip(stages, params, batch_stats):
@@ -481,12 +327,7 @@ def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequen
 
 
 def loss_vjp(stage: Stage, params, batch_stats, x, labels):
-  """Last stage: forward, loss and backward at once (Alg. 1, l. 27-30).
-
-  Returns:
-    ``(loss, dx, dparams, new_batch_stats)`` with ``loss`` a float32 scalar
-    (mean cross-entropy over the micro-batch) and ``dx = nabla_x L``.
-  """
+  """Last stage: forward, loss and backward (Alg. 1 l. 27-30): ``(loss, dx, dparams, stats)``."""
   def loss_fn(p, x):
     logits, new_stats = forward(stage, p, batch_stats, x)
     return cross_entropy(logits, labels), new_stats

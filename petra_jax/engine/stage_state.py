@@ -15,12 +15,7 @@ PyTree = Any
 class StageState(flax.struct.PyTreeNode):
   """A Flax ``TrainState`` with BatchNorm statistics.
 
-  Attributes:
-    micro_batches: int32 scalar, backward passes run at this stage; with
-      ``k`` accumulation steps, ``micro_batches // k`` optimizer updates.
-    params, batch_stats: Flax variable collections.
-    opt_state: the optax state (with ``optax.MultiSteps`` for ``k > 1``).
-    tx: the optax transformation (static).
+  ``micro_batches``: int32 scalar, backwards run (updates: ``// k``).
   """
   micro_batches: jax.Array
   params: PyTree

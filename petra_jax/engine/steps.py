@@ -1,11 +1,7 @@
-"""Each stage's jitted steps, and the rule of what a backward takes.
+"""Each stage's jitted steps (paper Eq. 5, Alg. 1 l. 27-30), and what a backward takes.
 
-The module-level functions are the pure per-stage steps (paper Eq. 5 and
-Alg. 1, l. 27-30): a forward, a reconstructing or recomputing backward, the
-last stage's forward-loss-backward, an evaluation forward and ``jax.grad`` of
-the composed model; each ``*_grads`` is a backward without the update.
-:class:`StageSteps` jits them once per stage and is the one place that says
-which backward a stage runs, on which arguments, donating which.
+``*_grads`` are backwards without the update; inputs may be quantised messages
+(dequantised first).
 """
 
 from __future__ import annotations
@@ -28,21 +24,13 @@ BN_POLICIES = ("backward", "forward")
 
 
 def forward_step(stage: Stage, state: StageState, x, params=None):
-  """``(y, batch_stats)``: the stage forward with ``theta_j^t`` (Eq. 5, row 1),
-  or with ``params`` (e.g. weights predicted ahead by a delay compensation).
-  ``x`` may be a quantised message (:mod:`petra_jax.engine.quantize`): it is
-  dequantised first."""
+  """``(y, batch_stats)``: the forward with ``theta_j^t`` (Eq. 5 row 1) or ``params``."""
   x = quantize_lib.dequantize(x)
   return forward(stage, state.params if params is None else params, state.batch_stats, x)
 
 
 def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
-  """Reconstruction and vjp of a reversible stage (Eq. 5, rows 2-4), no update.
-
-  With ``vjp_params`` (stashed forward weights) the vjp is taken with them
-  (Table 4's "approximate input"). ``y``, ``dy`` may be quantised messages.
-  Returns ``(x~, dx, grads, batch_stats)``.
-  """
+  """Reconstruct, vjp (Eq. 5 rows 2-4) at ``vjp_params`` if given: ``(x~, dx, grads, stats)``."""
   y, dy = quantize_lib.dequantize((y, dy))
   if vjp_params is None:
     return reverse_vjp(stage, state.params, state.batch_stats, y, dy)
@@ -50,17 +38,14 @@ def reverse_grads(stage: Stage, state: StageState, y, dy, vjp_params=None):
 
 
 def recompute_grads(stage: Stage, input_grad: bool, state: StageState, x, dy, vjp_params=None):
-  """Recomputation from the buffered input and vjp, no update; with
-  ``vjp_params`` (``delayed``) at the stashed weights; ``x``, ``dy`` may be
-  quantised. ``(dx, grads, stats)``."""
+  """Recompute and vjp, at ``vjp_params`` if given: ``(dx, grads, stats)``."""
   x, dy = quantize_lib.dequantize((x, dy))
   params = state.params if vjp_params is None else vjp_params
   return recompute_vjp(stage, params, state.batch_stats, x, dy, input_grad=input_grad)
 
 
 def loss_grads(stage: Stage, state: StageState, x, labels):
-  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``
-  (``x`` may be a quantised message)."""
+  """The last stage's forward, loss and backward: ``(loss, dx, grads, stats)``."""
   x = quantize_lib.dequantize(x)
   return loss_vjp(stage, state.params, state.batch_stats, x, labels)
 
@@ -71,42 +56,27 @@ def _update(state: StageState, grads, new_stats, take_stats: bool) -> StageState
 
 def reverse_backward_step(stage: Stage, take_stats: bool, state: StageState, y, dy,
                           vjp_params=None):
-  """Reversible stage: reconstruct, vjp and update (Eq. 5, rows 2-5).
-  Returns ``(new_state, x_tilde, dx)``."""
+  """Reconstruct, vjp and update (Eq. 5 rows 2-5): ``(new_state, x_tilde, dx)``."""
   x, dx, grads, stats = reverse_grads(stage, state, y, dy, vjp_params)
   return _update(state, grads, stats, take_stats), x, dx
 
 
 def recompute_backward_step(stage: Stage, take_stats: bool, input_grad: bool,
                             state: StageState, x, dy, vjp_params=None):
-  """Recompute, vjp and update. Returns ``(new_state, dx)`` (``dx`` None
-  without ``input_grad``)."""
+  """Recompute, vjp and update: ``(new_state, dx)``."""
   dx, grads, stats = recompute_grads(stage, input_grad, state, x, dy, vjp_params)
   return _update(state, grads, stats, take_stats), dx
 
 
 def loss_step(stage: Stage, state: StageState, x, labels):
-  """Last stage: forward, loss, backward and update. ``(new_state, dx, loss)``."""
+  """Last stage: forward, loss, backward and update: ``(new_state, dx, loss)``."""
   loss, dx, grads, stats = loss_grads(stage, state, x, labels)
   return _update(state, grads, stats, True), dx, loss
 
 
 def fused_step(forward_fn: Callable, backward_fn: Callable, predict: Optional[Callable],
                stats_in_forward: bool, stash: bool, state: StageState, x, *backward_args):
-  """One stage's forward and backward of one tick in one call (steady state).
-
-  Both use ``theta_j^t`` (the forward first: with ``stats_in_forward`` its
-  BatchNorm statistics replace the state's before the backward, as two
-  separate steps would); the backward's update follows.
-
-  Args:
-    forward_fn: ``(state, x, params) -> (y, stats)`` (:func:`forward_step`).
-    backward_fn: the stage's backward step on ``(state, *backward_args)``.
-    predict: None or ``(params, opt_state) -> params``: the forward's weights.
-    stats_in_forward: the ``"forward"`` BatchNorm policy.
-    stash: whether to return the forward's weights (methods that stash).
-    state: the stage's state (donated by the jit).
-    x: the forward's input (any message format).
+  """One stage's forward then backward of one tick in one call, both at ``theta_j^t``.
 
   Returns:
     ``((y, forward weights or None), backward_fn's outputs)``.
@@ -120,8 +90,7 @@ def fused_step(forward_fn: Callable, backward_fn: Callable, predict: Optional[Ca
 
 
 def predict_step(predict: Callable, state: StageState):
-  """``predict(params, opt_state)``: the weights a forward uses instead of
-  the current ones (weight prediction)."""
+  """``predict(params, opt_state)``: the forward's predicted weights."""
   return predict(state.params, state.opt_state)
 
 
@@ -141,11 +110,7 @@ def eval_step(stage: Stage, state: StageState, x):
 
 
 def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images, labels):
-  """Exact synchronous backprop: ``jax.grad`` of the composed model.
-
-  Running statistics are updated by the (only) forward pass.
-  Returns ``(new_states, loss)``.
-  """
+  """Exact backprop (``jax.grad`` of the composed model): ``(new_states, loss)``."""
   (loss, new_stats), grads = jax.value_and_grad(
       lambda p: composed_loss(stages, p, [s.batch_stats for s in states], images, labels),
       has_aux=True)([s.params for s in states])
@@ -153,32 +118,18 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
 
 
 def _jit(fn: Callable, donate_argnums=(), wrap: Optional[Callable] = None):
-  """``fn`` (a step on ``(state, ...)``) jitted for packed states too
-  (:func:`packing.on_packed`), through ``wrap`` if given."""
+  """``fn`` jitted for packed states too, through ``wrap`` if given."""
   fn = packing.on_packed(fn)
   return jax.jit(fn if wrap is None else wrap(fn), donate_argnums=donate_argnums)
 
 
 class StageSteps:
-  """Every stage's jitted steps: the one place that says which backward a
-  stage runs (reconstruct, recompute or the loss), on which arguments,
-  donating which. Every step taking a state also takes it packed
-  (:func:`packing.on_packed`).
+  """Every stage's jitted steps: which backward a stage runs, on which arguments, donating which.
 
   Args:
-    stages: the model's stages.
-    method: the method (what it stashes, whether it reconstructs).
     bn_stats: one of :data:`BN_POLICIES`.
-    predictors: per stage, None or ``(params, opt_state) -> params``: the
-      weights its forward uses. Backwards use the current weights (Eq. 5)
-      or, for methods that stash, the forward's.
-    donate_messages: whether a reconstructing backward donates ``(y, dy)``
-      (not when they arrive quantised).
-    wrap: applied to the forward, backward, fused and predictor steps before
-      they are jitted (e.g. the host benchmark's no-op steps).
-
-  Attributes:
-    reconstructs: per stage, whether its backward rebuilds its input (Eq. 5).
+    predictors: per stage, None or ``(params, opt_state) -> params``.
+    wrap: applied to the steps before they are jitted.
   """
 
   def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
@@ -201,18 +152,15 @@ class StageSteps:
     self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
 
   def _fused_jit(self, j: int):
-    """Stage ``j``'s jitted :func:`fused_step`, donating the state and what
-    the backward donates."""
     fn = functools.partial(fused_step, functools.partial(forward_step, self.stages[j]),
                            self._backward_fn(j), self._predictors[j], self.stats_in_forward,
                            self.method.stashes_weights)
     donated = self._donated(j)
-    donated = (0, 2, 3) if donated != 0 else 0  # after the forward's input
+    donated = (0, 2, 3) if donated != 0 else 0
     return _jit(fn, donate_argnums=donated, wrap=self._wrap)
 
   def _backward_fn(self, j: int, grads_only: bool = False):
-    """Stage ``j``'s backward step (or, with ``grads_only``, its gradient
-    without the update), on the arguments :meth:`backward_args` gives."""
+    """Stage ``j``'s backward step (or its gradient only) on :meth:`backward_args`."""
     s, take = self.stages[j], not self.stats_in_forward
     if j == self.num_stages - 1:
       return functools.partial(loss_grads if grads_only else loss_step, s)
@@ -223,49 +171,30 @@ class StageSteps:
         recompute_backward_step, s, take, j > 0)
 
   def _donated(self, j: int):
-    """A reconstructing backward donates its state and ``(y, dy)``; the
-    others their state (a buffered input may be a probe's too)."""
     messages = self.donate_messages and self.reconstructs[j] and j < self.num_stages - 1
     return (0, 1, 2) if messages else 0
 
   def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
                     stashed=None) -> tuple:
-    """The arguments of stage ``j``'s backward after its state.
-
-    Args:
-      j: the stage.
-      x: its input (buffered); y: its output (a reconstructing stage rebuilds
-        ``x`` from it); dy: the output's cotangent; labels: ``int32[B]``
-        (last stage); stashed: the forward's weights (methods that stash).
-
-    Returns:
-      ``(x, labels)`` for the last stage, ``(y, dy)`` for a reconstructing
-      stage, ``(x, dy)`` otherwise; plus ``stashed`` when the method stashes
-      weights.
-    """
+    """``(x, labels)`` (last), ``(y, dy)`` (reconstructing) or ``(x, dy)``; + ``stashed``."""
     if j == self.num_stages - 1:
       return (x, labels)
     args = (y, dy) if self.reconstructs[j] else (x, dy)
     return args + (stashed,) if self.method.stashes_weights else args
 
   def backward(self, j: int, train_state: StageState, *args):
-    """Runs stage ``j``'s jitted backward step (donating ``train_state``).
+    """Stage ``j``'s backward (donating the state).
 
-    Returns ``(new_state, x~, dx)`` for a reconstructing stage, ``(new_state,
-    dx, loss)`` for the last one, ``(new_state, dx)`` otherwise.
+    Returns ``(state, x~, dx)`` reconstructing, ``(state, dx, loss)`` last, else ``(state, dx)``.
     """
     return self._backward[j](train_state, *args)
 
   def forward_backward(self, j: int, train_state: StageState, x, *args) -> tuple:
-    """Stage ``j``'s forward on ``x`` then its backward on ``args`` (as
-    :meth:`backward_args` gives them) in one jitted call (:func:`fused_step`,
-    donating ``train_state``): ``((y, forward weights or None), backward's
-    outputs)``; the forward weights only for methods that stash them."""
+    """:func:`fused_step` of stage ``j``, donating ``train_state``."""
     return self._fused[j](train_state, x, *args)
 
   def gradient(self, j: int, train_state: StageState, *args) -> PyTree:
-    """The gradient stage ``j``'s backward would apply, without applying it
-    or donating anything (a separate jit, compiled on first use)."""
+    """The gradient stage ``j``'s backward would apply, without applying it or donating."""
     if not hasattr(self, "_gradient"):
       self._gradient = [_jit(self._backward_fn(i, grads_only=True))
                         for i in range(self.num_stages)]
@@ -278,36 +207,28 @@ class StageSteps:
     return train_state.params if predicted is None else predicted
 
   def predicted_params(self, j: int, train_state: StageState):
-    """The weights stage ``j``'s predictor gives (one jitted call), or None
-    for a stage without one (its forward uses the current weights);
-    ``train_state`` packed or not."""
+    """Stage ``j``'s predicted weights, or None without a predictor."""
     predict = self._predict[j]
     return None if predict is None else predict(train_state)
 
   def current_params(self, j: int, train_state: StageState):
-    """A copy of stage ``j``'s current weights (one jitted call; not
-    donating; ``train_state`` packed or not)."""
+    """A copy of stage ``j``'s current weights."""
     return self._params(train_state)
 
   def with_stats(self, j: int, train_state: StageState, batch_stats):
-    """``train_state`` (donated; packed or not, and returned alike) with
-    ``batch_stats`` replacing its statistics (for an unpacked state no
-    call: its fields are replaced)."""
+    """``train_state`` (donated, packed or not) with ``batch_stats``."""
     if isinstance(train_state, StageState):
       return train_state.replace(batch_stats=batch_stats)
     return self._stats(train_state, batch_stats)
 
   def forward(self, j: int, train_state: StageState, x, params=None):
-    """Stage ``j``'s jitted forward: ``(y, batch_stats)``, with ``params``
-    if given (see :meth:`forward_params`), else the current weights."""
+    """Stage ``j``'s jitted forward: ``(y, batch_stats)``, at ``params`` if given."""
     if params is None:
       return self._forward[j](train_state, x)
     return self._forward[j](train_state, x, params)
 
   def jitted_steps(self, j: int) -> tuple:
-    """Stage ``j``'s jitted ``(forward, backward)`` (e.g. to ``.lower()``
-    them for XLA's memory analysis); arguments as :meth:`forward` and
-    :meth:`backward`."""
+    """Stage ``j``'s jitted ``(forward, backward)``."""
     return self._forward[j], self._backward[j]
 
   def evaluate(self, j: int, train_state: StageState, x):
@@ -315,6 +236,5 @@ class StageSteps:
     return self._eval[j](train_state, x)
 
   def backprop(self, train_states: list, images, labels):
-    """``jax.grad`` of the composed model and every stage's update
-    (donating ``train_states``): ``(new_states, loss)``."""
+    """``jax.grad`` of the composed model and every update: ``(new_states, loss)``."""
     return self._backprop(train_states, images, labels)

@@ -1,10 +1,7 @@
-"""The end-to-end methods' tasks of one stage, what a task returns, and observers.
+"""The end-to-end methods' tasks ``(state, m, batches) -> TaskResult`` of one stage, and observers.
 
-Built once per stage by :class:`petra_jax.engine.pipeline.Pipeline`: a task
-``(state, m, batches) -> TaskResult`` takes its messages from the state's
-boxes, calls the stage's jitted step and sends what it produced. A forward
-and a backward are each a ``begin`` (take the inputs) and an ``end`` (keep
-and send the outputs), shared with :func:`pair_task`, the two in one call.
+A forward and a backward are each a ``begin`` (take inputs) and an ``end``
+(keep and send outputs), shared with :func:`pair_task`.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ class TickOutput(NamedTuple):
 
 
 class TaskResult(NamedTuple):
-  """A ``loss``/``backprop`` task's float32 loss; the input a reconstructing
-  ``backward`` rebuilt (``x~``, Eq. 5)."""
+  """A task's float32 loss, and the input ``x~`` a reconstructing backward rebuilt (Eq. 5)."""
   loss: Optional[jax.Array] = None
   x_tilde: Optional[PyTree] = None
 
@@ -42,8 +38,7 @@ NOTHING = TaskResult()
 
 
 class Observer:
-  """Diagnostics called around every task (no-ops here; subclass). Both
-  hooks may read ``state`` but must not change it."""
+  """Diagnostics called around every task; hooks may read ``state``, never change it."""
 
   def before_task(self, pipe: "Pipeline", state: PipelineState, task: Task) -> None:
     pass
@@ -70,8 +65,7 @@ def feed(pipe: "Pipeline", state: PipelineState, m: int, batches) -> None:
 
 
 def stage_state(pipe: "Pipeline", j: int) -> Callable:
-  """``state -> stage j's state`` as the steps take it: packed where the
-  pipeline packs (:func:`packing.pack` decides per state)."""
+  """``state -> stage j's state`` as the steps take it (packed where the pipeline packs)."""
   if not pipe.regime.pack:
     return lambda state: state.stage_states[j]
 
@@ -84,8 +78,7 @@ def stage_state(pipe: "Pipeline", j: int) -> Callable:
 
 
 def send_back(pipe: "Pipeline", j: int) -> Optional[Callable]:
-  """``(x, dx, m) ->`` ``(x or None, delta_j)`` on stage ``j-1``: the input
-  only if stage ``j-1`` reconstructs from it. None for stage 0."""
+  """``(x, dx, m) -> (x or None, delta_j)`` on stage ``j-1``; None for stage 0."""
   if j == 0:
     return None
   back = pipe.reconstructs[j - 1]
@@ -105,7 +98,7 @@ def forward_task(pipe: "Pipeline", j: int) -> Callable:
       st = get(state)
       params = steps.predicted_params(j, st)
       y, stats = steps.forward(j, st, x, params)
-      if stashes:  # copied: the backward donates
+      if stashes:
         kept = steps.current_params(j, st) if params is None else copy_tree(params)
       if steps.stats_in_forward:
         state.stage_states[j] = steps.with_stats(j, st, stats)
@@ -115,8 +108,7 @@ def forward_task(pipe: "Pipeline", j: int) -> Callable:
 
 
 def forward_halves(pipe: "Pipeline", j: int) -> tuple:
-  """``(begin(state, m, batches) -> x, end(state, m, x, y, kept))`` of stage
-  ``j``'s forward: ``end`` keeps the stashed weights and input, sends ``y``."""
+  """``(begin(state, m, batches) -> x, end(state, m, x, y, kept))`` of stage ``j``'s forward."""
   local, buffers = pipe.local[j], pipe.keeps[j].input
   send, encode = pipe.messages.route("forward", j, j + 1), pipe.messages.encode
 
@@ -148,15 +140,14 @@ def backward_task(pipe: "Pipeline", j: int) -> Callable:
 
 
 def backward_halves(pipe: "Pipeline", j: int) -> tuple:
-  """``(begin(state, m) -> (x, (stage state, *step args)), end(state, m, x,
-  outputs) -> x~ or None)`` of stage ``j``'s backward."""
+  """``(begin(state, m) -> (x, args), end(state, m, x, outputs) -> x~ or None)``."""
   steps, local, reconstructs = pipe.steps, pipe.local[j], pipe.reconstructs[j]
   stashes, buffers = pipe.keeps[j].weights, pipe.keeps[j].input
   send, get = send_back(pipe, j), stage_state(pipe, j)
 
   def begin(state: PipelineState, m: int):
     message = take(state.grad_inbox[j], m, "cotangent", j)
-    if not local:  # another process's stage: only the transfer runs here
+    if not local:
       return None, None
     y, dy = message
     x = take(state.buffers[j], m, "buffered input", j) if buffers else None
@@ -199,7 +190,7 @@ def loss_task(pipe: "Pipeline", j: int) -> Callable:
       labels = take(state.labels, m, "labels", j)
       state.stage_states[j], dx, loss = steps.backward(j, get(state), x, labels)
     state.grad_inbox[j - 1][m] = send(x, dx, m)
-    if multiprocess and pipe.send_losses:  # metrics are written by process 0
+    if multiprocess and pipe.send_losses:
       loss = pipe.messages.move(loss, j, 0, _LOSS_SPEC)
     return TaskResult(loss=loss)
   return task

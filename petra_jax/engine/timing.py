@@ -1,10 +1,4 @@
-"""Wall-clock timing of pipeline steps, and measured per-stage costs.
-
-Used by the throughput benchmark (:mod:`petra_jax.benchmarks.throughput`) and
-by stage balancing on measured costs (``config.model.balance_by="time"``,
-:func:`measure_stage_costs`). Every timing waits for its result
-(``jax.block_until_ready``) and reports milliseconds of wall time.
-"""
+"""Wall-clock timing of pipeline steps (ms, each result waited for) and per-stage costs."""
 
 from __future__ import annotations
 
@@ -24,14 +18,7 @@ from petra_jax.engine.tasks import copy_tree
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
               setup: Optional[Callable[[], None]] = None) -> float:
-  """Median wall time (ms) of ``step()``, each call waited for.
-
-  Args:
-    step: runs one measured call and returns what to wait for.
-    iters: measured calls.
-    warmup: unmeasured calls first (compilation, caches).
-    setup: run (and waited for) before every call, outside the timer.
-  """
+  """Median wall time (ms) of ``step()``, ``iters`` calls after ``warmup``; ``setup`` untimed."""
   times = []
   for i in range(warmup + iters):
     if setup is not None:
@@ -44,23 +31,10 @@ def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,
 
 
 def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int = 1):
-  """Median ms of each stage's jitted forward and backward, called directly.
+  """Median ms of each stage's jitted forward and backward, on one micro-batch.
 
-  Inputs are the activations of a forward through the model; cotangents are
-  ones; the backward takes the arguments
-  :meth:`petra_jax.engine.steps.StageSteps.backward_args` gives for the
-  pipeline's method. The last stage's ``backward`` is its whole
-  tick (forward, loss and backward at once), so its cost per tick is
-  ``backward`` alone.
-
-  Args:
-    pipe, state: a pipeline on one device and its state (stage states are
-      advanced by the backward steps, which donate them).
-    images, labels: one micro-batch.
-
-  Returns:
-    ``(rows, activations)``: one dict per stage with ``forward`` and
-    ``backward`` (ms), and the stage inputs ``[images, x_1, ..., x_{J-1}]``.
+  Returns ``(rows, activations)``: per stage ``{"forward", "backward"}`` ms, and
+  the stage inputs ``[images, x_1, ..., x_{J-1}]``.
   """
   J = pipe.num_stages
   acts = [images]
@@ -75,24 +49,15 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
 
 def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
                     warmup: int = 1) -> dict:
-  """Median ms of stage ``j``'s jitted forward and backward on given inputs.
+  """Median ms of stage ``j``'s forward and backward (cotangent ones; ``y`` None for the last).
 
-  Args:
-    pipe, state: a pipeline whose stage ``j`` runs in this process, and its
-      state (``state.stage_states[j]`` is advanced by the backward steps,
-      which donate it).
-    j: the stage.
-    x: its input pytree (on its device); y: its output (None for the last
-      stage), whose cotangent is taken as ones; labels: ``int32[B]`` (used by
-      the last stage).
-
-  Returns:
-    ``{"name", "reversible", "forward": ms, "backward": ms}``.
+  Returns ``{"name", "reversible", "forward": ms, "backward": ms}``; donates
+  ``state.stage_states[j]``.
   """
   stage, box = pipe.stages[j], {"args": None}
   fwd = median_ms(lambda: pipe.steps.forward(j, state.stage_states[j], x), iters, warmup)
 
-  def setup():  # fresh copies: a backward may donate its arguments
+  def setup():
     box["args"] = copy_tree(pipe.steps.backward_args(
         j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
         labels=labels, stashed=state.stage_states[j].params))
@@ -107,10 +72,7 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
 
 
 def stage_cost(forward_ms: Sequence[float], backward_ms: Sequence[float]) -> list[float]:
-  """Compute (ms) of each stage per tick: ``F_j + B_j``, the last stage ``B_j``.
-
-  The last stage's backward step already contains its forward.
-  """
+  """Compute (ms) per tick: ``F_j + B_j``; the last stage ``B_j`` (it holds its forward)."""
   costs = [f + b for f, b in zip(forward_ms, backward_ms)]
   costs[-1] = backward_ms[-1]
   return costs
@@ -120,29 +82,10 @@ def measure_stage_costs(stages: Sequence[Stage], input_shape: Sequence[int],
                         num_classes: int, device: Optional[jax.Device] = None,
                         iters: int = 3, warmup: int = 1, seed: int = 0,
                         method: str = "petra") -> list[float]:
-  """Measured compute per tick (ms) of each stage on one device.
+  """Measured ms per tick of each stage on ``device`` (:func:`stage_cost`).
 
-  Builds a throw-away pipeline of ``stages`` on ``device``, times each
-  stage's jitted forward and backward (:func:`stage_times`, random inputs) and
-  returns :func:`stage_cost`. Compiles every stage once more than training
-  does (about 1-2 s per block for the CPU recipe's models).
-
-  Args:
-    stages: the stages (typically one block each, from
-      :func:`petra_jax.models.build_model`).
-    input_shape: a micro-batch's shape ``[B, H, W, C]``.
-    num_classes: classes of the head (labels are drawn below it).
-    device: where to time (default ``jax.local_devices()[0]``).
-    iters, warmup: measured and unmeasured calls per step.
-    seed: initialisation and data seed.
-    method: the method whose steps are timed (a name in
-      :data:`petra_jax.engine.methods.METHODS`: ``"petra"`` reconstructs in
-      reversible stages, ``"dsp"``, ``"delayed"``, ``"1f1b"``... recompute
-      from buffered inputs, the only choice for a ResNet).
-
-  Returns:
-    ``len(stages)`` floats, ms per tick (forward plus backward; the last
-    stage's backward alone, which contains its forward).
+  ``input_shape``: a micro-batch ``[B, H, W, C]``; ``method``: a name in
+  :data:`petra_jax.engine.methods.METHODS`.
   """
   device = device or jax.local_devices()[0]
   pipe = Pipeline(stages, optax.sgd(1e-3), [device], method=method)

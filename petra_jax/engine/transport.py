@@ -1,40 +1,10 @@
 """Moving activations between stages' devices, within and across processes.
 
-The one place that knows how an array travels from stage ``j``'s device to
-stage ``j +- 1``'s. The engine's messenger (:mod:`petra_jax.engine.messages`)
-calls :func:`send` when both devices belong to this process and
-:func:`transfer` when one of them belongs to another ``jax.distributed``
-process; nothing above it knows which route runs.
-
-* **Within a process**: ``jax.device_put`` (asynchronous; a no-op when source
-  and destination are the same device).
-* **Across processes**: a jitted ``jax.shard_map`` over the mesh
-  ``Mesh([src group, dst group], ("pair", "data"))`` (groups in id order; a
-  group is one device, or a data-parallel stage's ``D`` devices) whose body is
-  ``jax.lax.ppermute(x, "pair", [(0, 1)])`` (or ``[(1, 0)]``): device ``i``
-  of one group sends its shard to device ``i`` of the other. Only the two
-  processes owning ``src`` and ``dst`` call it, in the same order (every
-  process runs the same host loop, so the order is the loop's). The sender's
-  shards are its array's; the receiver's are cached buffers of zeros that
-  only give the global array its shape;
-  ``jax.make_array_from_single_device_arrays`` assembles the two.
-
-Why this route: a collective over a two-device sub-mesh is documented JAX
-(``shard_map`` + ``ppermute``) and runs on every backend: NCCL on GPU, ICI/DCN
-on TPU and gloo on CPU (``jax_cpu_collectives_implementation="gloo"``, set by
-:func:`enable_cpu_collectives` before the backend starts), so CI exercises the
-same code as a cluster. The alternatives do not: the cross-process
-``jax.device_put`` (documented since jax 0.9.1 for MPMD pipelines) raises
-"does not support cross-host device transfers" on CPU unless an experimental
-socket transport is configured, whose upstream test is disabled
-(jax-ml/jax#26645); ``jax.lax.psend``/``precv`` are GPU-only; and
-``multihost_utils.broadcast_one_to_all`` goes through the host. On GPU/TPU the
-cross-process ``device_put`` could replace :func:`transfer` here without any
-change above this module.
-
-Compiled transfers are cached per ``(treedef, shapes, dtypes, src, dst)``: a
-RevNet's stage boundaries all have different shapes, and each is compiled
-once.
+Within a process: ``jax.device_put``. Across processes: a jitted
+``jax.shard_map`` over ``Mesh([src group, dst group], ("pair", "data"))``
+running ``jax.lax.ppermute`` (NCCL, ICI/DCN, or gloo on CPU), called by both
+owning processes in the same order; compiled once per
+``(treedef, shapes, dtypes, src, dst)``.
 """
 
 from __future__ import annotations
@@ -58,21 +28,12 @@ class PeerError(RuntimeError):
 
 
 def send(x: PyTree, device) -> PyTree:
-  """Places the pytree ``x`` on ``device`` (``jax.device_put``, asynchronous).
-
-  ``device``: a ``jax.Device`` or a sharding over this process's devices
-  (a stage's :class:`petra_jax.engine.placement.Placement` target). Both
-  ``x``'s devices and ``device`` must belong to this process; across
-  processes use :func:`transfer`.
-  """
+  """Places ``x`` on ``device`` (a device or sharding of this process), asynchronously."""
   return jax.device_put(x, device)
 
 
 def send_if_elsewhere(x, device, sharding) -> Any:
-  """:func:`send` for one array, skipped when ``x`` is already a committed
-  array laid out as ``sharding`` (``device`` as a sharding, built once by
-  the caller): a same-device ``jax.device_put`` returns the same buffer, at
-  a dispatch's host cost."""
+  """:func:`send`, skipped when ``x`` is a committed array already laid out as ``sharding``."""
   if isinstance(x, jax.Array) and x.committed and x.sharding == sharding:
     return x
   return send(x, device)
@@ -84,46 +45,23 @@ def is_local(device: jax.Device) -> bool:
 
 
 def enable_cpu_collectives() -> None:
-  """Selects gloo for CPU cross-process collectives (a no-op elsewhere).
-
-  Must run before JAX initialises its backend (before the first
-  ``jax.devices()`` or computation), e.g. right before
-  ``jax.distributed.initialize``. Without it, CPU collectives across
-  processes fail.
-  """
+  """Selects gloo for CPU cross-process collectives; must run before the backend starts."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
 def transfer(x: Optional[PyTree], src, dst, spec: PyTree) -> Optional[PyTree]:
-  """Moves the pytree ``x`` from ``src`` to ``dst`` across processes.
+  """Moves the pytree ``x`` from ``src`` to ``dst`` across processes (asynchronous).
 
-  Called by both owning processes, in the same order relative to their other
-  transfers; other processes must not call it. Asynchronous like any jitted
-  call (the receiver's result is a future).
-
-  Args:
-    x: on the process owning ``src``: a pytree of arrays on ``src`` (leaves
-      may be None, e.g. ``(None, dx)``); on the process owning ``dst``: None
-      (only ``spec`` is used).
-    src: the source: a device, or a stage's
-      :class:`petra_jax.engine.placement.Placement` (a group of ``D``
-      devices, ``x``'s batched leaves sharded over it).
-    dst: the destination, owned by another process (for two devices of
-      this process use :func:`send`); a group of the same size as ``src``.
-    spec: pytree of ``jax.ShapeDtypeStruct`` with ``x``'s structure, shapes
-      and dtypes (None leaves as in ``x``).
+  Called by both owning processes, in the same order; ``x`` is None on the
+  receiver, ``spec`` a ``jax.ShapeDtypeStruct`` pytree. With ``D > 1`` devices,
+  leaves of rank >= 1 are sharded along axis 0.
 
   Returns:
-    On the process owning ``dst``: the pytree on ``dst`` (with ``D > 1``:
-    leaves of rank >= 1 sharded over its group along axis 0, scalars
-    replicated), shapes and dtypes of ``spec``. On the process owning
-    ``src``: ``x`` itself.
+    On ``dst``'s process the pytree on ``dst``; on ``src``'s, ``x`` itself.
 
   Raises:
     ValueError: if this process owns neither or both ends.
-    PeerError: the collective failed, typically because the other process
-      died (gloo reports it at once; on GPU/TPU a dead peer is caught by the
-      ``jax.distributed`` heartbeat, which terminates this process).
+    PeerError: the collective failed (the other process probably died).
   """
   src, dst = _group(src), _group(dst)
   here = jax.process_index()
@@ -165,15 +103,12 @@ def _batched(shape: tuple, d: int) -> bool:
 
 
 def _global_shape(shape: tuple) -> tuple:
-  """The global array over the ``(pair, data)`` mesh: the two ends' leaves
-  side by side on axis 0 (a scalar as ``[1]``)."""
+  """Both ends' leaves side by side on axis 0 (a scalar as ``[1]``)."""
   return (2 * shape[0],) + shape[1:] if shape else (2,)
 
 
 def _send_shards(leaves, shapes, src: tuple) -> list:
-  """Per leaf, the sender's pieces, one per device of ``src`` in order: its
-  shards along axis 0 for a batched leaf, else the whole leaf (a scalar as
-  ``[1]``), gathered on the device first if it lies elsewhere."""
+  """Per leaf, the sender's piece for each device of ``src`` (a shard, or the whole leaf)."""
   out = []
   for a, (shape, _) in zip(leaves, shapes):
     if _batched(shape, len(src)):
@@ -206,13 +141,7 @@ _place = functools.lru_cache(maxsize=None)(placement_lib.place)
 
 @functools.lru_cache(maxsize=None)
 def _compiled(treedef, shapes: tuple, src: tuple, dst: tuple):
-  """``(jitted ppermute from src to dst, each leaf's input sharding)``.
-
-  The ``(pair, data)`` mesh lists the two groups by first device id whatever
-  the direction, so both directions between two groups share one
-  communicator (set up at the pair's first transfer); device ``i`` of one
-  group sends to device ``i`` of the other.
-  """
+  """``(jitted ppermute src -> dst, input shardings)``; groups ordered by device id."""
   del treedef  # part of the cache key: one compilation per boundary
   pair = sorted((src, dst), key=lambda g: g[0].id)
   mesh = Mesh(np.array(pair), (_AXIS, "data"))
@@ -229,11 +158,7 @@ def _compiled(treedef, shapes: tuple, src: tuple, dst: tuple):
 
 @functools.lru_cache(maxsize=None)
 def _receive_buffers(shapes: tuple, dst: tuple) -> list:
-  """Per leaf, zeros on each device of ``dst`` standing for the receiver's
-  half of the global array (a batched leaf's shard, or the whole leaf).
-
-  Never donated, so one buffer per boundary serves every transfer.
-  """
+  """Per leaf, zeros on each device of ``dst`` (the receiver's half; never donated)."""
   d = len(dst)
   out = []
   for shape, dtype in shapes:
