@@ -5,10 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models
 from petra_jax.benchmarks import host
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
 
 from helpers import tiny_revnet
 
