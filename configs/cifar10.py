@@ -1,8 +1,6 @@
-"""The paper's CIFAR-10 recipe (Sec. 4, Table 2: 94.9 %): RevNet18, PETRA, 300 epochs, k = 2.
+"""The paper's CIFAR-10 recipe (Sec. 4) with delay compensation; results: docs/recipes.md.
 
   python -m petra_jax.train --config=configs/cifar10.py --workdir=runs/cifar10
-
-Adds delay compensation (docs/compensation.md); ``--config.compensation.name=none`` is the paper's.
 """
 
 from petra_jax import config as default

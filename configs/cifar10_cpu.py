@@ -1,8 +1,8 @@
-"""PETRA on a 2-core CPU: RevNet18 at width 8 in 4 stages, CIFAR-10, 12 epochs.
+"""The main job: PETRA on CIFAR-10, RevNet18 width 8 in 4 stages, 12 epochs on a 2-core CPU.
 
   python -m petra_jax.train --config=configs/cifar10_cpu.py --workdir=runs/cifar10_cpu
 
-Accuracy and time: docs/recipes.md. ``:runlocal`` shrinks it to a one-minute smoke test.
+Results: docs/recipes.md. ``:runlocal``: a one-minute smoke test.
 """
 
 from petra_jax import config as default

@@ -1,8 +1,6 @@
-"""PETRA on a 2-core CPU with the paper's split (10 stages, one block each), k = 8, 4 epochs.
+"""The main job with the paper's split (10 stages), k = 8, 4 epochs; results: docs/recipes.md.
 
   python -m petra_jax.train --config=configs/cifar10_cpu_10stages.py --workdir=runs/cifar10_cpu_10
-
-Accuracy and time: docs/recipes.md.
 """
 
 from petra_jax import config as default
@@ -11,7 +9,7 @@ from petra_jax import config as default
 def get_config():
   c = default.get_config()
   c.model.width = 8
-  c.accumulation_steps = 8    # micro-batches of 16
+  c.accumulation_steps = 8
   c.num_epochs = 4
   c.num_devices = 1
   c.optim.learning_rate = 0.05

@@ -1,8 +1,8 @@
-"""PETRA on a small reversible ViT (revvit_tiny, CCT tokenizer) in 4 stages, CIFAR-10, 6 epochs.
+"""PETRA on a reversible ViT (revvit_tiny, CCT tokenizer), CIFAR-10, 6 epochs on a 2-core CPU.
 
   python -m petra_jax.train --config=configs/cifar10_vit_cpu.py --workdir=runs/vit_petra
 
-Accuracy, time and the backprop baseline: docs/recipes.md. ``:runlocal``: a smoke test.
+Results and the backprop baseline: docs/recipes.md. ``:runlocal``: a smoke test.
 """
 
 from petra_jax import config as default

@@ -1,4 +1,4 @@
-"""The paper's ImageNet recipe (Sec. 4, Table 2: 71.0 % top-1): RevNet18, PETRA, 90 epochs, k = 4.
+"""The paper's ImageNet recipe (Sec. 4): RevNet18, PETRA, 90 epochs, k = 4; docs/recipes.md.
 
   python -m petra_jax.train --config=configs/imagenet.py --workdir=runs/imagenet
 """
@@ -9,7 +9,7 @@ from petra_jax import config as default
 def get_config():
   c = default.get_config()
   c.dataset = "imagenet"
-  c.batch_size = 256          # 4 micro-batches of 64
+  c.batch_size = 256
   c.accumulation_steps = 4
   c.num_epochs = 90
   c.optim.decay_epochs = (30, 60, 80)
