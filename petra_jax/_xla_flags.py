@@ -47,7 +47,7 @@ def apply_cpu_workaround(environ=os.environ, jaxlib_version: Optional[str] = Non
                          plugins: Optional[tuple] = None) -> str:
   """Appends ``--xla_cpu_experimental_ynn_fusion_type=`` to ``environ["XLA_FLAGS"]`` on CPU runs.
 
-  ``jaxlib_version`` and ``plugins`` default to what is installed. Returns the resulting ``XLA_FLAGS``.
+  ``jaxlib_version`` and ``plugins`` default to what is installed; returns the new ``XLA_FLAGS``.
   """
   flags = environ.get("XLA_FLAGS", "")
   version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
