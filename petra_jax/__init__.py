@@ -1,9 +1,4 @@
-"""petra_jax: PETRA (Rivaud et al., ICLR 2025) in JAX/Flax.
-
-Importing the package applies the XLA-CPU work-around in ``_xla_flags`` before
-JAX initialises its backend: import ``petra_jax`` before running any JAX
-computation.
-"""
+"""PETRA (Rivaud et al., ICLR 2025) in JAX/Flax; importing it applies the XLA-CPU work-around."""
 
 from petra_jax import _xla_flags
 

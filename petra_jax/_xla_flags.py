@@ -1,21 +1,9 @@
-"""Work-around for wrong results from XLA's experimental YNN fusion on CPU.
+"""Turns off XLA's experimental YNN fusion on CPU: it returns wrong values (0, inf, NaN).
 
-With jaxlib 0.10.2 to 0.12.0.1 on x86 CPUs, XLA's experimental YNN fusion
-silently returns wrong values (0, inf or NaN) for some jitted matmul graphs with
-constant operands, e.g. ``jit(lambda a: relu(a @ jnp.ones((256, 256))).sum())``
-gives 0. Turning the fusion off (an empty
-``--xla_cpu_experimental_ynn_fusion_type=``) fixes it and is also about 25 %
-faster for the conv nets here.
-
-The flag must be in ``XLA_FLAGS`` before JAX initialises its backend, so this
-module runs when ``petra_jax`` is imported. XLA aborts the process on an
-``XLA_FLAGS`` entry it does not know, so the flag is added only where it cannot
-harm a start:
-
-* only for CPU runs: ``JAX_PLATFORMS`` is ``cpu``, or it is unset and no GPU or
-  TPU plugin of JAX is installed (a GPU or TPU start never sees the flag);
-* only for the jaxlib versions known to have the flag (``KNOWN_JAXLIB``);
-* never over a value the user set.
+jaxlib 0.10.2-0.12 on x86, e.g. ``jit(lambda a: relu(a @ jnp.ones((256, 256))).sum())`` gives 0.
+The flag must be in ``XLA_FLAGS`` before JAX starts its backend, and XLA aborts on a flag it does
+not know, so it is added only for CPU runs, only for the jaxlib versions in ``KNOWN_JAXLIB``, and
+never over a value the user set.
 """
 
 import importlib.metadata
@@ -24,10 +12,7 @@ import os
 from typing import Mapping, Optional
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-# [first, past-last) jaxlib (major, minor) in which the flag exists; the
-# project's dependency bounds (pyproject.toml) keep jaxlib inside it.
-KNOWN_JAXLIB = ((0, 10), (0, 13))
-# Importable modules of JAX's accelerator plugins (pip's jax[cuda12], jax[cuda13], jax[tpu]).
+KNOWN_JAXLIB = ((0, 10), (0, 13))  # [first, past-last) jaxlib (major, minor) with the flag
 ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
 
 
@@ -51,8 +36,7 @@ def _minor(version: str) -> tuple:
 
 
 def is_cpu_run(environ: Mapping[str, str], plugins: tuple) -> bool:
-  """Whether JAX will run on the CPU only: ``JAX_PLATFORMS`` names only
-  ``cpu``, or is unset and no accelerator plugin is installed."""
+  """``JAX_PLATFORMS`` is ``cpu``, or it is unset and no accelerator plugin is installed."""
   platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
   if platforms:
     return platforms == "cpu"
@@ -61,19 +45,9 @@ def is_cpu_run(environ: Mapping[str, str], plugins: tuple) -> bool:
 
 def apply_cpu_workaround(environ=os.environ, jaxlib_version: Optional[str] = None,
                          plugins: Optional[tuple] = None) -> str:
-  """Appends ``--xla_cpu_experimental_ynn_fusion_type=`` to ``XLA_FLAGS`` on CPU runs.
+  """Appends ``--xla_cpu_experimental_ynn_fusion_type=`` to ``environ["XLA_FLAGS"]`` on CPU runs.
 
-  Args:
-    environ: the environment mapping to edit (``os.environ`` by default).
-    jaxlib_version: the installed jaxlib's version; read from the package
-      metadata when None.
-    plugins: the installed accelerator plugins (``ACCELERATOR_PLUGINS``);
-      looked up when None.
-
-  Returns:
-    The resulting value of ``XLA_FLAGS`` (unchanged when the run is not a CPU
-    run, when jaxlib is outside ``KNOWN_JAXLIB``, or when the user already set
-    the flag with any value).
+  ``jaxlib_version`` and ``plugins`` default to what is installed; returns the new ``XLA_FLAGS``.
   """
   flags = environ.get("XLA_FLAGS", "")
   version = _jaxlib_version() if jaxlib_version is None else jaxlib_version

@@ -1,95 +1,83 @@
-"""Default run configuration; ``configs/*.py`` start from it and override.
+"""The default run configuration; ``configs/*.py`` override only what differs.
 
-Every field is documented here, on its line, except those of
-``config.compensation``: their defaults and meanings live beside the code
-that reads them, in ``petra_jax.optim.compensation.DEFAULTS`` (the names and
-equations in that module's docstring). The bounds of the numeric fields are
-checked in ``petra_jax.training.validation.RANGES``.
-
-``batch_size`` counts the images of one optimizer update; it is split into
-``accumulation_steps`` (k) micro-batches of ``batch_size // k`` images, one
-per tick. The paper's "batch size 64, k = 2" is ``batch_size=128,
-accumulation_steps=2``.
+Every field and its meaning: docs/config.md. ``batch_size`` counts the images of one
+update, split into ``accumulation_steps`` (k) micro-batches of ``batch_size // k``.
 """
 
 import ml_collections
 
-from petra_jax.optim import compensation
-from petra_jax.engine.methods import METHODS  # noqa: F401  (what each method keeps; its schedule)
-from petra_jax.engine.stage import REVERSIBLE_BACKWARDS  # noqa: F401
-BALANCE_BY = ("flops", "time")  # cost per block for model.num_stages balancing
-PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
+BALANCE_BY = ("flops", "time")
+PLATFORMS = ("", "cpu", "gpu", "tpu")
 
 
 def _model_config() -> ml_collections.ConfigDict:
   """``config.model``: the network and its split into stages."""
   c = ml_collections.ConfigDict()
-  c.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
-  c.width = 64          # channels per stream after the stem (paper: 64); ViTs: dimension per head
-  c.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
-                        # (ViTs: transformer layers, default 12)
-  c.num_stages = 0      # pipeline stages J; 0 = one residual block per stage (paper)
-  c.stage_sizes = ()    # blocks per stage, e.g. (2, 3, 5); () with num_stages = balanced (balance_by)
-  c.balance_by = "flops"  # num_stages grouping minimises the slowest stage's: "flops" (XLA cost
-                          # analysis) or "time" (forward + backward measured on the device at start)
-  c.bn_stats = "backward"  # running BN statistics: "backward" (paper) or "forward" (authors' code)
-  c.patch_size = 0      # ViTs only (revvit_*, vit_*): the stem's patch; 0 = 4 (32x32), 16 (ImageNet)
-  c.tokenizer = "patch"  # ViTs only: the stem, "patch" (ViT's) or "conv" (CCT's 3x3 convs + max-pools)
-  c.reversible_backward = "vanilla"  # a stage of several reversible blocks: "vanilla" (reconstruct
-                          # then vjp, block by block) or "pareprop" (petra_jax.engine.reversible_backward)
+  c.name = "revnet18"
+  c.width = 64
+  c.depth = 0           # 0 = the model's default
+  c.num_stages = 0      # 0 = one residual block per stage (paper)
+  c.stage_sizes = ()    # blocks per stage; () = balanced by balance_by
+  c.balance_by = "flops"
+  c.bn_stats = "backward"
+  c.patch_size = 0      # 0 = 4 (32x32 images), 16 (ImageNet)
+  c.tokenizer = "patch"
+  c.reversible_backward = "vanilla"
   return c
 
 
 def _distributed_config() -> ml_collections.ConfigDict:
-  """``config.distributed``: multi-process runs."""
-  # Multi-process runs (jax.distributed; launch/local.sh, launch/slurm.sh,
-  # launch/tpu_pod.sh): stages spread over every process's devices. Unset
-  # fields fall back to $JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES and
-  # $JAX_PROCESS_ID; with no coordinator and auto_detect False the run is
-  # single-process.
+  """``config.distributed``: multi-process runs (docs/multihost.md)."""
   c = ml_collections.ConfigDict()
-  c.coordinator_address = ""  # "host:port" of process 0
+  c.coordinator_address = ""  # "" = $JAX_COORDINATOR_ADDRESS
   c.num_processes = 0         # 0 = $JAX_NUM_PROCESSES
   c.process_id = -1           # -1 = $JAX_PROCESS_ID
-  c.auto_detect = False       # let jax detect SLURM / TPU pod / MPI settings
-  c.initialization_timeout_s = 120  # wait this long for every process to join
-  c.heartbeat_timeout_s = 20  # a silent peer is declared dead after this
-  c.shutdown_timeout_s = 30   # wait this long for the others at exit
-  # SIGTERM/SIGINT: the processes agree to stop only every this many updates
-  # (a collective); a stop comes at most this many - 1 updates late.
+  c.auto_detect = False
+  c.initialization_timeout_s = 120
+  c.heartbeat_timeout_s = 20
+  c.shutdown_timeout_s = 30
   c.preemption_check_every = 10
   return c
 
 
-def _quantize_config() -> ml_collections.ConfigDict:
-  """``config.quantize``: formats of messages and buffers (petra_jax.engine.quantize)."""
-  # Each one of "none", "bfloat16", "float16", "int8" (signed int8 with a
-  # float32 scale). Where the authors' --quantize-forward-com,
-  # --quantize-backward-com and --quantize-buffer apply theirs.
+def _compensation_config() -> ml_collections.ConfigDict:
+  """``config.compensation``: delay compensation (petra_jax.optim.compensation)."""
   c = ml_collections.ConfigDict()
-  c.forward = "none"      # activations sent to the next stage
-  c.backward = "none"     # (x~, delta) sent to the previous stage
-  c.buffer = "none"       # inputs kept by non-reversible stages ("none": as received)
-  c.per_channel = False   # int8: one scale per channel (last axis) instead of per tensor
-  c.stochastic = False    # int8: stochastic (unbiased) rounding instead of round to nearest
+  c.name = "none"
+  c.lr_power = 1.0
+  c.pipemare_warmup_epochs = 5.0
+  c.prediction_scale = 1.0
+  c.lookahead_momentum = 0.99
+  c.lookahead_delay_ref = 0.0  # 0 = stage 0's delay
+  return c
+
+
+def _quantize_config() -> ml_collections.ConfigDict:
+  """``config.quantize``: "none", "bfloat16", "float16" or "int8" per message kind."""
+  c = ml_collections.ConfigDict()
+  c.forward = "none"
+  c.backward = "none"
+  c.buffer = "none"
+  c.per_channel = False
+  c.stochastic = False
   return c
 
 
 def _optim_config() -> ml_collections.ConfigDict:
   """``config.optim``: optimizer and learning-rate schedule."""
   c = ml_collections.ConfigDict()
-  c.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)
-  c.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
-  c.momentum = 0.9       # sgd, lars
-  c.nesterov = True      # sgd, lars
-  c.weight_decay = 5e-4  # on conv and dense kernels only (adam: decoupled, times lr)
-  c.schedule = "step"    # "step", "cosine", "polynomial" or "constant"
-  c.warmup_epochs = 5.0  # linear warm-up from 0
-  c.decay_epochs = (150, 225)  # "step": multiply by decay_factor at these epochs
+  c.name = "sgd"
+  c.learning_rate = 0.0  # 0 = 0.1 * batch_size / 256 (paper Sec. 4)
+  c.momentum = 0.9
+  c.nesterov = True
+  c.weight_decay = 5e-4
+  c.schedule = "step"
+  c.warmup_epochs = 5.0
+  c.decay_epochs = (150, 225)
   c.decay_factor = 0.1
-  c.end_learning_rate = 0.0  # "cosine", "polynomial": the rate at the last update
-  c.polynomial_power = 2.0   # "polynomial": exponent of the decay
-  c.trust_coefficient = 0.02  # lars: eta; trust ratio clipped at 1 (LARC)
+  c.end_learning_rate = 0.0
+  c.polynomial_power = 2.0
+  c.trust_coefficient = 0.02
   c.lars_eps = 1e-8
   c.adam_b1 = 0.9
   c.adam_b2 = 0.999
@@ -98,98 +86,56 @@ def _optim_config() -> ml_collections.ConfigDict:
 
 
 def _auxiliary_config() -> ml_collections.ConfigDict:
-  """``config.auxiliary``: the heads of methods ``local`` and
-  ``forward_gradient`` with ``guess="local"`` (petra_jax.models.auxiliary)."""
+  """``config.auxiliary``: the auxiliary heads of ``local`` and ``forward_gradient``."""
   c = ml_collections.ConfigDict()
-  c.head = "mlp"    # "linear", "mlp" (pool 2x2, hidden, K) or "cnn" (1x1 conv, pool 2x2, K)
-  c.hidden = 128    # hidden width of the mlp/cnn heads
+  c.head = "mlp"
+  c.hidden = 128
   return c
 
 
 def _forward_gradient_config() -> ml_collections.ConfigDict:
-  """``config.forward_gradient``: method ``forward_gradient`` (Fournier et
-  al., ICML 2023; petra_jax.engine.forward_gradient)."""
+  """``config.forward_gradient``: method ``forward_gradient`` (Fournier et al., 2023)."""
   c = ml_collections.ConfigDict()
-  c.guess = "local"        # "local" (auxiliary-loss gradient) or "random" (Gaussian)
-  c.perturb = "activity"   # "activity" (per-sample guess of the stage's output) or "weights"
-  c.emulate = False        # True: <g, guess> from the exact gradient (backprop), as the paper's runs
-  c.eps = 1e-16            # the projection's <g, v> / (||v||^2 + eps)
-  c.projection = "batch"   # activity: "batch" (one direction per micro-batch; exact through
-                           # BatchNorm) or "sample" (per sample, the paper's; see forward_gradient.py)
+  c.guess = "local"
+  c.perturb = "activity"
+  c.emulate = False
+  c.eps = 1e-16
+  c.projection = "batch"
   return c
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """The default configuration: a small RevNet18 trained with PETRA."""
+  """The default configuration: RevNet18 on CIFAR-10 trained with PETRA."""
   c = ml_collections.ConfigDict()
-  c.method = "petra"          # a name in petra_jax.engine.methods.METHODS (e.g. petra, revprop, backprop, 1f1b)
-  c.dataset = "cifar10"       # a name in petra_jax.data.DATASETS
-  c.data_dir = ""             # tfds data_dir; "" -> $TFDS_DATA_DIR -> ../shared/data/tensorflow_datasets
-  c.download = ml_collections.config_dict.placeholder(bool)  # missing data set: None (auto) = tfds downloads CIFAR-10/100 on first use; True = any (ImageNet32 too); False = never
-
+  c.method = "petra"
+  c.dataset = "cifar10"
+  c.data_dir = ""             # "" = $TFDS_DATA_DIR, then ../shared/data/tensorflow_datasets
+  c.download = ml_collections.config_dict.placeholder(bool)
   c.model = _model_config()
-
-  c.batch_size = 128          # images per optimizer update (k micro-batches)
-  c.accumulation_steps = 2    # k: micro-batches averaged per update
+  c.batch_size = 128
+  c.accumulation_steps = 2
   c.num_epochs = 300
-  c.steps_per_epoch = 0       # updates per epoch; 0 = the full training split
-  c.max_steps = 0             # stop after this many updates; 0 = num_epochs epochs (schedules still span num_epochs)
-  c.eval_every = 1            # epochs between test evaluations; 0 = at the end only
+  c.steps_per_epoch = 0       # 0 = the full training split
+  c.max_steps = 0             # 0 = num_epochs epochs
+  c.eval_every = 1            # epochs; 0 = at the end only
   c.eval_batch_size = 500
-  c.prefetch = 4              # micro-batches decoded ahead in background threads (lazy datasets: ImageNet); 0 = off
-  c.log_every = 50            # updates between train_loss lines in metrics.jsonl
-  c.num_devices = 0           # devices to spread the stages over; 0 = all local devices (per process when multi-process)
-  c.data_parallel = 1         # D: devices per stage (state replicated, micro-batch sharded over a "data" axis);
-                              # a run uses num_devices x D devices (0 = all: stages over all local devices / D groups)
-  c.platform = ""             # the platform this run expects: "gpu", "tpu" or "cpu"; "" = whatever JAX picks.
-                              # If "gpu"/"tpu" (or $JAX_PLATFORMS names one) but JAX runs on the CPU,
-                              # the run says so and names the install (pip install -e '.[cuda12]' / '.[tpu]')
+  c.prefetch = 4
+  c.log_every = 50
+  c.num_devices = 0           # 0 = all local devices
+  c.data_parallel = 1
+  c.platform = ""
   c.seed = 0
-  c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
-  c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.engine.diagnostics); 0 = off
-  c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
-  c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
-  c.checkpoint_drain = False  # drain the pipeline before each periodic checkpoint (reshardable; changes the updates)
-
+  c.reconstruction_error_every = 0
+  c.grad_quality_every = 0
+  c.checkpoint_every = 0
+  c.keep_checkpoints = 2
+  c.checkpoint_drain = False
   c.distributed = _distributed_config()
-
-  # Delay compensation of the delayed methods (petra, dsp, delayed,
-  # approximate_input), per stage from its delay tau_j (petra_jax.optim.compensation):
-  # name = "none", "lr_scale", "pipemare", "spike", "weight_prediction",
-  # "nesterov_lookahead", or several joined with "+". Its fields (name,
-  # lr_power, pipemare_warmup_epochs, prediction_scale, lookahead_momentum,
-  # lookahead_delay_ref) are documented in compensation.DEFAULTS.
-  c.compensation = compensation.defaults()
-
-  # Precision (petra_jax.engine.stage.Precision): convolutions, BatchNorm and
-  # activations in `dtype`; parameters, optimizer state and gradient
-  # accumulation always float32. `stream_dtype`: the activations between
-  # blocks and stages (messages, buffers, the coupling's additions); "" = dtype.
-  c.dtype = "float32"         # "float32" or "bfloat16"
-  c.stream_dtype = ""         # "", "float32" or "bfloat16"
+  c.compensation = _compensation_config()
+  c.dtype = "float32"
+  c.stream_dtype = ""         # "" = dtype
   c.quantize = _quantize_config()
-
   c.optim = _optim_config()
   c.auxiliary = _auxiliary_config()
   c.forward_gradient = _forward_gradient_config()
-  return c
-
-
-def imagenet_recipe(dataset: str) -> ml_collections.ConfigDict:
-  """The paper's ImageNet recipe (Sec. 4) on ``dataset``: RevNet18 width 64,
-  batch 256 = k 4 micro-batches of 64, 90 epochs, SGD-Nesterov, 5 warm-up
-  epochs, lr x0.1 at epochs 30, 60 and 80, weight decay 1e-4."""
-  c = get_config()
-  c.method = "petra"
-  c.dataset = dataset
-  c.model.name = "revnet18"
-  c.model.width = 64
-  c.batch_size = 256
-  c.accumulation_steps = 4
-  c.num_epochs = 90
-  c.optim.name = "sgd"
-  c.optim.schedule = "step"
-  c.optim.warmup_epochs = 5
-  c.optim.decay_epochs = (30, 60, 80)
-  c.optim.weight_decay = 1e-4
   return c

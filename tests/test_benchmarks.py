@@ -14,7 +14,6 @@ from petra_jax import data, models
 from petra_jax.benchmarks import memory, memory_live, memory_model, throughput, timeline
 from petra_jax.engine import quantize, schedule
 from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost
-from petra_jax.engine.stage import Stage
 from petra_jax.engine.timing import stage_cost
 
 from helpers import tiny_revnet
@@ -192,7 +191,7 @@ def test_device_memory_per_stage():
   rows = memory_live.device_memory(stages, IMAGE, batch)
   sizes = memory_model.stage_bytes(stages, IMAGE, batch)
   assert [r["name"] for r in rows] == [s.name for s in stages]
-  for j, (r, s) in enumerate(zip(rows, stages)):
+  for j, r in enumerate(rows):
     # Independent lower bounds: the parameters plus one momentum slot each,
     # the PETRA buffers from shapes, and the forward's own output activation.
     assert r["state_bytes"] >= 2 * sizes[j]["param_bytes"]

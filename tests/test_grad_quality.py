@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import models, plots, train
+from petra_jax import models, train
 
 from petra_jax.engine import diagnostics
 

@@ -7,7 +7,6 @@ import pytest
 
 from petra_jax.benchmarks import host
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
 
 from helpers import tiny_revnet
 

@@ -11,7 +11,7 @@ from petra_jax.engine import methods
 from petra_jax.engine import pipeline
 from petra_jax.engine import schedule
 from petra_jax.engine import steps
-from helpers import (batches_of, random_batch, rel_err, run_ticks,
+from helpers import (batches_of, random_batch, run_ticks,
                      zero_delay_update_errors)
 
 # Paper Table 4, read off the paper (Sec. 4.2): whether the gradient is

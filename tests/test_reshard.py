@@ -11,7 +11,6 @@ import shutil
 
 import jax
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 import pytest
 

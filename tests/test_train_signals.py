@@ -119,7 +119,6 @@ def test_processes_agree_to_stop_only_every_n_updates(monkeypatch):
 
 
 def test_loss_relay_delivers_each_loss_once_per_flush_in_order():
-  import jax
   import jax.numpy as jnp
   import numpy as np
   from petra_jax.training.loss_log import LossRelay

@@ -141,7 +141,7 @@ def run_single(args) -> dict:
   petra.run(schedule.drain_ticks(len(stages)))  # fill: every stage busy
   runs = {"backprop": backprop_steps, "petra": petra.run}
   times = {k: [] for k in runs}
-  for name, fn in runs.items():  # warm-up
+  for fn in runs.values():  # warm-up
     jax.block_until_ready(fn(args.warmup))
   for _ in range(args.rounds):  # interleaved: a drift of the machine hits both
     for name, fn in runs.items():

@@ -71,6 +71,7 @@ from typing import Callable, Optional, Sequence
 import ml_collections
 import optax
 
+from petra_jax import config as config_lib
 from petra_jax import optim
 from petra_jax.optim.delays import delay_in_updates, stage_delays
 from petra_jax.optim.lr_scaling import scale_by_delay
@@ -82,15 +83,7 @@ NAMES = ("none", "lr_scale", "pipemare", "spike", "weight_prediction", "nesterov
 _MOMENTUM = ("spike", "nesterov_lookahead")
 _LR = ("lr_scale", "pipemare")
 
-# Defaults of ``config.compensation`` (proposed fields; see ``defaults()``).
-DEFAULTS = {
-    "name": "none",
-    "lr_power": 1.0,                # p of lr_scale / pipemare
-    "pipemare_warmup_epochs": 5.0,  # K of pipemare, in epochs
-    "prediction_scale": 1.0,        # weight_prediction horizon = prediction_scale * D
-    "lookahead_momentum": 0.99,     # nesterov_lookahead: gamma of the most delayed stage
-    "lookahead_delay_ref": 0.0,     # delay (updates) that gets lookahead_momentum; 0 = stage 0's
-}
+DEFAULTS = config_lib.get_config().compensation.to_dict()  # of ``config.compensation``
 
 
 def defaults() -> ml_collections.ConfigDict:

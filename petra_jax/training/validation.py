@@ -20,6 +20,7 @@ from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import precision as precision_lib
 from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import stage as stage_lib
 from petra_jax.optim import compensation
 
 
@@ -197,7 +198,7 @@ def _check_choices(config) -> None:
        "model.balance_by"),
       ("platform", config.platform, config_lib.PLATFORMS, "platform"),
       ("reversible backward", config.model.reversible_backward,
-       config_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward"),
+       stage_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward"),
       ("tokenizer", config.model.tokenizer, sorted(models.TOKENIZERS), "model.tokenizer")):
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
