@@ -1,24 +1,10 @@
 """Figures of a run: ``python -m petra_jax.plots WORKDIR [--steps=S1,S2] [--smooth=N]``.
 
-Reads ``WORKDIR/metrics.jsonl`` (:func:`petra_jax.training.metrics.read_metrics`) and
-writes PNG files into ``WORKDIR/plots/``:
-
-* ``training.png``: train and test loss, test accuracy and learning rate
-  against the optimizer step;
-* ``grad_quality_cos.png``, ``grad_quality_norm_ratio.png`` (paper Fig. 5):
-  per stage, the cosine similarity and norm ratio of PETRA vs delayed, PETRA
-  vs end-to-end (full lines) and delayed vs end-to-end (dashed) gradients
-  over training (runs with ``--config.grad_quality_every``);
-* ``grad_quality_by_stage.png`` (paper Fig. 6): the three cosine
-  similarities against the stage index at a few steps (``--steps``, default
-  four spread over the run);
-* ``reconstruction_error.png``: per reversible stage, ``||x~ - x|| / ||x||``
-  (runs with ``--config.reconstruction_error_every``);
-* ``timeline.png`` (paper Fig. 1): if ``WORKDIR/timeline.json`` holds a
-  recorded timeline ``{"num_stages": J, "events": [[tick, stage, "F"|"B",
-  micro_batch], ...]}`` (e.g. ``Pipeline(record_timeline=True).timeline``),
-  drawn by :func:`petra_jax.benchmarks.timeline.plot_timeline`.
-
+Reads ``WORKDIR/metrics.jsonl`` and writes into ``WORKDIR/plots/``: ``training.png`` (losses,
+test accuracy, learning rate), ``grad_quality_cos.png`` and ``grad_quality_norm_ratio.png``
+(paper Fig. 5), ``grad_quality_by_stage.png`` (Fig. 6), ``reconstruction_error.png`` and, from
+``WORKDIR/timeline.json`` (``{"num_stages": J, "events": [[tick, stage, "F"|"B", micro_batch],
+...]}``, e.g. an ``engine.observers.TimelineRecorder``'s ``events``), ``timeline.png`` (Fig. 1).
 A figure whose metrics the run did not record is skipped with a note.
 """
 
@@ -133,12 +119,7 @@ def plot_training(records: Sequence[dict], path: str) -> Optional[str]:
 
 def plot_grad_quality_over_training(quality: dict, kind: str, path: str,
                                     window: int = 1) -> Optional[str]:
-  """Paper Fig. 5: ``kind`` ("cos" or "norm_ratio") per stage over training.
-
-  Left: PETRA vs delayed. Right: PETRA vs end-to-end (full lines) and
-  delayed vs end-to-end (dashed). One colour per stage. Returns None if the
-  run recorded no such metric.
-  """
+  """Paper Fig. 5: ``kind`` ("cos" or "norm_ratio") per stage over training; None if absent."""
   if f"{kind}_applied_delayed" not in quality:
     return None
   stages = sorted(quality[f"{kind}_applied_delayed"])
@@ -238,15 +219,9 @@ def plot_timeline_file(workdir: str, path: str) -> Optional[str]:
 
 def make_plots(workdir: str, steps: Optional[Sequence[int]] = None,
                window: int = 1) -> list[str]:
-  """Writes every figure the run's metrics allow into ``WORKDIR/plots/``.
+  """Writes every figure the run's metrics allow into ``WORKDIR/plots/``; returns their paths.
 
-  Args:
-    workdir: the training run's directory (holds ``metrics.jsonl``).
-    steps: steps for the Fig. 6 panels (nearest probed ones are used).
-    window: rolling-mean window of the Fig. 5 curves (1 = raw).
-
-  Returns:
-    The paths written.
+  ``steps``: the Fig. 6 panels' steps (nearest probed); ``window``: Fig. 5's rolling mean.
 
   Raises:
     PlotError: no (or an empty) ``metrics.jsonl``.
@@ -269,7 +244,7 @@ def make_plots(workdir: str, steps: Optional[Sequence[int]] = None,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.plots WORKDIR``; see the module docstring."""
+  """``python -m petra_jax.plots WORKDIR``."""
   p = argparse.ArgumentParser(prog="python -m petra_jax.plots",
                               description=__doc__.splitlines()[0])
   p.add_argument("workdir", help="a training run's --workdir (holds metrics.jsonl)")

@@ -4,21 +4,15 @@ Commands::
 
   python -m petra_jax.studies table4 [--width=8] [--epochs=1] [--out=docs]
   python -m petra_jax.studies ksweep [--ks=1,2,4,8] [--width=8] [--epochs=1] [--out=docs]
+  python -m petra_jax.studies compensation [--stages=10,4] [--compensations=none,spike,...]
   python -m petra_jax.studies local [--stages=4,10] [--seeds=0] (petra_jax.study_local)
 
-``table4`` trains the five rows of paper Table 4 (exact backprop without delay,
-then the asynchronous methods ``delayed``, ``dsp``, ``approximate_input`` and
-``petra``), all with k = 1 micro-batch per update. ``ksweep`` trains ``petra``
-with k in ``--ks`` and ``backprop`` (the accumulation study of Fig. 4); every
-run keeps the update's batch at ``--batch-size`` images, split into k
-micro-batches. Each writes ``OUT/<study>.md`` (the table, the command, the
-machine, the date, each run's wall time in seconds) and ``OUT/<study>.png``
-(test accuracy and training loss against updates), and keeps each run's
-``metrics.jsonl`` under ``--workdir``.
-
-The paper's Table 4 is on CIFAR-100 at width 64 over 300 epochs; these runs
-are a narrow RevNet18 on CIFAR-10 for about an epoch, so compare the ordering
-of the rows, not the numbers.
+``table4`` trains Table 4's five rows (backprop, ``delayed``, ``dsp``, ``approximate_input``,
+``petra``) with k = 1; ``ksweep`` trains ``petra`` with k in ``--ks`` against ``backprop``
+(Fig. 4), the update's batch ``--batch-size`` split into k micro-batches. Each study writes
+``OUT/<study>.md`` (table, command, machine, date, wall times) and ``OUT/<study>.png``, and
+keeps each run's ``metrics.jsonl`` under ``--workdir``. The paper's Table 4 is CIFAR-100 at
+width 64 for 300 epochs: compare the ordering of the rows, not the numbers.
 """
 
 from __future__ import annotations
@@ -30,22 +24,18 @@ import platform
 import sys
 from typing import Sequence
 
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
-
+from petra_jax import config as config_lib
+from petra_jax import data as data_lib
+from petra_jax.engine import methods as methods_lib
+from petra_jax.training import metrics as metrics_lib
+from petra_jax import train
 import jax
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from petra_jax import config as config_lib  # noqa: E402
-from petra_jax import data as data_lib  # noqa: E402
-from petra_jax.engine import methods as methods_lib  # noqa: E402
-from petra_jax.training import metrics as metrics_lib  # noqa: E402
-from petra_jax import train  # noqa: E402
-
-# Paper Table 4 (CIFAR-100, RevNet18, k = 1): method -> its accuracy (%); what
-# each method stores comes from petra_jax.engine.methods.
+# Paper Table 4 (CIFAR-100, RevNet18, k = 1): method -> accuracy (%).
 TABLE4_PAPER_ACCURACY = {"backprop": 77.5, "delayed": 76.5, "dsp": 76.4,
                          "approximate_input": 75.4, "petra": 75.9}
 
@@ -84,10 +74,7 @@ def study_config(args, method: str, k: int) -> config_lib.ml_collections.ConfigD
 
 
 def run(args, name: str, method: str, k: int, **overrides) -> dict:
-  """Trains one row; returns its final metrics and its metrics curve.
-
-  Args:
-    overrides: config fields by dotted name, e.g. ``{"compensation.name": "spike"}``.
+  """Trains one row (``overrides``: dotted config fields); returns its final metrics and curve.
 
   Raises:
     train.ConfigError, data.DataError: as :func:`train.train_and_evaluate`.
@@ -226,13 +213,9 @@ def _plot_accuracy(rows: Sequence[dict], path: str, title: str):
 
 
 def compensation_study(args):
-  """Delay compensations against backprop (issue: PETRA at short budgets).
+  """Per k: ``backprop``, then ``petra`` per stage count with each of ``--compensations``.
 
-  For each stage count and k: ``backprop`` once, then ``petra`` with every
-  compensation of ``--compensations``. Table: test accuracy at the end (equal
-  epochs) and backprop's accuracy at the row's wall time (equal wall time,
-  every stage on one device: a PETRA tick costs one device every stage's
-  work, so the wall-time comparison shows the single-device cost only).
+  Table: test accuracy at equal epochs, and backprop's at the row's wall time (one device).
   """
   rows = []
   for k in args.ks:

@@ -1,21 +1,9 @@
 """The ``local`` study: forward gradients and DGL beside PETRA and backprop.
 
-Command::
-
-  python -m petra_jax.studies local [--stages=4,10] [--seeds=0] [--width=8] [--epochs=1]
-                                    [--rows=backprop,fg_local_activity,...]
-
-Rows (all on the real CIFAR-10, RevNet18, same recipe as the other studies):
-``backprop``, ``petra``, ``local`` (DGL), ``forward_gradient`` with a local
-guess and with a random guess (``weights`` and ``activity`` perturbation),
-for each stage count of ``--stages`` (4: ``(1, 2, 2, 5)`` blocks; 5:
-``(1, 2, 2, 2, 3)``; 10: one block per stage, the paper's split) and each
-seed (``--rows`` keeps some of them, by name), with ``k`` micro-batches per
-update the first of ``--ks`` (the ksweep option; 1 unless given: a larger
-``k`` divides every delay, counted in updates, by ``k``). The table gives
-test accuracy at equal epochs, backprop's at the row's wall
-time, the bytes sent backward per tick and the bytes stored between a
-micro-batch's forward and its update (:func:`transfer_bytes`, from shapes).
+``python -m petra_jax.studies local [--stages=4,10] [--seeds=0] [--width=8] [--epochs=1]
+[--rows=backprop,fg_local_activity,...]``: RevNet18 on CIFAR-10, one row per :data:`ROWS` entry,
+stage count and seed; test accuracy, backprop's at the same wall time, and bytes sent backward
+per tick and stored (:func:`transfer_bytes`).
 """
 
 from __future__ import annotations
@@ -33,9 +21,8 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine.quantize import nbytes
 from petra_jax.engine.stage import trace
 
-# (row, method, forward_gradient.guess, forward_gradient.perturb); backprop
-# first (the wall-time reference), then the forward-gradient pair the study
-# is about, so that a cut-short study still has them.
+# (row, method, forward_gradient.guess, forward_gradient.perturb); backprop first: the
+# wall-time reference.
 ROWS = (("backprop", "backprop", "local", "activity"),
         ("fg_local_activity", "forward_gradient", "local", "activity"),
         ("fg_random_activity", "forward_gradient", "random", "activity"),
@@ -46,12 +33,7 @@ ROWS = (("backprop", "backprop", "local", "activity"),
 
 
 def selected_rows(names=None) -> tuple:
-  """The rows of :data:`ROWS` named in ``names`` (all when None or empty),
-  in :data:`ROWS`' order.
-
-  Raises:
-    ValueError: a name that is not a row, naming the rows.
-  """
+  """The rows of :data:`ROWS` named in ``names`` (all if empty), in order; ValueError if unknown."""
   if not names:
     return ROWS
   known = [r[0] for r in ROWS]
@@ -64,22 +46,8 @@ def selected_rows(names=None) -> tuple:
 def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, micro: int = 64,
                    stage_sizes: Sequence[int] = (), num_classes: int = 10,
                    image_shape=(32, 32, 3), head: str = "mlp", hidden: int = 128) -> dict:
-  """Bytes sent backward per tick and stored, from shapes (nothing computed).
-
-  Args:
-    method: a method name; perturb: ``forward_gradient``'s perturbation.
-    width, micro, stage_sizes: RevNet18's width, the micro-batch, its
-      grouping (``()``: one block per stage).
-
-  Returns:
-    ``{"backward_per_tick": int, "backward_max_link": int, "stored": int}``:
-    in steady state every stage but the first sends one backward message
-    per tick (petra: ``(x~ or None, delta)``; forward_gradient: ``j`` rows
-    of ``micro`` float32 scalars from stage ``j``; local and backprop:
-    none); ``stored`` sums over stages ``tau_j`` micro-batches of what the
-    stage keeps (petra: a non-reversible stage's input; forward_gradient:
-    its guess, plus its input for ``activity``).
-  """
+  """RevNet18's steady-state bytes, from shapes: ``{"backward_per_tick", "backward_max_link",
+  "stored"}`` (``stored``: ``tau_j`` micro-batches of what each stage keeps, summed)."""
   stages = models.build_model("revnet18", width=width, num_classes=num_classes)
   if stage_sizes:
     stages = partition.group_stages(stages, list(stage_sizes))
@@ -106,9 +74,7 @@ def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, m
 
 
 def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
-  """Runs :data:`ROWS` per stage count and seed; writes ``OUT/local.md`` and
-  ``OUT/local.png``/``local_accuracy.png`` (``run``, ``write`` and the
-  plotting helpers are :mod:`petra_jax.studies`')."""
+  """Runs the rows per stage count and seed; writes ``OUT/local.md`` and its plots."""
   rows = []
   k = args.ks[0] if getattr(args, "ks", None) else 1
   suffix = f"_k{k}" if k > 1 else ""

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from petra_jax.engine import local, methods, pipeline, schedule
+from petra_jax.engine import methods, pipeline, schedule
 from petra_jax.engine.stage import group
 from petra_jax.engine.auxiliary import AUX_KEY
 from petra_jax.models import auxiliary

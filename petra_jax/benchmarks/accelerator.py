@@ -1,52 +1,14 @@
 """Images/s, device busy fraction and reconstruction error on one accelerator.
 
-``python -m petra_jax.benchmarks.accelerator [--model=revnet18]
-[--dataset=cifar10] [--width=64] [--micro-batches=64,256]
-[--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b]
-[--accumulation-steps=4] [--ticks=N] [--warmup=N] [--json]``
+``python -m petra_jax.benchmarks.accelerator [--model=revnet18] [--micro-batches=64,256]
+[--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
+[--ticks=N] [--json]``
 
-For each (method, micro-batch ``B``, dtype) it builds the stages and the
-:class:`~petra_jax.engine.pipeline.Pipeline` as training does
-(:func:`petra_jax.training.assembly.build_pipeline`: the config's
-precision ``dtype`` for compute and streams, the training optimizers, one
-device), feeds one random micro-batch of the data set's image shape made once
-on the device (no data loading), runs unmeasured ticks (compilation), then
-times ``N`` micro-batches as the engine runs them and waits for every array
-of the state at the end (``jax.block_until_ready``):
-
-* ``petra``: ``N`` steady-state ticks of the stream (after the ``2(J-1)``
-  ticks that fill it and ``--warmup`` more): every stage runs one forward
-  and one backward per tick and one micro-batch completes per tick;
-* ``backprop``: ``N`` steps, one micro-batch each (``jax.grad`` of the model);
-* ``1f1b``: whole updates of ``k`` micro-batches (``--accumulation-steps``),
-  ``ceil(N/k)`` of them, each with its fill and flush; every tick of those
-  updates is timed and divided among their ``k * ceil(N/k)`` micro-batches.
-
-Per configuration (one row):
-
-* ``tick_ms``: wall ms per micro-batch, i.e. per tick of ``petra``, per step
-  of ``backprop``, per ``1/k`` update of ``1f1b`` (timed as a block, mean);
-* ``images_per_s``: ``B / tick_ms`` (``B`` images enter and finish per
-  micro-batch);
-* ``device_ms``: the time of the jitted steps alone for one micro-batch:
-  each stage's forward and backward step called by itself on correctly
-  shaped inputs and waited for (median of ``N``,
-  :func:`petra_jax.engine.timing.stage_times`), summed over the stages
-  (:func:`~petra_jax.engine.timing.stage_cost`; the last stage's backward
-  contains its forward); for ``backprop`` the jitted ``backprop`` step. On one
-  device every stage shares it, so this is the device's work per tick;
-* ``busy_fraction``: ``device_ms / tick_ms``, the fraction of a tick the
-  device computes; the rest (``host_us_per_tick = 1e3 * (tick_ms -
-  device_ms)``) is the engine's Python: dispatch, message bookkeeping,
-  launch gaps. Both include each step's launch cost, so a fraction slightly
-  above 1 means noise, not overlap.
-
-``reconstruction_error`` is ``||x~ - x|| / ||x||`` (paper Sec. 3.2) over the
-inputs of every reversible stage of the float32 model at init, each rebuilt
-from its own output (:func:`petra_jax.engine.stage.forward` then
-:func:`~petra_jax.engine.stage.inverse`) on micro-batch ``max(B)``, under
-``jax.default_matmul_precision`` ``"default"`` (TF32 convolutions on Ampere
-and later GPUs) and ``"highest"`` (full float32). On CPU both are float32.
+Per (method, micro-batch ``B``, dtype), on a pipeline built as training builds it and one
+random micro-batch: ``tick_ms`` (wall ms per micro-batch), ``images_per_s = B / tick_ms``,
+``device_ms`` (the jitted steps alone), ``busy_fraction = device_ms / tick_ms`` and
+``host_us_per_tick``. ``reconstruction_error`` is ``||x~ - x|| / ||x||`` (paper Sec. 3.2) of
+the reversible stages under matmul precision ``"default"`` and ``"highest"``.
 """
 
 from __future__ import annotations
@@ -58,13 +20,6 @@ import sys
 import time
 from typing import Optional, Sequence
 
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
-import flax
-import jax
-import jaxlib
-import ml_collections
-import numpy as np
-
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import models
@@ -75,24 +30,20 @@ from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.precision import DTYPES
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times
 from petra_jax.training import assembly, validation
+import flax
+import jax
+import jaxlib
+import ml_collections
+import numpy as np
 
 METHODS = ("backprop", "petra", "1f1b")
 MATMUL_PRECISIONS = ("default", "highest")
 _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 
-# ----------------------------------------------------------------------------
-# A configuration as training builds it.
-# ----------------------------------------------------------------------------
-
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
                dtype: str, accumulation_steps: int) -> ml_collections.ConfigDict:
-  """The training config of one benchmark row (one device, ``k`` micro-batches
-  of ``micro_batch`` images per update).
-
-  Raises:
-    petra_jax.training.validation.ConfigError: as training would.
-  """
+  """The training config of one row (one device); ConfigError as training would raise."""
   c = config_lib.get_config()
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
   c.model.name, c.model.width = model, width
@@ -109,17 +60,10 @@ def random_batch(shape: Sequence[int], num_classes: int, batch: int, seed: int =
           jax.random.randint(kl, (batch,), 0, num_classes, np.int32))
 
 
-# ----------------------------------------------------------------------------
-# Timing.
-# ----------------------------------------------------------------------------
-
 def segments(pipe, ticks: int, warmup: int):
   """``(untimed ticks, timed ticks, micro-batches completed in the timed ticks)``.
 
-  Stream schedules: ``2(J-1) + warmup`` ticks fill the pipeline, then
-  ``ticks`` steady-state ones. Periodic ones (``sequential``, ``1f1b``):
-  whole rounds of ``r`` micro-batches, ``ceil(warmup/r)`` then
-  ``ceil(ticks/r)``.
+  Stream: ``2(J-1) + warmup`` filling ticks then ``ticks``; periodic schedules: whole rounds.
   """
   kind = pipe.method.schedule
   if kind == "stream":
@@ -139,12 +83,7 @@ def _all_arrays(state, losses=()):
 
 
 def tick_wall_ms(pipe, state, images, labels, ticks: int, warmup: int):
-  """Wall ms per micro-batch of the engine's ticks (see :func:`segments`).
-
-  Returns:
-    ``(state, ms)``: the state after every tick, and the timed ticks' wall
-    time over their completed micro-batches.
-  """
+  """``(state, ms)``: the final state and the timed ticks' wall ms per completed micro-batch."""
   batch = lambda m: (images, labels)  # noqa: E731
   warm, timed, done = segments(pipe, ticks, warmup)
   state, _ = pipe.run(state, warm, batch)
@@ -156,8 +95,7 @@ def tick_wall_ms(pipe, state, images, labels, ticks: int, warmup: int):
 
 
 def device_ms(pipe, state, images, labels, iters: int) -> float:
-  """ms of the jitted steps of one micro-batch, each called alone and waited
-  for (median of ``iters`` after one warm-up call); see the module docstring."""
+  """Median ms of one micro-batch's jitted steps, each called alone and waited for."""
   if pipe.method.pipelined:
     rows, _ = stage_times(pipe, state, images, labels, iters, warmup=1)
     return float(sum(stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])))
@@ -170,7 +108,7 @@ def device_ms(pipe, state, images, labels, iters: int) -> float:
 
 
 def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int = 0) -> dict:
-  """One result row (module docstring) for the config of :func:`run_config`."""
+  """One result row for the config of :func:`run_config`."""
   info = data_lib.get_dataset_info(cfg.dataset)
   micro = cfg.batch_size // cfg.accumulation_steps
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
@@ -184,26 +122,11 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
           "num_stages": pipe.num_stages}
 
 
-# ----------------------------------------------------------------------------
-# Reconstruction error against the matmul precision.
-# ----------------------------------------------------------------------------
-
 def reconstruction_error(stages, variables: Sequence[dict], images, precision: str) -> float:
-  """``||x~ - x|| / ||x||`` over every reversible stage's input, rebuilt from
-  its output, under ``jax.default_matmul_precision(precision)``.
+  """``||x~ - x|| / ||x||`` over the reversible stages' inputs under ``precision``.
 
-  Args:
-    stages: the model's stages.
-    variables: per stage ``{"params", "batch_stats"}`` (``Stage.init``).
-    images: ``float32[B, H, W, C]``.
-    precision: ``"default"`` or ``"highest"`` (any name JAX accepts).
-
-  Returns:
-    The relative error (:func:`petra_jax.engine.diagnostics.relative_error`
-    over all reconstructed inputs together), a float.
-
-  Raises:
-    ValueError: no stage is reversible.
+  ``images`` float32 ``[B, H, W, C]``; ``variables`` per stage ``{"params", "batch_stats"}``.
+  Raises ValueError if no stage is reversible.
   """
   if not stage_lib.has_reversible(stages):
     raise ValueError("reconstruction needs a reversible stage: use a RevNet model.")
@@ -230,10 +153,6 @@ def init_variables(stages, images, seed: int = 0) -> list[dict]:
     x, _ = stage_lib.forward(stage, v["params"], v["batch_stats"], x)
   return out
 
-
-# ----------------------------------------------------------------------------
-# The report and its command.
-# ----------------------------------------------------------------------------
 
 def _versions() -> dict:
   return {"python": platform.python_version(), "jax": jax.__version__,
@@ -310,7 +229,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.accelerator``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.accelerator``."""
   args = parse_args(argv)
   return cli.emit(benchmark(args), args.json, _print_report)
 

@@ -1,28 +1,9 @@
-"""What each stage stores between a micro-batch's forward and its backward.
+"""What each stage stores between a micro-batch's forward and its backward (paper Tables 3, 6).
 
-``python -m petra_jax.benchmarks.memory --model=revnet50 --dataset=imagenet
---batch-size=64 [--method=petra] [--device-memory] [--json]`` reports:
-
-* **Analytic bytes per stage** for four buffer configurations (paper Table 3:
-  ``delayed``, ``dsp``, ``approximate_input``, ``petra``) and for the flushed
-  schedules ``gpipe`` and ``1f1b`` at ``k`` micro-batches per update, from
-  shapes only (:mod:`petra_jax.benchmarks.memory_model`).
-* **Measured bytes per stage** in a live PETRA run at steady state: the sum of
-  ``nbytes`` over ``state.buffers[j]`` (by default at a tiny width, to check
-  the formula; ``--live-width``/``--live-batch`` for the real size;
-  :func:`petra_jax.benchmarks.memory_live.measure_live`).
-* **Device memory per stage** (``--device-memory``, paper Table 6): state +
-  PETRA buffers + the working set of the stage's compiled steps
-  (:func:`petra_jax.benchmarks.memory_live.device_memory`).
-* **Table 3's model**: model size (parameter bytes) + input buffers (the
-  first stage's excluded: it re-reads the dataset) + parameter buffers, in GB,
-  with savings against the ``delayed`` row, with one stream of a reversible
-  stage's input stashed (``--rev-stash=x1``, the default) and with both.
-* **Quantised messages and buffers**: bytes sent per tick and PETRA's stored
-  bytes in every format of :data:`petra_jax.engine.quantize.FORMATS`.
-
-The ``stored_bytes_per_stage`` lists always count both streams, like a live
-engine would hold.
+``python -m petra_jax.benchmarks.memory --model=revnet50 --dataset=imagenet --batch-size=64
+[--method=petra] [--device-memory] [--json]``: analytic bytes per stage for each buffer
+configuration and schedule (``memory_model``), checked against a live PETRA run at a small
+width; Table 3's model; per-stage device memory (``--device-memory``); quantised formats.
 """
 
 from __future__ import annotations
@@ -31,8 +12,6 @@ import functools
 import json
 import sys
 from typing import Callable, Optional, Sequence
-
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 
 from petra_jax import data as data_lib
 from petra_jax import models
@@ -43,30 +22,15 @@ from petra_jax.benchmarks.memory_model import (  # noqa: F401  (the model's name
     stored_bytes, table3, table3_extended)
 from petra_jax.engine import quantize as quantize_lib
 
-# Table 6 (CIFAR-10, batch 256): GB per (0-based) stage of RevNet18, the
-# entries legible in our copy of the paper; its RevNet34 row is too garbled
-# by text extraction to align with stages.
+# Table 6 (CIFAR-10, batch 256): GB per 0-based stage of RevNet18, the legible entries.
 PAPER_TABLE6 = {"revnet18": {3: 2.67, 5: 1.13, 6: 0.31, 7: 0.57, 8: 0.25, 9: 0.11}}
 
 
 def quantization(build: Callable, image_shape, batch_size: int, live: Optional[dict] = None,
                  num_classes: int = 10) -> list[dict]:
-  """Bytes sent per tick and PETRA's stored bytes in every format.
-
-  Args:
-    build: ``width -> stages``.
-    image_shape, batch_size: as :func:`stage_bytes`, at ``live["width"]``
-      when measured live, else at the report's width (``build(None)``).
-    live: ``{"width", "batch_size", "image_shape"}`` to also run each format
-      live (:func:`measure_live`) at that small size.
-
-  Returns:
-    One row per format of :data:`petra_jax.engine.quantize.FORMATS` (forward,
-    backward and buffer all in it): ``format``, ``bytes_per_tick``,
-    ``petra_stored_bytes`` and the ratios ``tick_ratio`` and
-    ``stored_ratio`` (float32 over this format); with ``live``, ``live``:
-    the same two measured on the devices and their analytic values there.
-  """
+  """Per format of ``quantize.FORMATS``: bytes sent per tick, PETRA's stored bytes, their
+  float32 / format ratios, and with ``live`` (``{"width", "batch_size", "image_shape"}``) the
+  same measured live. ``build``: ``width -> stages`` (``None``: the report's width)."""
   rows = []
   for fmt in quantize_lib.FORMATS:
     formats = quantize_lib.MessageFormats(fmt, fmt, fmt)
@@ -92,20 +56,7 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
            live_width: Optional[int] = 4, live_batch: int = 4,
            rev_stash: str = "x1", live_image_size: Optional[int] = None,
            with_device_memory: bool = False, accumulation_steps: int = 4) -> dict:
-  """The CLI's JSON.
-
-  Returns:
-    ``stored_bytes_per_stage`` (method -> bytes per stage, first stage
-    included, both streams; ``gpipe``/``1f1b`` at ``accumulation_steps``),
-    ``total_mib`` (method -> MiB), ``table3`` (rows of :func:`table3` with
-    ``rev_stash``), ``table3_both_streams``, ``table3_extended``, ``delays``,
-    ``stage_names``, ``quantization`` (:func:`quantization`) and, with
-    ``live_width``, ``live``: the measured bytes at
-    ``live_width``/``live_batch`` against the analytic ones there
-    (``max_rel_err``), on ``live_image_size`` square images (default: the
-    dataset's); with ``with_device_memory``, ``device_memory``
-    (:func:`device_memory` at ``width``/``batch_size``).
-  """
+  """The CLI's JSON report (keys as built below; ``live`` only with ``live_width``)."""
   d = data_lib.DATASETS[dataset]
   build = functools.partial(cli.build, model, dataset)
   sizes = stage_bytes(build(width), d.image_shape, batch_size)
@@ -135,8 +86,7 @@ def report(model: str, dataset: str, batch_size: int, width: int = 64,
 
 
 def _live_check(stages, live: dict, num_classes: int) -> dict:
-  """``report``'s ``live``: PETRA's measured bytes per stage at the ``live``
-  size (``width``, ``batch_size``, ``image_shape``) against the analytic ones."""
+  """PETRA's measured bytes per stage at the ``live`` size against the analytic ones."""
   shape, batch = live["image_shape"], live["batch_size"]
   measured = measure_live(stages, shape, batch, num_classes)
   analytic = stored_bytes(stage_bytes(stages, shape, batch), "petra")
@@ -148,8 +98,7 @@ def _live_check(stages, live: dict, num_classes: int) -> dict:
 
 def _table3_extended(model: str, dataset: str, width: int, batch_size: int, sizes,
                      rev_stash: str) -> list[dict]:
-  """:func:`table3_extended` for ``model`` on ``dataset``: quantised buffers,
-  and its ``_inv`` variant if there is one."""
+  """:func:`table3_extended`: quantised buffers, and the ``_inv`` variant if there is one."""
   shape = cli.image_shape(dataset)
   quantized = {fmt: stage_bytes(cli.build(model, dataset, width), shape, batch_size,
                                 formats=quantize_lib.MessageFormats(buffer=fmt))
@@ -225,7 +174,7 @@ def _print_quantization(r: dict) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.memory``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.memory``."""
   p = cli.parser("petra_jax.benchmarks.memory", __doc__, model="revnet50", dataset="imagenet",
                  width=64, batch_size=64)
   p.add_argument("--method", default="all", choices=["all", *METHODS],

@@ -1,18 +1,9 @@
-"""Live checks of the memory model: what a running pipeline holds (paper Table 6).
-
-* :func:`measure_live`: runs PETRA to steady state and reads the bytes each
-  stage holds in ``state.buffers[j]`` and the bytes one tick sends, to check
-  :mod:`petra_jax.benchmarks.memory_model` against the devices.
-* :func:`device_memory`: each stage's peak device memory (state + PETRA
-  buffers + the working set of its compiled steps, from XLA's memory
-  analysis), compiled at the full size without running anything.
-"""
+"""What a running pipeline holds (paper Table 6): live buffers and XLA's per-stage device memory."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,28 +19,11 @@ from petra_jax.engine.stage import Stage
 def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
                  num_classes: int = 10, seed: int = 0,
                  formats: Optional[quantize_lib.MessageFormats] = None) -> dict:
-  """Runs PETRA to steady state and reads what each stage holds.
-
-  Feeds ``2(J-1) + 1`` micro-batches (one per tick) of random float32
-  images ``[B, H, W, C]`` on one device; after the last tick every stage has
-  ``tau_j`` micro-batches between its forward and its backward.
-
-  Args:
-    stages: a model from :func:`petra_jax.models.build_model`.
-    image_shape: ``(H, W, C)``.
-    batch_size: micro-batch size ``B``.
-    num_classes: classes of the head (the random labels' range).
-    seed: initialisation and data seed.
-    formats: the quantisation of messages and buffers (default: none).
+  """Bytes each stage holds after ``2(J-1) + 1`` ticks of PETRA on random float32 ``[B, H, W, C]``.
 
   Returns:
-    ``{"petra": [bytes per stage], "delayed": [...], "sizes": [...],
-    "bytes_per_tick": int}``: ``petra`` sums ``nbytes`` over
-    ``state.buffers[j]``; ``delayed`` is what stashing every stage's input
-    and parameters ``tau_j`` times would hold, with the sizes read from the
-    live arrays (``sizes``, as :func:`petra_jax.benchmarks.memory_model.stage_bytes`);
-    ``bytes_per_tick`` sums the messages sent on the last tick (each then
-    waits in its receiver's inbox), as held on the devices under ``formats``.
+    ``{"petra": [bytes in state.buffers[j]], "delayed": [bytes if inputs and parameters were
+    stashed tau_j times], "sizes": [stage_bytes rows, from live arrays], "bytes_per_tick": int}``.
   """
   pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], formats=formats)
   rng = np.random.default_rng(seed)
@@ -76,29 +50,11 @@ def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size
 def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,
                   num_classes: int = 10,
                   tx: Optional[optax.GradientTransformation] = None) -> list[dict]:
-  """Estimated peak device memory of each stage training with PETRA (Table 6).
+  """Per stage, peak device bytes with PETRA (Table 6), compiled but not run.
 
-  Stage ``j`` on its own device holds its state (parameters, BatchNorm
-  statistics, optimizer state), its PETRA buffers (``tau_j`` inputs if it is
-  not reversible, none if it is) and, while a step runs, that step's working
-  set. The working set comes from XLA's memory analysis of the compiled
-  forward and backward steps (``Compiled.memory_analysis()``: arguments other
-  than the state + outputs - donated aliases + temporaries), so it is what
-  this backend would allocate, without running anything. It counts the
-  non-reversible stages' buffered input once more (the one being consumed).
-
-  Args:
-    stages: a model from :func:`petra_jax.models.build_model`.
-    image_shape: ``(H, W, C)``.
-    batch_size: micro-batch size.
-    num_classes: classes of the head.
-    tx: the optimizer (default SGD with momentum, the paper's: one slot
-      per parameter).
-
-  Returns:
-    One dict per stage: ``name``, ``state_bytes``, ``buffer_bytes``,
-    ``forward_bytes``, ``backward_bytes`` (working sets) and ``total_bytes``
-    (state + buffers + the larger working set).
+  Returns one dict per stage: ``state_bytes``, ``buffer_bytes``, the steps' working sets
+  ``forward_bytes``/``backward_bytes`` (XLA's memory analysis) and ``total_bytes``
+  (state + buffers + the larger working set). ``tx`` defaults to SGD with momentum.
 
   Raises:
     RuntimeError: the backend gives no memory analysis.
@@ -124,12 +80,8 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
 
 
 def _working_set(fn, train_state, args, state_bytes: int) -> int:
-  """Bytes a compiled step allocates beyond the stage's state: arguments
-  other than the state + outputs - donated aliases + temporaries.
-
-  Raises:
-    RuntimeError: the backend gives no memory analysis.
-  """
+  """Bytes a compiled step allocates beyond the state: arguments - state + outputs - aliases
+  + temporaries. RuntimeError if the backend gives no memory analysis."""
   ma = fn.lower(train_state, *args).compile().memory_analysis()
   if ma is None:
     raise RuntimeError(f"backend {jax.default_backend()!r} gives no memory analysis.")

@@ -1,30 +1,10 @@
 """Per-op-kind profile of one training step on the CPU (``jax.profiler``).
 
-``python -m petra_jax.benchmarks.profile_step --model=revnet18
---dataset=cifar10 --width=64 --batch-size=64 [--iters=3] [--batchnorm=fast|flax]
-[--json]`` traces, after one warm-up call each, three parts of a step:
-
-* ``backprop``: ``jax.grad`` of the composed model (one jitted program);
-* ``petra_forward``: every stage's jitted forward (:func:`stage.forward`);
-* ``petra_backward``: every stage's jitted backward: the reconstruction and
-  vjp of a reversible stage (paper Eq. 5, one program: ``F`` evaluated once),
-  the recomputation and vjp of a non-reversible one, the last stage's loss
-  and vjp.
-
-XLA-CPU traces every kernel (thunk) it runs; each is classified from the
-compiled HLO into ``convolution`` (convolutions and their gradients),
-``reduction`` (fusions with a ``reduce``: BatchNorm statistics and the sums
-of its backward under Flax's BatchNorm), ``dot`` (matrix products: the head
-and, with the fast BatchNorm, its channel sums), ``elementwise`` (other
-fusions: BatchNorm's affine, ReLU, the BatchNorm backward's elementwise
-pass, the couplings' additions), ``layout`` (``copy``/``transpose``) and
-``other``. Per part it reports ms per step per kind (kernel time summed over
-XLA's threads, so it may exceed the wall time), the wall ms, and
-``untraced``: the wall minus the traced kernels. XLA-CPU runs convolutions
-asynchronously on its thread pool and the trace records only their launch,
-so ``untraced`` is mostly convolution time (plus dispatch).
-``--batchnorm=flax`` swaps in ``flax.linen.BatchNorm`` (the models' layer
-before the fast :mod:`petra_jax.models.batchnorm`) for a before/after.
+``python -m petra_jax.benchmarks.profile_step --model=revnet18 --dataset=cifar10 --width=64
+--batch-size=64 [--iters=3] [--batchnorm=fast|flax] [--json]`` traces ``backprop`` (``jax.grad``
+of the model) and PETRA's per-stage forwards and backwards, classifies each XLA kernel from the
+compiled HLO (:data:`KINDS`) and reports ms per step per kind, the wall ms and ``untraced``
+(wall minus traced kernels; XLA-CPU traces only the launch of its asynchronous convolutions).
 """
 
 from __future__ import annotations
@@ -41,15 +21,13 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.engine import stage as stage_lib
 from petra_jax.models import layers
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 KINDS = ("convolution", "reduction", "dot", "elementwise", "layout", "other")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+(?:\[[^\]]*\])?\S*\s+([\w\-]+)\(")
@@ -68,11 +46,7 @@ class FlaxBatchNorm(nn.BatchNorm):
 
 @contextlib.contextmanager
 def batchnorm_layer(name: str):
-  """Within the block the models build their BatchNorms with ``name``'s layer.
-
-  Raises:
-    ValueError: ``name`` is neither ``"fast"`` nor ``"flax"``.
-  """
+  """Within the block the models build ``name``'s BatchNorm; ValueError unless "fast" or "flax"."""
   if name not in ("fast", "flax"):
     raise ValueError(f"--batchnorm={name!r}: use 'fast' or 'flax'.")
   saved = layers.BatchNorm
@@ -164,7 +138,7 @@ def _trace_events(run, iters):
 
 
 def profile(stages, batch_size: int, shape, num_classes: int, iters: int = 3) -> dict:
-  """Per part, ms per step of each kernel kind and the wall ms (module docstring)."""
+  """Per part, ms per step of each kernel kind, ``untraced`` and ``wall``."""
   report = {}
   for part, calls in _parts(stages, batch_size, shape, num_classes).items():
     kinds = {}
@@ -188,7 +162,7 @@ def profile(stages, batch_size: int, shape, num_classes: int, iters: int = 3) ->
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.profile_step``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.profile_step``."""
   p = cli.parser("petra_jax.benchmarks.profile_step", __doc__, model="revnet18",
                  dataset="cifar10", width=64, batch_size=64,
                  width_help="base width (paper: 64)", batch_help="micro-batch size")

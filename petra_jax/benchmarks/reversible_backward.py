@@ -1,22 +1,9 @@
 """PaReprop's benchmark: one stage of reversible blocks, three backwards side by side.
 
-For the longest run of consecutive reversible blocks of a model (every block
-of a RevViT; RevNet18's first group, or all 8 blocks of ``revnet18_inv``),
-grouped into one stage, the backward of one micro-batch three ways:
-
-* ``backprop``: ``jax.vjp`` of the stage's forward from its input, in one
-  jitted call: the forward stores its activations (standard backprop);
-* ``vanilla``: the reversible backward from the stage's *output*, block by
-  block reconstruct-then-vjp (:func:`petra_jax.engine.stage.reverse_vjp`);
-* ``pareprop``: the same, reconstruction one block ahead of the gradient
-  (:mod:`petra_jax.engine.reversible_backward`).
-
-Each is jitted once; the three are then timed in turns, round by round
-(side by side, so a busy machine slows all three alike), and the median
-per backward is reported as images/s. ``peak_bytes`` is what XLA's memory
-analysis gives for the compiled call: arguments + outputs + temporaries
-(``temp_bytes``, where backprop's stored activations live). Called from
-``python -m petra_jax.benchmarks.throughput``, key ``reversible_backward``.
+On the longest run of consecutive reversible blocks, grouped into one stage, times one
+micro-batch's backward as ``backprop`` (``jax.vjp`` from the input), ``vanilla`` (reconstruct
+then vjp, block by block, from the output) and ``pareprop`` (reconstruction one block ahead),
+in interleaved rounds, with XLA's peak and temporary bytes of each compiled call.
 """
 
 from __future__ import annotations
@@ -35,11 +22,7 @@ BACKWARDS = ("backprop", "vanilla", "pareprop")
 
 
 def reversible_run(stages: Sequence[Stage]) -> tuple[int, int]:
-  """``(start, stop)`` of the longest run of consecutive reversible blocks.
-
-  Raises:
-    ValueError: the model has no reversible block.
-  """
+  """``(start, stop)`` of the longest run of consecutive reversible blocks; ValueError if none."""
   best, start = (0, 0), None
   for i, s in enumerate(list(stages) + [None]):
     if s is not None and s.reversible and not s.blocks:
@@ -84,21 +67,7 @@ def _functions(body: Stage, stats):
 
 def measure(stages: Sequence[Stage], input_shape: Sequence[int], batch_size: int,
             iters: int = 5, warmup: int = 1, seed: int = 0) -> dict:
-  """The ``reversible_backward`` report of the throughput benchmark.
-
-  Args:
-    stages: a model with reversible blocks (one block per stage).
-    input_shape: one image's shape, e.g. ``(32, 32, 3)``.
-    batch_size: the micro-batch.
-    iters, warmup: measured and unmeasured rounds (each round times the
-      three backwards once, in turn).
-    seed: initialisation and data seed.
-
-  Returns:
-    ``{"blocks": [names], "batch_size": B, "images_per_s": {backward: float},
-    "ms": {backward: median ms}, "peak_bytes": {backward: int}, "temp_bytes":
-    {backward: int}, "pareprop_speedup_over_vanilla": float,
-    "backend": str}``.
+  """The throughput benchmark's ``reversible_backward`` report (``stages``: one block each).
 
   Raises:
     ValueError: no reversible block in ``stages``.

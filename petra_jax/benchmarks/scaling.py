@@ -1,56 +1,12 @@
-"""Measured multi-process speed-up of PETRA on this machine (CPU, one core per process).
+"""Measured multi-process speed-up of PETRA on the CPU, one core per process.
 
 ``python -m petra_jax.benchmarks.scaling --processes=2 [--model=revnet18 --width=8
---stage-sizes=1,2,2,5 --batch-size=64 --rounds=3 --iters=20 --warmup=5] [--json]``
-measures, in one invocation and back to back, the training throughput
-(images/s, warm-up excluded, median over ``rounds`` rounds of ``iters``
-steps) of:
-
-* ``backprop`` and single-process ``petra`` (every stage on one device),
-  interleaved round by round, in one process pinned to ``N`` cores (XLA's
-  intra-op thread pool then has ``N`` threads);
-* ``petra`` with its stages split over ``N`` ``jax.distributed`` processes
-  (``launch/local.sh N``; stage ``j`` on process ``j*N//J``), process ``i``
-  pinned to core ``i`` (one XLA thread each), messages between processes
-  through :mod:`petra_jax.engine.transport` (gloo).
-
-Pinning: XLA sizes its CPU thread pools from the process's CPU affinity mask
-(``sched_getaffinity``, as ``taskset`` sets it) when its client starts, so each
-process sets the affinity of all its threads
-(:func:`petra_jax.benchmarks.scaling_processes.pin_to_cores`) before
-JAX starts its backend; ``--xla_cpu_multi_thread_eigen=false`` keeps Eigen's
-kernels single-threaded too. ``XLA_FLAGS=intra_op_parallelism_threads=1`` is
-not an XLA flag (a TensorFlow session option) and the Eigen flag alone still
-lets a process use both cores (measured: 1.7 cores busy); the affinity does
-not (``ps -L -o psr`` shows each process's threads on its own core).
-
-Reported (``--json``): ``images_per_s`` of the three runs, ``measured_speedup``
-(multi-process PETRA over single-process PETRA), ``speedup_vs_backprop``,
-``simulated_speedup`` (the schedule's prediction for ``N`` devices each as fast
-as the single process: :func:`petra_jax.benchmarks.throughput.simulated_speedup`
-of the per-process compute measured in the single process, with the measured
-transfers), ``efficiency`` = measured / simulated, and under ``limits`` what
-explains the gap:
-
-* ``group_ms_1thread`` and ``thread_slowdown``: each process's compute per
-  tick on its one core (timed in the workers), and its sum over the same on
-  the single process's ``N`` cores: the intra-op parallelism a process loses;
-* ``load_balance``: the slowest process's one-core compute over the mean;
-* ``transfer``: per process boundary, the bytes of one tick's messages and
-  the median round trip (ms) of sending them (:mod:`petra_jax.engine.transport`);
-* ``host_cpu_ms_per_tick``: CPU time of process 0's host loop per tick
-  (dispatching its stages' steps and transfers; on one core it competes with
-  the compute), and ``host_ms_per_tick`` its wall time in ``run_tick``
-  (which also waits whenever XLA's queue of in-flight computations is full);
-* ``predicted_ms_per_tick``: the schedule's tick from the one-core compute and
-  the transfers, against ``measured_ms_per_tick``; what is left between them
-  is the host loop and the processes waiting on each other. Their ratio
-  (predicted / measured) is ``efficiency_one_core`` (top level): 1 when the
-  processes overlap as the schedule says.
-
-Each figure is the median over ``--rounds`` (and ``--repeats``). What each
-process measures: :mod:`petra_jax.benchmarks.scaling_roles`; how the driver
-starts and pins them: :mod:`petra_jax.benchmarks.scaling_processes`.
+--stage-sizes=1,2,2,5 --batch-size=64 --rounds=3 --iters=20 --warmup=5] [--json]`` measures
+images/s of backprop and single-process PETRA in one process pinned to ``N`` cores, and of PETRA
+split over ``N`` ``jax.distributed`` processes each pinned to one core (``pin_to_cores``).
+Reports ``measured_speedup``, ``simulated_speedup`` (``throughput.simulated_speedup`` of the
+per-process compute and measured transfers), ``efficiency`` = measured / simulated, and under
+``limits`` the thread slowdown, load balance, transfer round trips and host loop per tick.
 """
 
 from __future__ import annotations
@@ -69,7 +25,7 @@ from petra_jax.engine.pipeline import assign_devices
 
 
 def report(args, single: dict, multi: dict) -> dict:
-  """The JSON report from the two runs (see the module docstring)."""
+  """The JSON report from the single- and multi-process runs."""
   N, J = args.processes, len(single["stage_ms"])
   owner = assign_devices(J, list(range(N)))  # stage j -> its process
   group_ms = [sum(c for c, p in zip(single["stage_ms"], owner) if p == i) for i in range(N)]
@@ -90,8 +46,7 @@ def report(args, single: dict, multi: dict) -> dict:
       "speedup_vs_backprop": ips["petra_multiprocess"] / ips["backprop"],
       "simulated_speedup": simulated,
       "efficiency": measured / simulated,
-      # the schedule's tick from the one-core compute and the transfers over
-      # the measured tick: what overlap and the host loop leave of 1
+      # predicted tick (one-core compute + transfers) / measured tick
       "efficiency_one_core": predicted_tick / (1e3 * args.batch_size / ips["petra_multiprocess"]),
       "limits": {
           "stage_ms_single_process": single["stage_ms"],
@@ -109,10 +64,8 @@ def report(args, single: dict, multi: dict) -> dict:
 
 
 def _sends(transfers: list, owner: list, N: int) -> tuple[list, list]:
-  """Per process, ms per tick sending forward / backward: each boundary's
-  round trip split between its two directions in proportion to their bytes
-  (the forward part charged to the process before it, the backward part to
-  the one after, as :func:`petra_jax.engine.schedule.simulate` charges sends)."""
+  """Per process, ms per tick sending forward / backward: each boundary's round trip split
+  in proportion to the two directions' bytes."""
   send_f, send_b = [0.0] * N, [0.0] * N
   for t in transfers:
     share = t["bytes_forward"] / (t["bytes_forward"] + t["bytes_backward"])
@@ -151,7 +104,7 @@ def _ms(values) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-  """The command's flags (see the module docstring); ``--role`` is internal."""
+  """The command's flags; ``--role`` is internal."""
   p = cli.parser("petra_jax.benchmarks.scaling", __doc__, model="revnet18", dataset="cifar10",
                  width=8, batch_size=64, batch_help="micro-batch size")
   p.add_argument("--processes", type=int, default=2, help="jax.distributed processes (>= 2)")
@@ -196,7 +149,7 @@ def _check(args) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.scaling``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.scaling``."""
   args = parse_args(argv)
   if args.role == "single":
     print(RESULT + json.dumps(run_single(args)), flush=True)

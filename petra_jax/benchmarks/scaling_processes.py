@@ -1,12 +1,4 @@
-"""The scaling benchmark's processes: core pinning, child runs, medians over repeats.
-
-The driver (``python -m petra_jax.benchmarks.scaling``) measures nothing
-itself: :func:`measure` starts the single-process run
-(``--role=single``) and the ``jax.distributed`` run (``launch/local.sh N
---role=worker``) as children, reads the JSON each prints after
-:data:`RESULT`, and takes medians over ``--repeats``. Each child pins itself
-(:func:`pin_to_cores`) before JAX starts its backend.
-"""
+"""The scaling benchmark's processes: core pinning, child runs, medians over repeats."""
 
 from __future__ import annotations
 
@@ -26,16 +18,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def pin_to_cores(cores: Sequence[int]) -> list[int]:
-  """Sets the CPU affinity of every thread of this process to ``cores``.
-
-  Call before JAX starts its backend: XLA sizes its thread pools from the
-  affinity mask then, and threads created later inherit it.
-
-  Args:
-    cores: CPU indices (from ``os.sched_getaffinity(0)``).
-
-  Returns:
-    The cores set, sorted.
+  """Pins this process's threads to ``cores`` (before JAX starts); returns them, sorted.
 
   Raises:
     OSError: a core this process may not use.
@@ -64,12 +47,7 @@ def child_args(args) -> list[str]:
 
 
 def run_child(cmd: list[str], env: dict, timeout_s: float) -> dict:
-  """Runs ``cmd`` and returns the JSON after its (single) ``RESULT`` line.
-
-  Raises:
-    RuntimeError: the command failed or printed no result (its output's tail
-      in the message).
-  """
+  """The JSON after ``cmd``'s one ``RESULT`` line; RuntimeError with the output's tail if none."""
   proc = subprocess.run(cmd, cwd=_REPO, env=env, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True, timeout=timeout_s, check=False)
   lines = [l for l in proc.stdout.splitlines() if RESULT in l]
@@ -90,9 +68,7 @@ def child_env() -> dict:
 
 
 def measure(args) -> tuple[dict, dict]:
-  """``(single, multi)``: the single-process run, then the multi-process one,
-  ``args.repeats`` times in alternation; each figure is the median over the
-  repeats (integers, e.g. byte counts, are the same in every repeat)."""
+  """``(single, multi)`` results, run ``args.repeats`` times in alternation, medians."""
   module = ["-m", "petra_jax.benchmarks.scaling"]
   env = child_env()
   env.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="petra_jax_scaling_"))

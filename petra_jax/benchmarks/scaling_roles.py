@@ -1,15 +1,8 @@
 """What each child process of the scaling benchmark measures.
 
-* ``--role=single`` (:func:`run_single`): ``backprop`` and single-process
-  ``petra`` (every stage on one device), interleaved round by round, in one
-  process pinned to ``N`` cores, and each stage's ms per tick there.
-* ``--role=worker`` (:func:`run_worker`): one of ``N`` ``jax.distributed``
-  processes (``launch/local.sh N``), pinned to one core: its stages' one-core
-  compute per tick, the transfer round trip at every process boundary and
-  PETRA's images/s over all processes.
-
-Images/s exclude warm-up; each figure is the median over ``--rounds``
-rounds of ``--iters`` ticks.
+``--role=single``: backprop and single-process PETRA on ``N`` cores, and each stage's ms per
+tick; ``--role=worker``: one of ``N`` ``jax.distributed`` processes on one core, its compute
+per tick, the transfer round trips and PETRA's images/s.
 """
 
 from __future__ import annotations
@@ -19,12 +12,11 @@ import statistics
 import time
 from typing import Optional
 
-from petra_jax.engine import partition
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
 import jax
 import numpy as np
 import optax
 
+from petra_jax.engine import partition
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.benchmarks.scaling_processes import available_cores, pin_to_cores
@@ -34,10 +26,6 @@ from petra_jax.engine import timing
 from petra_jax.engine.pipeline import Pipeline
 
 
-# ----------------------------------------------------------------------------
-# The model and its inputs (the same in every process).
-# ----------------------------------------------------------------------------
-
 def build_stages(args) -> list:
   """The model's blocks grouped as ``--stage-sizes`` (one block per stage if empty)."""
   blocks = cli.build(args.model, args.dataset, args.width, depth=args.depth or None)
@@ -46,11 +34,7 @@ def build_stages(args) -> list:
 
 
 def stage_sizes(args) -> list[int]:
-  """``--stage-sizes`` as block counts (empty: one block per stage).
-
-  Raises:
-    ValueError: an entry that is not an integer.
-  """
+  """``--stage-sizes`` as block counts (empty: one block per stage); ValueError if not ints."""
   return [int(s) for s in args.stage_sizes.split(",") if s.strip()]
 
 
@@ -68,13 +52,8 @@ def _tx():
   return optax.sgd(1e-3, momentum=0.9)
 
 
-# ----------------------------------------------------------------------------
-# Timed loops.
-# ----------------------------------------------------------------------------
-
 def _timed(run_steps, rounds: int, iters: int, batch: int, barrier=None) -> list[float]:
-  """Images/s of each of ``rounds`` calls of ``run_steps(iters)`` (which
-  returns what to wait for), each started after ``barrier()`` if given."""
+  """Images/s of each of ``rounds`` calls of ``run_steps(iters)``, each after ``barrier()``."""
   out = []
   for _ in range(rounds):
     if barrier is not None:
@@ -86,10 +65,8 @@ def _timed(run_steps, rounds: int, iters: int, batch: int, barrier=None) -> list
 
 
 class _Stream:
-  """PETRA's stream on ``pipe``, one tick per step, the same micro-batch fed
-  on every tick; ``host_s`` sums the wall time spent in ``run_tick``
-  (dispatch, and any wait inside it), ``host_cpu_s`` the CPU time of the
-  calling thread there (the host loop's own work)."""
+  """PETRA's stream on ``pipe`` fed one micro-batch; ``host_s`` / ``host_cpu_s``: wall / CPU
+  seconds spent in ``run_tick``."""
 
   def __init__(self, pipe: Pipeline, images, labels, num_ticks: int):
     self.pipe, self.state = pipe, pipe.init(0, images)
@@ -117,14 +94,8 @@ def _stream_ticks(args, num_stages: int) -> int:
   return schedule.drain_ticks(num_stages) + args.warmup + args.rounds * args.iters + 1
 
 
-# ----------------------------------------------------------------------------
-# Role "single": backprop and PETRA in one process on N cores.
-# ----------------------------------------------------------------------------
-
 def run_single(args) -> dict:
-  """Backprop and single-process PETRA images/s (interleaved rounds) and
-  each stage's ms per tick, in this process (pinned to ``args.processes``
-  cores). Returns ``{"images_per_s": {...}, "stage_ms": [...], "cores"}``."""
+  """``{"images_per_s": {backprop, petra}, "stage_ms", "cores"}`` on ``args.processes`` cores."""
   cores = pin_to_cores(available_cores()[:args.processes])
   device = jax.devices()[0]
   stages = build_stages(args)
@@ -154,18 +125,8 @@ def run_single(args) -> dict:
           "cores": cores}
 
 
-# ----------------------------------------------------------------------------
-# Role "worker": one of N jax.distributed processes (started by launch/local.sh).
-# ----------------------------------------------------------------------------
-
 def run_worker(args) -> Optional[dict]:
-  """One process of the multi-process PETRA run, pinned to one core.
-
-  Measures its stages' one-thread ms per tick, the transfer round trip at
-  every process boundary and PETRA's images/s over all processes (timed on
-  process 0 between barriers). Returns the report on process 0, None on the
-  others.
-  """
+  """One process of the multi-process run on one core; the report on process 0, else None."""
   from petra_jax import config as config_lib, train  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   index = int(os.environ.get("JAX_PROCESS_ID", "0"))
@@ -197,9 +158,7 @@ def run_worker(args) -> Optional[dict]:
 
 
 def _local_group_ms(pipe: Pipeline, state, images, labels, iters: int) -> float:
-  """This process's compute per tick (ms): the sum over its stages of
-  forward + backward (the last stage: its backward, which holds its forward),
-  each timed on random inputs of its shapes."""
+  """This process's compute ms per tick: forward + backward of its stages on random inputs."""
   specs = pipe.message_specs(images)
   rng = np.random.default_rng(1)
   total = 0.0
@@ -223,10 +182,10 @@ def _boundaries(pipe: Pipeline) -> list[int]:
 
 
 def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
-  """Median ms of one tick's messages across boundary ``b``: stage ``b-1``'s
-  output forward, then ``(x~ or None, delta)`` back, as the engine sends them
-  (:func:`petra_jax.engine.transport.transfer`). Every process calls it; the two
-  owners time it, and ``round_trip_ms`` is set on the owner of ``b-1``."""
+  """Bytes and median round-trip ms of one tick's messages across boundary ``b``.
+
+  Every process calls it; ``round_trip_ms`` is set on the owner of stage ``b-1``.
+  """
   from petra_jax.engine import transport  # pylint: disable=g-import-not-at-top
   specs = pipe.message_specs(images)
   fwd_spec = specs[b]

@@ -1,38 +1,10 @@
 """Time per training step: backprop, revprop and PETRA (paper Tables 1 and 5).
 
-``python -m petra_jax.benchmarks.throughput --model=revnet18 --dataset=cifar10
---batch-size=64 [--width=W] [--iters=N] [--json]`` measures, on one device and
-after warm-up, the median time (ms) of one training step -- one micro-batch
-through every stage, forward and backward:
-
-* ``backprop``: one ``backprop`` task (``jax.grad`` of the model);
-* ``revprop``: one micro-batch of the drained table (reconstruct instead of
-  store);
-* ``petra``: one steady-state tick of the stream with the pipeline full:
-  every stage runs one forward and one backward, i.e. the same work as one
-  step, done by one device in sequence.
-
-It also times each stage's jitted forward and backward on correctly shaped
-inputs, and the ``jax.device_put`` of the activations a stage sends per tick
-between two (virtual CPU) devices. From these it simulates PETRA on ``J``
-devices: a tick takes ``max_j (F_j + B_j + T_j)`` against a sequential revprop
-step of ``sum_j (F_j + B_j)``; and it finds the contiguous grouping of the
-blocks on ``J' < J`` devices that minimises the slowest group (stage
-balancing). With the same measured costs, the ``schedules`` key compares
-GPipe, 1F1B and PETRA on ``J`` devices: simulated ms per update, bubble
-fraction and stored bytes per stage at ``k`` in {1, 4, 8}
-(:func:`schedule_table`). The paper (Table 5) reports 3.0x for RevNet18 on 10 GPUs and 2.4x
-for RevNet34 on 18; Table 1's floor for ``petra / backprop`` on one device is
-4/3 (a reversible backward re-runs the forward).
-
-Key ``reversible_backward`` (reversible models; alone with
-``--only-reversible-backward``): :mod:`petra_jax.benchmarks.reversible_backward`.
-
-With ``--host`` it measures instead the engine's own host cost per stage and
-tick (no-op steps of the same signatures; :mod:`petra_jax.benchmarks.host`,
-which describes the method) and the tiny-model PETRA tick against a backprop
-step: ``--model=revnet18 --dataset=cifar10 --width=2 --batch-size=2 --host
---json``.
+``python -m petra_jax.benchmarks.throughput --model=revnet18 --dataset=cifar10 --batch-size=64
+[--width=W] [--iters=N] [--json] [--host]`` times, on one device, the median ms of one step
+(one micro-batch through every stage, forward and backward) and of each stage's steps and sends,
+then simulates PETRA, GPipe and 1F1B on ``J`` devices and balances stages on ``J' < J``.
+``--host`` measures the engine's host cost per tick instead (``benchmarks.host``).
 """
 
 from __future__ import annotations
@@ -44,10 +16,7 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _request_cpu_devices(count: int) -> None:
-  """Asks XLA for ``count`` virtual CPU devices unless the user chose a count.
-
-  Only effective before JAX initialises its backend.
-  """
+  """Asks XLA for ``count`` virtual CPU devices (before JAX starts) unless a count is set."""
   flags = os.environ.get("XLA_FLAGS", "")
   if _DEVICE_FLAG not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={count}".strip()
@@ -59,13 +28,8 @@ if __name__ == "__main__":  # before JAX starts: one device to run, one to send 
 import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
-from petra_jax.benchmarks import simulate
-from petra_jax.engine import partition
-import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
+from petra_jax.benchmarks import simulate  # noqa: E402
+from petra_jax.engine import partition  # noqa: E402
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
@@ -75,43 +39,22 @@ from petra_jax.engine.partition import balanced_partition, equal_partition, grou
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
 from petra_jax.engine.stage import Stage, has_reversible  # noqa: E402
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 PAPER_SPEEDUP = {"revnet18": 3.0, "revnet34": 2.4}  # Table 5, 10 / 18 GPUs
 
-
-# ----------------------------------------------------------------------------
-# Helpers (the timing primitives live in petra_jax.engine.timing).
-# ----------------------------------------------------------------------------
 
 def _pipeline_arrays(state):
   """Every array the next tick depends on (to wait for a whole tick)."""
   return state.train_states, [box for box in state.inbox + state.grad_inbox]
 
 
-# ----------------------------------------------------------------------------
-# Measurements.
-# ----------------------------------------------------------------------------
-
 def step_times(pipes: dict, images, labels, iters: int, warmup: int = 1, seed: int = 0):
-  """Median ms of one ``backprop``, ``revprop`` and steady-state ``petra`` step.
+  """``({"backprop": ms, "revprop": ms, "petra": ms}, petra state)``, medians of interleaved rounds.
 
-  The three methods are timed in interleaved rounds (one call of each per
-  round) so that a slow drift of the machine's speed -- frequent on shared
-  or throttled CPUs -- affects them alike.
-
-  Args:
-    pipes: ``{"backprop": Pipeline, "revprop": Pipeline, "petra": Pipeline}``,
-      all on one device. ``backprop`` and ``revprop`` run one micro-batch of
-      their schedule per call; ``petra`` one tick of its stream, after
-      ``2(J-1)`` ticks that fill it (every stage then runs a forward and a
-      backward per tick).
-    images, labels: one micro-batch, reused by every step.
-    iters, warmup: measured and unmeasured rounds.
-    seed: initialisation seed.
-
-  Returns:
-    ``({"backprop": ms, "revprop": ms, "petra": ms}, state)`` with ``state``
-    the full PETRA pipeline's.
+  ``petra`` is one tick of the full stream (after ``2(J-1)`` filling ticks).
   """
   batch = lambda m: (images, labels)  # noqa: E731
   states = {name: pipe.init(seed, images) for name, pipe in pipes.items()}
@@ -141,20 +84,10 @@ def step_times(pipes: dict, images, labels, iters: int, warmup: int = 1, seed: i
 
 def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Device,
                    iters: int, warmup: int = 1) -> list[dict]:
-  """Median ms of the ``jax.device_put`` of what each stage sends per tick.
+  """Per stage, median ms and bytes of ``device_put(src -> dst)`` of its sends per tick.
 
-  Stage ``j`` sends its output to ``j+1`` (``send_forward``) and
-  ``(x~_j, delta_j)`` to ``j-1`` (``send_backward``; ``x~_j`` only when stage
-  ``j-1`` is reversible), as in :meth:`Pipeline.tick`.
-
-  Args:
-    pipe: the pipeline (for the stage kinds).
-    acts: stage inputs ``[images, x_1, ..., x_{J-1}]`` (on ``src``).
-    src, dst: two distinct devices.
-
-  Returns:
-    One dict per stage: ``send_forward``, ``send_backward`` (ms; 0 where the
-    stage sends nothing) and ``bytes_forward``, ``bytes_backward``.
+  ``acts``: stage inputs ``[images, x_1, ..., x_{J-1}]``. Forward sends ``x_{j+1}``,
+  backward ``(x~_j, delta_j)`` (``x~_j`` only if stage ``j-1`` reconstructs).
   """
   J = pipe.num_stages
   acts = [jax.device_put(a, src) for a in acts]
@@ -175,20 +108,9 @@ def transfer_times(pipe: Pipeline, acts: Sequence, src: jax.Device, dst: jax.Dev
   return rows
 
 
-# ----------------------------------------------------------------------------
-# The J-device simulation and stage balancing.
-# ----------------------------------------------------------------------------
-
 def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[float]] = None,
                       send_backward: Optional[Sequence[float]] = None) -> float:
-  """PETRA on one device per stage against sequential revprop.
-
-  ``sum_j c_j`` (a sequential reversible step runs every stage's forward and
-  backward in turn) over PETRA's steady-state time per micro-batch on one
-  device per stage, from its schedule table
-  (:func:`petra_jax.engine.schedule.ms_per_update`): ``max_j (c_j + T_j)``, the
-  slowest stage's compute ``c_j`` plus its sends ``T_j``.
-  """
+  """``sum_j c_j / max_j (c_j + T_j)``: sequential revprop over PETRA's simulated tick."""
   J = len(costs)
   forward = list(costs[:-1]) + [0.0]  # the table needs F_j and B_j; only c_j matters
   backward = [0.0] * (J - 1) + [costs[-1]]
@@ -200,21 +122,8 @@ def simulated_speedup(costs: Sequence[float], send_forward: Optional[Sequence[fl
 def balancing_table(costs, send_forward=None, send_backward=None,
                     group_counts: Sequence[int] = (2, 3, 4, 5, 6, 8),
                     flops: Optional[Sequence[float]] = None) -> list[dict]:
-  """Simulated speed-up on ``J'`` devices of three contiguous groupings.
-
-  For each ``J'`` (and ``J'`` = the number of blocks), every grouping judged
-  by the measured ``costs`` (and sends), against the sequential step
-  ``sum(costs)``:
-
-  * ``groups``, ``tick_ms``, ``simulated_speedup``: balanced on the measured
-    costs (:func:`balanced_partition`; config ``model.balance_by="time"``);
-  * ``equal_groups``, ``equal_tick_ms``, ``equal_speedup``: equal block
-    counts (:func:`equal_partition`), the unbalanced baseline;
-  * with ``flops`` (per block): ``flops_groups``, ``flops_speedup``, balanced
-    on FLOPs (config ``model.balance_by="flops"``).
-
-  At ``J'`` = J all are one block per device.
-  """
+  """Per ``J'``, the simulated speed-up of contiguous groups balanced on time, equal in block
+  count, and (with ``flops``) balanced on FLOPs."""
   total = float(sum(costs))
   tick_of = lambda groups: max(group_cost(costs, a, b, send_forward, send_backward)
                                for a, b in groups)
@@ -236,23 +145,10 @@ def balancing_table(costs, send_forward=None, send_backward=None,
 
 def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Sequence[dict],
                    ks: Sequence[int] = (1, 4, 8)) -> dict:
-  """GPipe, 1F1B and PETRA on ``J`` devices from the same measured stage costs.
+  """``{method: {str(k): simulated ms, bubble fraction, stored bytes per stage}}`` on ``J`` devices.
 
-  Args:
-    rows: per stage ``forward``/``backward`` ms of PETRA's steps
-      (reversible stages reconstruct) and sends (:func:`transfer_times`).
-    rows_stored: the same for steps that recompute from a buffered input
-      (``gpipe`` and ``1f1b`` store every input).
-    sizes: :func:`petra_jax.benchmarks.memory_model.stage_bytes` rows.
-    ks: micro-batches per update.
-
-  Returns:
-    ``{method: {str(k): {"simulated_ms_per_update", "bubble_fraction",
-    "stored_bytes_per_stage", "formula_bubble_fraction"}}}``:
-    :func:`petra_jax.engine.schedule.ms_per_update` (event-driven, steady state,
-    sends included) and :func:`petra_jax.benchmarks.memory_model.stored_bytes`;
-    the formula is 1F1B's and GPipe's ``(J-1)/(k+J-1)`` at equal stage costs
-    (0 for PETRA's stream).
+  ``rows`` are PETRA's stage costs, ``rows_stored`` those of steps recomputing from a
+  stored input (GPipe, 1F1B); ``formula_bubble_fraction`` is ``(J-1)/(k+J-1)``.
   """
   J, out = len(rows), {}
   for method, r in (("gpipe", rows_stored), ("1f1b", rows_stored), ("petra", rows)):
@@ -267,10 +163,6 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
       out[method][str(k)] = sim
   return out
 
-
-# ----------------------------------------------------------------------------
-# The whole benchmark.
-# ----------------------------------------------------------------------------
 
 def _measure(stages, images, labels, iters: int, warmup: int, seed: int):
   """``(ms_per_step, stage rows, recompute stage rows)``, sends included."""
@@ -294,26 +186,7 @@ def _measure(stages, images, labels, iters: int, warmup: int, seed: int):
 
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, iters: int = 5, warmup: int = 1, seed: int = 0) -> dict:
-  """Runs every measurement on ``jax.devices()[0]`` and returns the report.
-
-  Args:
-    stages: the model (:func:`petra_jax.models.build_model`).
-    input_shape: one example's shape, e.g. ``(32, 32, 3)``.
-    num_classes: classes of the head.
-    batch_size: micro-batch size.
-    iters, warmup: measured and unmeasured calls per timing.
-    seed: initialisation and data seed.
-
-  Returns:
-    A JSON-able dict: ``ms_per_step`` (``backprop``, ``revprop``, ``petra``),
-    ``ratio_petra_backprop``, ``ratio_revprop_backprop``, ``stage_ms`` (per
-    stage ``forward``, ``backward``, ``send_forward``, ``send_backward``, ms),
-    ``simulated_speedup`` (with sends), ``simulated_speedup_compute_only``,
-    ``balancing`` (:func:`balancing_table`), ``stage_ms_recompute`` (the
-    stages' costs when they recompute from a stored input, as ``gpipe`` and
-    ``1f1b`` do), ``schedules`` (:func:`schedule_table`), ``num_stages``,
-    ``devices``.
-  """
+  """The JSON-able report of every measurement on ``jax.devices()[0]`` (keys as returned)."""
   devices = jax.devices()
   rng = np.random.default_rng(seed)
   images = jax.device_put(
@@ -375,7 +248,7 @@ def _print_report(r: dict, name: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.throughput``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.throughput``."""
   p = cli.parser("petra_jax.benchmarks.throughput", __doc__, model="revnet18",
                  dataset="cifar10", width=64, batch_size=64,
                  width_help="base width (paper: 64)", batch_help="micro-batch size")

@@ -1,14 +1,9 @@
 """A schedule as run: a Fig. 1-style chart of a recorded timeline.
 
 ``python -m petra_jax.benchmarks.timeline --model=revnet18 --width=4 --ticks=30
-[--method=petra|gpipe|1f1b|...] [--accumulation-steps=K]
---out=docs/timeline.png`` runs the first ticks of a tiny pipeline's schedule
-table (PETRA: a new micro-batch every tick) with a
-:class:`petra_jax.engine.observers.TimelineRecorder`, checks that the tasks it ran
-are the table's, draws ticks on x,
-stages on y and one forward (F) and one backward (B) cell per stage and tick,
-labelled with the micro-batch id, and prints how long the pipeline took to
-fill and how many F/B slots stayed idle (bubbles).
+[--method=petra|gpipe|1f1b|...] [--accumulation-steps=K] --out=docs/timeline.png`` records
+the first ticks of a tiny pipeline, checks them against the schedule table, draws them and
+prints the fill ticks and idle F/B slots (bubbles).
 """
 
 from __future__ import annotations
@@ -17,7 +12,11 @@ import collections
 import sys
 from typing import Optional, Sequence
 
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around)
+from petra_jax import data as data_lib
+from petra_jax.benchmarks import cli
+from petra_jax.engine import observers
+from petra_jax.engine.methods import METHODS
+from petra_jax.engine.pipeline import Pipeline
 import jax
 import jax.numpy as jnp
 import matplotlib
@@ -28,33 +27,14 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from petra_jax import data as data_lib  # noqa: E402
-from petra_jax.benchmarks import cli  # noqa: E402
-from petra_jax.engine import observers  # noqa: E402
-from petra_jax.engine.methods import METHODS  # noqa: E402
-from petra_jax.engine.pipeline import Pipeline  # noqa: E402
-
 Event = tuple  # (tick, stage, "F" | "B", micro_batch)
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE"}
 
 
 def timeline_stats(timeline: Sequence[Event], num_stages: int,
                    num_ticks: Optional[int] = None) -> dict:
-  """Fill and bubble counts of a recorded timeline.
-
-  Every stage has one F and one B slot per tick.
-
-  Args:
-    timeline: ``(tick, stage, kind, micro_batch)`` events.
-    num_stages: ``J``.
-    num_ticks: ticks run (default: last recorded tick + 1).
-
-  Returns:
-    ``ticks``, ``slots`` (``2 J ticks``), ``busy`` (events), ``bubbles``
-    (idle slots), ``first_loss_tick`` (the last stage's first event, ``J-1``
-    from empty) and ``fill_ticks`` (ticks before the first one with every slot
-    busy, ``2(J-1)`` from empty; None if never full).
-  """
+  """``ticks``, ``slots`` (``2 J ticks``), ``busy``, ``bubbles``, ``first_loss_tick`` and
+  ``fill_ticks`` (None if never full) of ``(tick, stage, kind, micro_batch)`` events."""
   if num_ticks is None:
     num_ticks = 1 + max((e[0] for e in timeline), default=-1)
   per_tick = collections.Counter(e[0] for e in timeline)
@@ -69,28 +49,12 @@ def timeline_stats(timeline: Sequence[Event], num_stages: int,
 
 def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
                   title: Optional[str] = None, num_ticks: Optional[int] = None) -> str:
-  """Draws the timeline (paper Fig. 1 style) to an image file.
-
-  Each (tick, stage) cell is split in two: the forward on the left (blue), the
-  backward on the right (orange), each labelled with its micro-batch id; an
-  idle half (grey) is a bubble. Stage 0 is at the top.
-
-  Args:
-    timeline: ``(tick, stage, "F" | "B", micro_batch)`` events, e.g.
-      :class:`petra_jax.engine.observers.TimelineRecorder` ``.events``.
-    num_stages: ``J``.
-    path: output file (format from the extension, e.g. ``.png``).
-    title: the chart's title (default: a summary with the bubble count).
-    num_ticks: ticks on the x axis (default: up to the last event).
-
-  Returns:
-    ``path``.
-  """
+  """Draws ``(tick, stage, "F" | "B", micro_batch)`` events as in paper Fig. 1 to ``path``."""
   stats = timeline_stats(timeline, num_stages, num_ticks)
   ticks = stats["ticks"]
   fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * ticks + 1.5), 0.45 * num_stages + 1.6))
   small = 6 if ticks <= 40 else 4
-  for t in range(ticks):  # idle slots stay light grey
+  for t in range(ticks):
     for j in range(num_stages):
       ax.add_patch(Rectangle((t, j - 0.45), 1.0, 0.9, facecolor=COLORS["idle"],
                              edgecolor="white", linewidth=0.5))
@@ -119,8 +83,7 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
 
 
 def table_events(table, num_ticks: Optional[int] = None) -> list[Event]:
-  """The events a schedule table prescribes, as :class:`TimelineRecorder`
-  records them (a ``loss`` task is an F and a B)."""
+  """The events a schedule table prescribes (a ``loss`` task is an F and a B)."""
   events = []
   for t, tick in enumerate(table):
     if num_ticks is not None and t >= num_ticks:
@@ -134,12 +97,7 @@ def table_events(table, num_ticks: Optional[int] = None) -> list[Event]:
 def run_timeline(stages, image_shape: Sequence[int], num_ticks: int,
                  batch_size: int = 8, num_classes: int = 10, seed: int = 0,
                  method: str = "petra", accumulation_steps: int = 1):
-  """Runs the first ``num_ticks`` ticks of ``method``'s schedule.
-
-  Returns:
-    ``(recorded, table)``: the events a :class:`TimelineRecorder` saw, and
-    the schedule table that was run.
-  """
+  """``(recorded events, schedule table)`` of the first ``num_ticks`` ticks of ``method``."""
   recorder = observers.TimelineRecorder()
   pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], method=method,
                   accumulation_steps=accumulation_steps, observers=[recorder])
@@ -155,7 +113,7 @@ def run_timeline(stages, image_shape: Sequence[int], num_ticks: int,
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """``python -m petra_jax.benchmarks.timeline``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.timeline``."""
   p = cli.parser("petra_jax.benchmarks.timeline", __doc__, model="revnet18", dataset="cifar10",
                  width=4, batch_size=8)
   p.add_argument("--image-size", type=int, default=None,

@@ -1,32 +1,12 @@
 """Side by side: the authors' PyTorch PETRA and backprop steps against ours.
 
-``python -m petra_jax.benchmarks.torch_side_by_side --petra-repo=PATH
---torch-python=PY [--batch-size=64] [--iters=5] [--threads=2] [--repeats=1] [--json]``
+``python -m petra_jax.benchmarks.torch_side_by_side --petra-repo=PATH --torch-python=PY
+[--batch-size=64] [--iters=5] [--threads=2] [--repeats=1] [--json]``
 
-``PATH`` is an export of the authors' repository (stephane-rivaud/PETRA, e.g.
-``git archive HEAD | tar -x -C PATH``) and ``PY`` a Python with ``torch``.
-Their code is never copied here: this file, run by ``PY`` as a script
-(``--worker``, standard library and torch only), puts ``PATH`` on
-``sys.path`` and imports ``async_torch``. Model: their ``revnet18`` for
-CIFAR-10 (width 64, fixed in their code) against ours at width 64; one
-micro-batch of ``--batch-size`` random images, float32, ``--threads`` torch
-threads (XLA uses every core), SGD with momentum on both sides.
-
-* Their ``backprop`` step: one ``SynchronousSequential.forward_and_update``
-  (forward, backward, update); their ``petra`` step: one
-  ``AsynchronousSequential.forward_and_update`` with the pipeline full
-  (``2 J`` calls first), every stage one forward and one backward.
-* Ours: :func:`petra_jax.benchmarks.throughput.step_times` (one backprop
-  task; one PETRA tick with the pipeline full).
-
-Their runs bracket ours (theirs, ours, theirs) so a drift of the machine's
-speed shows; each side interleaves its two methods round by round. With
-``--repeats=R`` the sides alternate ``R`` times (theirs, ours, theirs, ...,
-ours, theirs: ``R`` brackets sharing their ends), for shared or throttled
-machines whose speed drifts by tens of percent within minutes. Prints each
-bracket (every run's median ms, the ratios ours/theirs against the mean of
-the bracket's two runs of theirs, petra/backprop of each side) and, at the
-top level, the median of each ratio over the brackets.
+``PATH``: an export of stephane-rivaud/PETRA (imported, never copied), ``PY``: a Python with
+torch that runs this file with ``--worker``. RevNet18 at width 64 on random CIFAR-10-shaped
+float32 batches; ``R`` runs of ours each bracketed by runs of theirs, ratios per bracket and
+their medians.
 """
 
 from __future__ import annotations
@@ -95,12 +75,10 @@ def _theirs(args) -> dict:
 
 def _ours(args) -> dict:
   """Our steps' median ms (backprop task, full PETRA tick) at width 64."""
-  import jax  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-
-  import petra_jax  # noqa: PLC0415,F401  (applies the XLA-CPU work-around)
   from petra_jax.benchmarks import cli, throughput  # noqa: PLC0415
   from petra_jax.engine.pipeline import Pipeline  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import optax  # noqa: PLC0415
   stages = cli.build("revnet18", "cifar10", 64)
   tx, devices = optax.sgd(1e-3, momentum=0.9), jax.devices()[:1]
   pipes = {m: Pipeline(stages, tx, devices, method=m) for m in ("backprop", "petra")}
@@ -124,8 +102,7 @@ def compare(theirs_before: dict, ours: dict, theirs_after: dict) -> dict:
 
 
 def brackets(theirs: list, ours: list) -> list:
-  """``R`` runs of ours bracketed by ``R + 1`` of theirs: per bracket its three
-  runs and :func:`compare`'s ratios.
+  """Per bracket (a run of ours between two of theirs), its runs and :func:`compare`'s ratios.
 
   Raises:
     ValueError: ``len(theirs) != len(ours) + 1``.
@@ -159,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  """``python -m petra_jax.benchmarks.torch_side_by_side``; see the module docstring."""
+  """``python -m petra_jax.benchmarks.torch_side_by_side``."""
   args = _parser().parse_args(argv)
   if args.worker:
     print(json.dumps(_worker(args.petra_repo, args.batch_size, args.iters, args.warmup,

@@ -1,10 +1,8 @@
 """Augmentation and normalisation (paper Sec. 4, "standard data augmentation").
 
-CIFAR and ImageNet32: pad-4 random crop + horizontal flip + per-channel
-standardisation, a jittable pure function run on the accelerator
-(``augment``). ImageNet: torchvision's ``RandomResizedCrop(224)`` + flip for
-training and ``Resize(256)`` + ``CenterCrop(224)`` for evaluation, on the host
-with Pillow (``imagenet_train_image``, ``imagenet_eval_image``).
+CIFAR / ImageNet32: pad-4 random crop + flip + standardisation, jittable (``augment``).
+ImageNet: torchvision's ``RandomResizedCrop(224)`` + flip, ``Resize(256)`` + ``CenterCrop(224)``,
+on the host with Pillow.
 """
 
 import math
@@ -17,8 +15,6 @@ from PIL import Image
 
 from petra_jax.data import sources
 
-# ImageNet crops: torchvision's RandomResizedCrop(224) for training,
-# Resize(256) + CenterCrop(224) to eval.
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 EVAL_RESIZE = 256
@@ -27,16 +23,7 @@ EVAL_RESIZE = 256
 def normalize(
     images: jax.Array, mean: Sequence[float], std: Sequence[float]
 ) -> jax.Array:
-  """Per-channel standardisation ``(x / 255 - mean) / std``.
-
-  Args:
-    images: ``[..., C]`` pixels in 0..255 (uint8 or float).
-    mean: ``[C]`` channel means in [0, 1] units.
-    std: ``[C]`` channel standard deviations in [0, 1] units.
-
-  Returns:
-    float32 array of the same shape.
-  """
+  """float32 ``(x / 255 - mean) / std``: pixels ``[..., C]`` in 0..255, ``mean``/``std`` ``[C]``."""
   mean = jnp.asarray(mean, jnp.float32)
   std = jnp.asarray(std, jnp.float32)
   return (images.astype(jnp.float32) / 255.0 - mean) / std
@@ -49,24 +36,8 @@ def augment(
     std: Sequence[float],
     pad: int = 4,
 ) -> jax.Array:
-  """Random crop (zero padding), random horizontal flip, then ``normalize``.
-
-  The standard CIFAR augmentation: each image is zero-padded by ``pad`` pixels
-  on every side, a random ``H x W`` window is cut out (offsets uniform in
-  ``0 .. 2 * pad``, independently per image), and it is mirrored left-right
-  with probability 0.5. Padding happens before normalisation, so padded pixels
-  are black (as in torchvision's ``RandomCrop(padding=4)``). Pure and jittable.
-
-  Args:
-    key: PRNG key.
-    images: uint8 ``[B, H, W, C]``.
-    mean: ``[C]`` channel means in [0, 1] units.
-    std: ``[C]`` channel standard deviations in [0, 1] units.
-    pad: padding in pixels (a static Python int).
-
-  Returns:
-    float32 ``[B, H, W, C]``.
-  """
+  """Zero-pad ``pad``, random ``H x W`` crop, flip with p = 0.5, ``normalize``: uint8 -> float32
+  ``[B, H, W, C]``. Padded pixels are black (torchvision's ``RandomCrop(padding=4)``)."""
   b, h, w, c = images.shape
   crop_key, flip_key = jax.random.split(key)
   offsets = jax.random.randint(crop_key, (b, 2), 0, 2 * pad + 1)
@@ -87,23 +58,8 @@ def random_resized_crop_box(
     scale: tuple[float, float] = CROP_SCALE,
     ratio: tuple[float, float] = CROP_RATIO,
 ) -> tuple[int, int, int, int]:
-  """A random crop box, as torchvision's ``RandomResizedCrop.get_params``.
-
-  Up to 10 tries draw an area fraction uniform in ``scale`` and a log-uniform
-  aspect ratio (width / height) in ``ratio``; the first box that fits is
-  placed uniformly. If none fits, the central crop of the whole image with
-  its aspect ratio clamped to ``ratio`` is returned.
-
-  Args:
-    height: image height H in pixels.
-    width: image width W in pixels.
-    rng: NumPy generator (the only source of randomness).
-    scale: bounds of the crop area as a fraction of ``H * W``.
-    ratio: bounds of the crop's width / height.
-
-  Returns:
-    ``(top, left, crop_height, crop_width)`` in pixels, inside the image.
-  """
+  """``(top, left, crop_height, crop_width)`` in pixels, as torchvision's
+  ``RandomResizedCrop.get_params`` (``scale``: area fraction, ``ratio``: width / height)."""
   area = height * width
   log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
   for _ in range(10):
@@ -124,18 +80,8 @@ def random_resized_crop_box(
 
 
 def imagenet_train_image(encoded: bytes, seed: int, size: int = 224) -> np.ndarray:
-  """Decodes one image, random-resized-crops it to ``size`` and maybe flips it.
-
-  Bilinear resampling (Pillow), a horizontal flip with probability 0.5.
-
-  Args:
-    encoded: JPEG/PNG bytes of an image of any size.
-    seed: seed of this image's crop and flip.
-    size: output side in pixels.
-
-  Returns:
-    uint8 ``[size, size, 3]``.
-  """
+  """uint8 ``[size, size, 3]``: JPEG/PNG bytes decoded, random-resized-cropped (bilinear), maybe
+  flipped, all drawn from ``seed``."""
   rng = np.random.default_rng(seed)
   image = sources.decode(encoded)
   top, left, h, w = random_resized_crop_box(image.height, image.width, rng)
@@ -147,18 +93,7 @@ def imagenet_train_image(encoded: bytes, seed: int, size: int = 224) -> np.ndarr
 def imagenet_eval_image(
     encoded: bytes, size: int = 224, resize: int = EVAL_RESIZE
 ) -> np.ndarray:
-  """Decodes one image, resizes its shorter side to ``resize``, center-crops.
-
-  As torchvision's ``Resize(256)`` + ``CenterCrop(224)``, bilinear.
-
-  Args:
-    encoded: JPEG/PNG bytes of an image of any size.
-    size: output side in pixels.
-    resize: shorter side after resizing, in pixels (>= ``size``).
-
-  Returns:
-    uint8 ``[size, size, 3]``.
-  """
+  """uint8 ``[size, size, 3]``: shorter side resized to ``resize`` (bilinear), center crop."""
   image = sources.decode(encoded)
   w, h = image.size
   if w <= h:

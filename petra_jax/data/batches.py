@@ -1,15 +1,4 @@
-"""Batches: the epoch order, training batches and evaluation batches.
-
-The training loop sees index batches (``batch_indices``: the epoch's
-permutation cut into full batches) and one API for every data set:
-
-* ``make_train_batch_fn(info, device)(split, indices, key)`` -> augmented,
-  normalised float32 images on ``device`` and their int32 labels;
-  ``make_update_batch_fn`` the same for a whole update's micro-batches in one
-  call;
-* ``eval_batches(split, info, batch_size)`` -> normalised batches of one shape
-  (the last one padded) with their labels and valid counts.
-"""
+"""Batches: the epoch order, training batches and evaluation batches."""
 
 import functools
 from typing import Any, Callable, Iterator, Sequence
@@ -23,16 +12,7 @@ from petra_jax.data.sources import DatasetInfo, LazySplit, Split
 
 
 def epoch_permutation(num_examples: int, seed: int, epoch: int) -> np.ndarray:
-  """The example order of one epoch, a function of ``(seed, epoch)`` only.
-
-  Args:
-    num_examples: dataset size N.
-    seed: non-negative run seed.
-    epoch: non-negative epoch number.
-
-  Returns:
-    int64 ``[N]``, a permutation of ``0 .. N - 1``.
-  """
+  """int64 ``[N]``, the example order of one epoch, a function of ``(seed, epoch)`` only."""
   return np.random.default_rng((seed, epoch)).permutation(num_examples)
 
 
@@ -43,20 +23,7 @@ def batch_indices(
     epoch: int,
     steps_per_epoch: int = 0,
 ) -> np.ndarray:
-  """Index batches of one epoch: the shuffled order cut into full batches.
-
-  The last partial batch is dropped.
-
-  Args:
-    num_examples: dataset size N.
-    batch_size: examples per batch B.
-    seed: non-negative run seed.
-    epoch: non-negative epoch number.
-    steps_per_epoch: if > 0, at most this many batches are returned.
-
-  Returns:
-    int64 ``[S, B]``; row ``s`` holds the example indices of step ``s``, with
-    ``S = min(N // B, steps_per_epoch or N // B)``. No index repeats.
+  """int64 ``[S, B]``: the epoch's order in ``S = min(N // B, steps_per_epoch or N // B)`` batches.
 
   Raises:
     ValueError: ``batch_size < 1`` or the dataset is smaller than one batch.
@@ -92,23 +59,10 @@ _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
 def host_fold_in(key_data: np.ndarray, data: int) -> np.ndarray:
-  """``jax.random.fold_in`` of a threefry key, on the host with Python ints.
+  """``jax.random.fold_in`` on uint32 ``[2]`` threefry key data, on the host, bit for bit.
 
-  Bit for bit ``key_data(fold_in(wrap_key_data(key_data), data))``: the
-  Threefry-2x32 block cipher (20 rounds; Salmon et al., 2011, as in
-  ``jax._src.prng.threefry_2x32``) of the counter ``(0, data)`` under the key.
-  No device is touched, so a batch's randomness needs no read-back.
-
-  Args:
-    key_data: uint32 ``[2]``, a threefry key's data
-      (``np.asarray(jax.random.key_data(jax.random.key(seed)))``).
-    data: the integer folded in, ``0 <= data < 2**32``.
-
-  Returns:
-    uint32 ``[2]``, the new key's data.
-
-  Raises:
-    ValueError: ``data`` outside ``[0, 2**32)``.
+  Threefry-2x32 (20 rounds; Salmon et al., 2011) of the counter ``(0, data)``.
+  Returns uint32 ``[2]``; raises ValueError for ``data`` outside ``[0, 2**32)``.
   """
   if not 0 <= data <= _MASK32:
     raise ValueError(f"fold_in data must be in [0, 2**32), got {data}.")
@@ -130,26 +84,11 @@ def _augment_key_data(key_data, images, mean, std):
 
 
 def make_train_batch_fn(info: DatasetInfo, device) -> TrainBatchFn:
-  """The training-batch function of a dataset (paper Sec. 4 augmentation).
+  """``fn(split, indices, key) -> (images, labels)`` with paper Sec. 4 augmentation.
 
-  In-memory datasets: gather uint8 images, ship them to ``device``, then
-  ``augment`` (pad-4 random crop + flip + normalise) there. Lazy ones
-  (ImageNet): read and decode on the host, random-resized crop to
-  ``info.image_shape`` + flip (``imagenet_train_image``), ship the uint8 crops,
-  normalise on ``device``.
-
-  Args:
-    info: the dataset's registry entry.
-    device: where the images go: the first stage's device, or the sharding
-      of its batched inputs (``Placement.batch``, data parallelism).
-
-  Returns:
-    ``fn(split, indices, key) -> (images, labels)``: ``split`` from
-    ``open_split``; ``indices`` int ``[B]``; ``key`` a threefry PRNG key, or
-    its key data as NumPy uint32 ``[2]`` (e.g. from :func:`host_fold_in`:
-    the same batch, with no device read-back); the batch's randomness is a
-    function of the key only; ``images`` float32 ``[B, H, W, C]`` on
-    ``device``; ``labels`` int32 ``[B]`` (NumPy).
+  ``indices`` int ``[B]``; ``key`` a threefry key or its NumPy uint32 ``[2]`` data;
+  ``images`` float32 ``[B, H, W, C]`` on ``device`` (a device or a sharding);
+  ``labels`` int32 ``[B]`` (NumPy). Lazy splits are decoded and cropped on the host.
   """
   normalize_fn = jax.jit(functools.partial(normalize, mean=info.mean, std=info.std))
   if not info.lazy:
@@ -177,28 +116,10 @@ def make_train_batch_fn(info: DatasetInfo, device) -> TrainBatchFn:
 
 
 def make_update_batch_fn(info: DatasetInfo, device, k: int) -> Callable:
-  """The training batches of one whole update in one jitted call.
+  """``fn(split, indices, key_data)`` -> an update's ``k`` float32 ``[B, H, W, C]`` micro-batches.
 
-  In-memory datasets only (lazy ones decode on the host: see
-  :mod:`petra_jax.data.prefetch`). The update's ``k`` micro-batches are
-  gathered as one uint8 array, shipped with one ``jax.device_put`` and
-  augmented by one jitted program that runs ``augment`` on each micro-batch
-  with its own key: the same images as ``k`` calls of
-  :func:`make_train_batch_fn`'s function, at one dispatch per update.
-
-  Args:
-    info: the dataset's registry entry (``info.lazy`` False).
-    device: where the images go (the first stage's device, or its batch
-      sharding).
-    k: micro-batches per update.
-
-  Returns:
-    ``fn(split, indices, key_data) -> tuple of k float32 [B, H, W, C]``:
-    ``indices`` int ``[k * B]`` (micro-batch ``i`` is rows ``i*B .. (i+1)*B``),
-    ``key_data`` uint32 ``[k, 2]``, micro-batch ``i``'s threefry key data.
-
-  Raises:
-    ValueError: a lazy dataset.
+  ``indices`` int ``[k * B]``, ``key_data`` uint32 ``[k, 2]``; the same images as
+  ``k`` calls of ``make_train_batch_fn``'s function. Raises ValueError for a lazy dataset.
   """
   if info.lazy:
     raise ValueError(f"{info.tfds_name}: a lazy dataset is decoded per micro-batch on the host; "
@@ -221,24 +142,10 @@ def eval_batches(
     batch_size: int,
     device: jax.Device | None = None,
 ) -> Iterator[tuple[jax.Array, np.ndarray, int]]:
-  """The split in order, normalised, in batches of one shape.
+  """Yields the split in order as ``(images, labels, valid)``.
 
-  Lazy (ImageNet) images are resized to 256 on the shorter side and
-  center-cropped to ``info.image_shape`` (``imagenet_eval_image``).
-
-  Args:
-    split: from ``open_split``.
-    info: the dataset's registry entry.
-    batch_size: images per batch B.
-    device: where the images go; ``None`` = JAX's default device.
-
-  Yields:
-    ``(images, labels, valid)``: float32 ``[B, H, W, C]`` on ``device``, whose
-    rows past ``valid`` (last batch only) are padding, black images before
-    normalisation; int32 labels ``[valid]`` (NumPy); ``valid`` in ``1 .. B``.
-
-  Raises:
-    ValueError: ``batch_size < 1``.
+  ``images`` float32 ``[B, H, W, C]`` on ``device``, rows past ``valid`` black
+  padding (last batch); labels int32 ``[valid]``. Raises ValueError if ``batch_size < 1``.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}.")

@@ -1,13 +1,4 @@
-"""Micro-batches prepared ahead, in background threads.
-
-A training run asks for micro-batch ``m`` on the tick stage 0 takes it
-(``batches(m)``, a pure function of ``m``: see ``training.assembly``).
-Where preparing one is slow host work (ImageNet: JPEG decoding and the
-random-resized crop, in NumPy/PIL, which release the GIL), :class:`Prefetcher`
-runs ``batches(m + 1) .. batches(m + depth)`` in a thread pool while the
-tick's stages compute, so the loop finds each micro-batch ready. Results are
-those of ``batches`` itself, in any order of requests.
-"""
+"""Micro-batches prepared ahead in background threads (ImageNet's host decoding)."""
 
 from __future__ import annotations
 
@@ -16,16 +7,10 @@ from typing import Callable
 
 
 class Prefetcher:
-  """``m -> batches(m)``, with the next ``depth`` micro-batches prepared ahead.
+  """``m -> batches(m)``, with ``batches(m + 1) .. batches(m + depth)`` prepared ahead.
 
-  Args:
-    batches: ``m -> (images, labels)``; must be a pure function of ``m`` and
-      safe to call from other threads (JAX's dispatch and ``device_put`` are).
-    depth: micro-batches prepared ahead (>= 1).
-    workers: threads preparing them (default ``depth``).
-
-  Raises:
-    ValueError: ``depth < 1``.
+  ``batches`` must be a pure, thread-safe function of ``m``; ``workers`` defaults
+  to ``depth``. Raises ValueError if ``depth < 1``.
   """
 
   def __init__(self, batches: Callable[[int], tuple], depth: int, workers: int = 0):
@@ -37,8 +22,7 @@ class Prefetcher:
     self._pending: dict[int, concurrent.futures.Future] = {}
 
   def __call__(self, m: int) -> tuple:
-    """``batches(m)``; starts ``m + 1 .. m + depth``. Errors of a background
-    preparation are raised here, for the micro-batch that caused them."""
+    """``batches(m)``; a background preparation's error is raised for its own ``m``."""
     future = self._pending.pop(m, None)
     for stale in [n for n in self._pending if n < m]:  # a jump back (resume) or ahead
       self._pending.pop(stale).cancel()

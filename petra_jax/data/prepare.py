@@ -1,22 +1,8 @@
 """Where the data lives, and preparing a missing data set with tfds.
 
-The data dir is ``--config.data_dir``, else ``$TFDS_DATA_DIR``, else
-``../shared/data/tensorflow_datasets`` beside the checkout when that folder
-exists, else tfds' default ``~/tensorflow_datasets`` (``resolve_data_dir``).
-
-A data set missing there (``ensure_prepared``), by ``download``:
-
-* ``None`` (auto, the default): CIFAR-10 and CIFAR-100 (about 170 MB each) are
-  downloaded and prepared there by tfds on first use, with one line saying
-  where and tfds' own progress bars; ImageNet32 (about 3.7 GB) and ImageNet
-  are an error naming the fix.
-* ``True``: any data set tfds can download is downloaded and prepared;
-  ImageNet only from its archives put there by hand (tfds cannot download it).
-* ``False``: never downloads; a missing data set is an error naming the fixes.
-
-Without network the download fails with one line naming both fixes: point to
-a prepared copy (``--config.data_dir`` / ``TFDS_DATA_DIR``), or connect to the
-network.
+``download``: None (default) lets tfds fetch CIFAR-10/100 on first use, True any data set tfds
+can download (ImageNet from archives put in ``downloads/manual``), False none. A missing data
+set or a failed download is one ``DataError`` line naming the fixes.
 """
 
 import os
@@ -28,28 +14,15 @@ import urllib.parse
 from petra_jax.data import errors
 from petra_jax.data import sources
 
-# A tfds data dir next to the repository (``<repo>/../shared/data/...``).
 _REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 _SHARED_DATA_DIR = _REPO_ROOT.parent / "shared" / "data" / "tensorflow_datasets"
-# tfds' own default.
 _TFDS_DEFAULT_DATA_DIR = "~/tensorflow_datasets"
-# Where tfds looks for archives it cannot download (ImageNet's).
 _MANUAL_DIR = os.path.join("downloads", "manual")
 
 
 def resolve_data_dir(data_dir: str | None) -> str:
-  """Chooses the tfds data dir.
-
-  Precedence: ``data_dir`` (the config value) > ``$TFDS_DATA_DIR`` >
-  ``<repo root>/../shared/data/tensorflow_datasets`` when that folder exists >
-  tfds' default ``~/tensorflow_datasets``. Empty strings count as unset.
-
-  Args:
-    data_dir: explicit data dir, or ``None``/``""`` to fall back.
-
-  Returns:
-    The data dir (not checked for existence, except for the shared folder).
-  """
+  """The tfds data dir: ``data_dir`` > ``$TFDS_DATA_DIR`` > ``<repo>/../shared/data/
+  tensorflow_datasets`` if it exists > ``~/tensorflow_datasets``; "" counts as unset."""
   if data_dir:
     return str(data_dir)
   env = os.environ.get("TFDS_DATA_DIR")
@@ -61,15 +34,7 @@ def resolve_data_dir(data_dir: str | None) -> str:
 
 
 def is_prepared(name: str, info: sources.DatasetInfo, data_dir: str) -> tuple[bool, str]:
-  """Whether tfds finds the dataset prepared in ``data_dir``, and where it
-  looked (``<data_dir>/<name>[/<config>]/<version>``).
-
-  Only the dataset's ``dataset_info.json`` is read.
-
-  Raises:
-    DataError: tfds cannot build the dataset's description (e.g. an unreadable
-      ``dataset_info.json``).
-  """
+  """``(prepared, where tfds looked)``; DataError if tfds cannot read its metadata."""
   try:
     builder = sources.tfds_builder(info, data_dir)
     return bool(builder.is_prepared()), str(builder.data_dir)
@@ -81,31 +46,13 @@ def is_prepared(name: str, info: sources.DatasetInfo, data_dir: str) -> tuple[bo
 def ensure_prepared(
     name: str, data_dir: str | None = None, download: bool | None = None
 ) -> str:
-  """Makes sure a dataset is prepared (tfds format) in its data dir.
+  """The resolved data dir, after preparing the dataset there if ``download`` allows it.
 
-  If it is, nothing happens (only its ``dataset_info.json`` is read). If it is
-  not, ``download`` decides (module docstring): tfds'
-  ``DatasetBuilder.download_and_prepare`` puts the archives in
-  ``<data_dir>/downloads`` and the prepared data in
-  ``<data_dir>/<name>/<version>``. In a multi-process run call it in one
-  process only, then synchronise, so that processes do not prepare the same
-  data concurrently.
-
-  Args:
-    name: registry name (a key of ``DATASETS``).
-    data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
-    download: None (auto: CIFAR only), True (any) or False (never).
-
-  Returns:
-    The resolved data dir (``str``) that holds the prepared dataset.
+  Call it in one process of a multi-process run, then synchronise.
 
   Raises:
-    DataError: unknown dataset; ``download`` not True, False or None; dataset
-      missing and not to be downloaded (the message names
-      ``--config.data_dir``, ``TFDS_DATA_DIR`` and how to get it); or the
-      download / preparation failed, e.g. no network (the message names the
-      error and both fixes: point to a prepared copy, or connect to the
-      network).
+    DataError: unknown dataset, bad ``download``, dataset missing and not to be
+      downloaded, or the download failed (e.g. no network); the message names the fix.
   """
   info = sources.get_dataset_info(name)
   if download not in (None, True, False):
@@ -168,8 +115,7 @@ def _download_and_prepare(name: str, info: sources.DatasetInfo, data_dir: str,
 
 
 def _resolve_hosts(urls) -> None:
-  """Looks up the download hosts, so that no network fails at once (tfds'
-  downloader retries for minutes).
+  """Resolves the download hosts: no network fails at once, not after tfds' retries.
 
   Raises:
     ConnectionError: a host's name cannot be resolved.

@@ -1,10 +1,4 @@
-"""Integrity of a prepared split's shard files, checked before any read.
-
-Each array_record file a split reads is opened: that reads its postscript and
-footer (the record index, a few bytes per record), which a truncated or partly
-copied file lacks, and gives its record count, compared with the shard length
-in ``dataset_info.json``. No record is read.
-"""
+"""Integrity of a split's array_record shard files: footers and record counts, no record read."""
 
 import os
 from typing import Any
@@ -15,20 +9,8 @@ from petra_jax.data import sources
 
 def check_shards(name: str, info: sources.DatasetInfo, split: str, data_dir: str,
                  source: Any) -> None:
-  """Raises DataError if a shard file of the split is not whole.
-
-  Args:
-    name: registry name of the dataset.
-    info: its registry entry.
-    split: tfds split name.
-    data_dir: the tfds data dir.
-    source: the split's tfds data source.
-
-  Raises:
-    DataError: a shard file is missing, truncated, corrupted or holds another
-      number of records than the metadata says; the message names the file
-      and how to re-prepare the dataset.
-  """
+  """Raises DataError if a shard file of ``source`` is missing, truncated or
+  holds another record count than ``dataset_info.json`` says."""
   try:
     instructions = source.dataset_info.splits[split].file_instructions
   except Exception:  # pylint: disable=broad-except
@@ -45,15 +27,7 @@ def check_shards(name: str, info: sources.DatasetInfo, split: str, data_dir: str
 
 
 def shard_problem(path: str, expected_records: int) -> str | None:
-  """What is wrong with one array_record shard file, or None if nothing.
-
-  Args:
-    path: the shard file.
-    expected_records: its record count according to ``dataset_info.json``.
-
-  Returns:
-    A phrase completing "shard file <path> ...", or None for a whole file.
-  """
+  """A phrase completing "shard file <path> ..." for a damaged file, else None."""
   from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
 
   if not os.path.isfile(path):

@@ -1,9 +1,6 @@
-"""The data sets and their tfds data sources: registry, splits, record reads.
+"""The data sets (``DATASETS``), their splits and record reads through ``tfds.data_source``.
 
-Data sets (paper Sec. 4): CIFAR-10, CIFAR-100, ImageNet32 and ImageNet, each a
-``DatasetInfo`` in ``DATASETS``. Records are read with ``tfds.data_source``
-(array_record files, no TensorFlow) and images decoded with Pillow, so the
-pixels do not depend on whether OpenCV happens to be installed.
+Records are array_record files read without TensorFlow; images are decoded with Pillow.
 """
 
 import concurrent.futures
@@ -18,8 +15,7 @@ from PIL import Image
 
 from petra_jax.data import errors
 
-# The usual ImageNet channel statistics (torchvision), in [0, 1] units; also
-# used for ImageNet32, whose pixels come from the same images.
+# torchvision's ImageNet channel statistics, in [0, 1] units (ImageNet32 too).
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -29,26 +25,12 @@ class DatasetInfo:
   """Static description of an image-classification dataset.
 
   Attributes:
-    tfds_name: name for ``tfds.data_source``, e.g. ``"cifar10"`` or
-      ``"imagenet_resized/32x32"``.
-    num_classes: number of labels; labels are ``0 .. num_classes - 1``.
-    image_shape: ``(H, W, C)`` of every image.
-    mean: per-channel mean of the training pixels, in [0, 1] units, ``[C]``.
-    std: per-channel standard deviation, in [0, 1] units, ``[C]``.
-    train_split: tfds split name used for training.
-    test_split: tfds split name used for evaluation.
-    imagenet_stem: the model's stem for this input size: ImageNet's 7x7
-      stride-2 convolution and max-pool (True) or the CIFAR 3x3 one (False).
-    lazy: if True the split is too large for memory: ``open_split`` returns a
-      ``LazySplit`` decoded per batch with ImageNet crops (the images may have
-      any size; ``image_shape`` is the crop). If False the split is decoded
-      once (``load_split``) and augmented with ``augment``.
-    auto_download: small enough (a few hundred MB) for tfds to download and
-      prepare on first use when it is missing (``download=None``, the
-      default); the others download only when asked (``download=True``).
-    manual_archives: files tfds needs in ``<data_dir>/downloads/manual``
-      because it cannot download them (ImageNet); () when tfds downloads the
-      data itself.
+    image_shape: ``(H, W, C)`` of every image (of the crop, if ``lazy``).
+    mean, std: per-channel ``[C]`` statistics of the training pixels, in [0, 1] units.
+    imagenet_stem: the model uses ImageNet's 7x7 stride-2 stem and max-pool.
+    lazy: too large for memory; ``open_split`` returns a ``LazySplit``.
+    auto_download: tfds downloads it when missing with ``download=None``.
+    manual_archives: files tfds needs in ``<data_dir>/downloads/manual``.
     size: download size, for messages.
   """
 
@@ -84,11 +66,7 @@ DATASETS: dict[str, DatasetInfo] = {
 
 
 def get_dataset_info(name: str) -> DatasetInfo:
-  """Returns the registry entry for ``name``.
-
-  Raises:
-    DataError: ``name`` is not in ``DATASETS``; the message lists known names.
-  """
+  """The registry entry for ``name``; DataError listing the known names if unknown."""
   try:
     return DATASETS[name]
   except KeyError:
@@ -99,13 +77,8 @@ def get_dataset_info(name: str) -> DatasetInfo:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Split:
-  """A whole dataset split in host memory (arrays are read-only).
-
-  Attributes:
-    images: uint8 ``[N, H, W, C]``, pixel values 0..255; None in a
-      labels-only split (``open_labels``).
-    labels: int32 ``[N]``, values in ``[0, num_classes)``.
-  """
+  """A split in host memory, read-only: uint8 ``images`` ``[N, H, W, C]`` (None from
+  ``open_labels``), int32 ``labels`` ``[N]``."""
 
   images: np.ndarray | None
   labels: np.ndarray
@@ -116,15 +89,7 @@ class Split:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LazySplit:
-  """A split read and decoded per batch (ImageNet: too large for memory).
-
-  Attributes:
-    name: registry name of the dataset.
-    source: the tfds data source; ``source[i]`` is a dict with the encoded
-      image bytes under ``"image"`` and an int ``"label"``.
-    num_examples: examples used, ``len(source)`` or fewer (``limit``).
-    data_dir: the tfds data dir it was opened from (for error messages).
-  """
+  """A split read and decoded per batch; ``source[i]`` is ``{"image": bytes, "label": int}``."""
 
   name: str
   source: Any
@@ -135,33 +100,21 @@ class LazySplit:
     return self.num_examples
 
   def read(self, indices: Sequence[int]) -> tuple[list[bytes], np.ndarray]:
-    """Encoded images (a list of ``len(indices)`` bytes) and int32 labels.
-
-    Raises:
-      DataError: a record cannot be read (corrupted shard file).
-    """
+    """Encoded images (``len(indices)`` bytes objects) and int32 labels; DataError if unreadable."""
     records = read_records(self.source, indices, self.name, self.data_dir)
     labels = np.array([r["label"] for r in records], np.int32)
     return [r["image"] for r in records], labels
 
 
 def tfds_builder(info: DatasetInfo, data_dir: str):
-  """tfds' builder of a dataset in ``data_dir`` (reads no records).
-
-  Raises:
-    Exception: whatever tfds raises (callers turn it into a ``DataError``).
-  """
+  """tfds' builder of a dataset in ``data_dir``; raises whatever tfds raises."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   return tfds.builder(info.tfds_name, data_dir=data_dir, file_format="array_record")
 
 
 def data_source(info: DatasetInfo, split: str, data_dir: str):
-  """tfds' data source of a prepared split, images left encoded (bytes).
-
-  Raises:
-    Exception: whatever tfds raises (callers turn it into a ``DataError``).
-  """
+  """tfds' data source of a prepared split, images left encoded; raises whatever tfds raises."""
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   return tfds.data_source(
@@ -175,21 +128,7 @@ def data_source(info: DatasetInfo, split: str, data_dir: str):
 
 def read_records(source: Any, indices: Sequence[int], name: str,
                  data_dir: str) -> Sequence[Any]:
-  """``source.__getitems__(indices)``; a read failure becomes a DataError.
-
-  Args:
-    source: a tfds data source (``data_source``).
-    indices: record indices.
-    name: registry name of the dataset (for the message).
-    data_dir: the tfds data dir it was opened from (for the message).
-
-  Returns:
-    The records, dicts with ``"image"`` (bytes) and ``"label"`` (int).
-
-  Raises:
-    DataError: a record cannot be read, a shard file is corrupted; the message
-      names the folder and how to re-prepare the dataset.
-  """
+  """``source.__getitems__(indices)``; a read failure is a DataError naming how to re-prepare."""
   try:
     return source.__getitems__([int(i) for i in indices])
   except (RuntimeError, OSError) as e:
@@ -207,5 +146,5 @@ def decode(encoded: bytes, mode: str = "RGB") -> Image.Image:
 
 @functools.lru_cache(maxsize=1)
 def thread_pool() -> concurrent.futures.ThreadPoolExecutor:
-  """Decoding threads (Pillow releases the GIL while decoding and resizing)."""
+  """Decoding threads (Pillow releases the GIL)."""
   return concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)

@@ -1,10 +1,4 @@
-"""Opening a split: decoded into memory, labels only, or lazy (ImageNet).
-
-The three entry points (``load_split``, ``open_split``, ``open_labels``)
-share one signature and one body (``_open``): check the limit, make sure the
-data set is prepared (``prepare.ensure_prepared``: this may download CIFAR),
-check the split's shard files, then read it once per process (cached).
-"""
+"""Opening a split: decoded into memory, labels only, or lazy (ImageNet); cached per process."""
 
 import functools
 from typing import Literal
@@ -17,38 +11,18 @@ from petra_jax.data import shards
 from petra_jax.data import sources
 from petra_jax.data.sources import LazySplit, Split
 
-# Records read and decoded per ``__getitems__`` call.
 _READ_CHUNK = 4096
 
 
 def load_split(name: str, split: str, data_dir: str | None = None,
                limit: int | None = None, download: bool | None = None) -> Split:
-  """Decodes a whole split into memory, once per process.
+  """A read-only ``Split`` (uint8 ``[N, H, W, C]``, int32 ``[N]``) of the first ``limit`` examples.
 
-  Results are cached (keyed on the dataset, split, resolved data dir and
-  limit); the returned arrays are read-only so the cache cannot be corrupted.
-  The full CIFAR-10 train split takes about 10 s to decode and 150 MB; the
-  ImageNet32 one about 3.9 GB.
-
-  Args:
-    name: registry name (a key of ``DATASETS``) of a non-lazy dataset.
-    split: tfds split, e.g. ``"train"``, ``"test"`` or ``"train[:10%]"``.
-    data_dir: tfds data dir; ``None`` resolves as in ``resolve_data_dir``.
-    limit: if set, only the first ``limit`` examples are decoded.
-    download: what to do if the dataset is not in the data dir
-      (``ensure_prepared``): None (auto) downloads and prepares CIFAR with
-      tfds, True any dataset tfds can download, False none.
-
-  Returns:
-    A ``Split`` with uint8 images ``[N, H, W, C]`` and int32 labels ``[N]``.
+  ``split`` e.g. ``"train[:10%]"``; ``download`` as in ``ensure_prepared``.
 
   Raises:
-    DataError: unknown or lazy dataset (use ``open_split``); data not found or
-      not downloadable (the message names the dataset, the directory tried and
-      how to point to the data or download it); a shard file of the split
-      missing, truncated, corrupted or with another record count than its
-      metadata says (the message names the file and how to re-prepare the
-      dataset); or an image of the wrong shape.
+    DataError: unknown or lazy dataset, data missing, a damaged shard file, or
+      an image of the wrong shape; the message names the fix.
   """
   if sources.get_dataset_info(name).lazy:
     raise errors.DataError(
@@ -61,41 +35,14 @@ def load_split(name: str, split: str, data_dir: str | None = None,
 def open_split(name: str, split: str, data_dir: str | None = None,
                limit: int | None = None, download: bool | None = None
                ) -> Split | LazySplit:
-  """Opens a split of any dataset: decoded in memory, or lazy for ImageNet.
-
-  Args:
-    name, split, data_dir, limit, download: as ``load_split``.
-
-  Returns:
-    ``load_split(...)`` for in-memory datasets, a ``LazySplit`` (cached like
-    ``load_split``) for ``DatasetInfo.lazy`` ones.
-
-  Raises:
-    DataError: as ``load_split`` (bar the lazy dataset).
-  """
+  """``load_split(...)``, or a ``LazySplit`` for a lazy dataset; DataError as ``load_split``."""
   return _open(name, split, data_dir, limit, download, "images")
 
 
 def open_labels(name: str, split: str, data_dir: str | None = None,
                 limit: int | None = None, download: bool | None = None
                 ) -> Split | LazySplit:
-  """Opens a split for a process that needs only its labels.
-
-  In a multi-process run, the process owning the pipeline's last stage needs
-  the labels and not the images (stage 0's process reads those). The records
-  are read but no image is decoded.
-
-  Args:
-    name, split, data_dir, limit, download: as ``load_split``.
-
-  Returns:
-    For in-memory datasets, a ``Split`` whose ``images`` is None and whose
-    ``labels`` are int32 ``[N]``; for lazy ones, ``open_split``'s
-    ``LazySplit`` (read per batch anyway). Read with :func:`read_labels`.
-
-  Raises:
-    DataError: as ``open_split``.
-  """
+  """``open_split`` without decoding images (``Split.images`` None) for the last stage's process."""
   return _open(name, split, data_dir, limit, download, "labels")
 
 
@@ -110,7 +57,7 @@ def read_labels(split: Split | LazySplit, indices: np.ndarray) -> np.ndarray:
 def _open(name: str, split: str, data_dir: str | None, limit: int | None,
           download: bool | None, what: Literal["images", "labels"]
           ) -> Split | LazySplit:
-  """The one body of the entry points: check, prepare, read (cached)."""
+  """Check, prepare, read (cached)."""
   info = sources.get_dataset_info(name)
   if limit is not None and limit < 0:
     raise errors.DataError(f"limit must be >= 0 or None, got {limit}.")
@@ -123,11 +70,7 @@ def _open(name: str, split: str, data_dir: str | None, limit: int | None,
 
 
 def _open_source(name: str, split: str, data_dir: str):
-  """The tfds data source of a prepared split, images left encoded (bytes).
-
-  Checks that the split's shard files are whole (``shards.check_shards``)
-  before any record is read.
-  """
+  """The tfds data source of a prepared split, its shard files checked."""
   info = sources.get_dataset_info(name)
   try:
     source = sources.data_source(info, split, data_dir)
