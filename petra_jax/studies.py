@@ -49,7 +49,8 @@ def table4_columns(method: str) -> tuple[str, str, str]:
   m = methods_lib.get(method)
   if not m.pipelined:
     return "no", "-", "-"
-  return _yes(m.delayed), _yes(m.stashes_inputs), _yes(m.stashes_weights)
+  keeps = methods_lib.keeps(m, reversible=True)
+  return _yes(m.delayed), _yes(keeps.input), _yes(keeps.weights)
 
 
 def study_config(args, method: str, k: int) -> config_lib.ml_collections.ConfigDict:

@@ -14,8 +14,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import partition
 from petra_jax import models
+from petra_jax.engine import partition
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine.quantize import nbytes
@@ -61,14 +61,15 @@ def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, m
   sent, stored = [], 0
   for j, s in enumerate(stages):
     tau = schedule_lib.delay(j, J)
+    kept_input = methods_lib.keeps(m, s.reversible, perturb).input
     if method == "forward_gradient":
       sent.append(4 * j * micro)
       guess = shapes[j][0]["params"] if perturb == "weights" else shapes[j][1]
-      keep = nbytes(guess) + (nbytes(inputs[j]) if perturb == "activity" else 0)
+      keep = nbytes(guess) + (nbytes(inputs[j]) if kept_input else 0)
     else:
       rebuilt = j > 0 and m.reconstructs_stage(stages[j - 1].reversible)
       sent.append(0 if j == 0 else nbytes(inputs[j]) * (2 if rebuilt else 1))
-      keep = nbytes(inputs[j]) if m.buffers_input(s.reversible) else 0
+      keep = nbytes(inputs[j]) if kept_input else 0
     stored += 0 if j == J - 1 else tau * keep
   return {"backward_per_tick": sum(sent), "backward_max_link": max(sent), "stored": stored}
 

@@ -4,7 +4,7 @@ Stage ``j`` of ``J`` keeps ``tau_j = 2(J-1-j)`` micro-batches in flight under
 the stream methods (how many a stage holds at most comes from the method's
 schedule table, :func:`peak_held`; ``gpipe`` and
 ``1f1b`` hold up to ``k`` per update). For each one it stores its input if it
-buffers inputs (:meth:`petra_jax.engine.methods.Method.buffers_input`: always
+buffers inputs (:func:`petra_jax.engine.methods.keeps`: always
 for a non-reversible stage) and a copy of its parameters if the method
 stashes weights:
 
@@ -158,7 +158,7 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
   The method's schedule table gives how many micro-batches each stage holds
   at most (:func:`peak_held`: ``tau_j`` for the stream
   methods); each one costs the stage's input if it buffers it
-  (:meth:`petra_jax.engine.methods.Method.buffers_input`) plus its
+  (:func:`petra_jax.engine.methods.keeps`) plus its
   parameters if the method stashes weights.
 
   Args:
