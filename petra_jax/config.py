@@ -148,6 +148,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.reconstruction_error_every = 0  # updates between ||x~ - x||/||x|| probes of reversible stages; 0 = off
   c.grad_quality_every = 0    # updates between gradient-quality probes (paper App. B; petra_jax.engine.diagnostics); 0 = off
   c.checkpoint_every = 0      # updates between checkpoints (and one at the end); 0 = off
+  c.checkpoint_minutes = 10.0  # also checkpoint at each epoch end and at least this often; 0 = checkpoint_every only
   c.keep_checkpoints = 2      # how many of the latest checkpoints to keep
   c.checkpoint_drain = False  # drain the pipeline before each periodic checkpoint (reshardable; changes the updates)
 

@@ -49,8 +49,10 @@ the same grouping needs no drain.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from typing import Any, Optional, Sequence
 
 import jax
@@ -61,6 +63,7 @@ from petra_jax.engine.state import PipelineState
 from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
 from petra_jax.training import orbax_local
+from petra_jax.training.console import disk_full
 # Also imported from here by callers (train.py, tests).
 from petra_jax.training.checkpoint_blocks import (  # noqa: F401  pylint: disable=unused-import
     CheckpointError, merge_blocks, split_stage, stage_block_count)
@@ -88,25 +91,28 @@ def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
   return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def saved_fingerprint(directory: str) -> Optional[dict]:
-  """The fingerprint of the newest readable checkpoint in ``directory``.
-
-  Returns None when the directory holds no checkpoint (or does not exist).
-  Lets a resumed run rebuild what it decided at its start, e.g. the stage
-  grouping chosen from measured times (``model.balance_by="time"``).
-  """
+def newest_meta(directory: str) -> Optional[tuple[int, dict]]:
+  """``(step, meta)`` of the newest readable checkpoint of process 0 in
+  ``directory``; None if there is none."""
   if not os.path.isdir(directory):
     return None
   manager = _manager(os.path.abspath(directory))
   try:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
-        return _read_meta(manager, step)["fingerprint"]
+        return step, _read_meta(manager, step)
       except Exception:  # pylint: disable=broad-except  (unreadable: try an older one)
         continue
     return None
   finally:
     manager.close()
+
+
+def saved_fingerprint(directory: str) -> Optional[dict]:
+  """The fingerprint of the newest readable checkpoint in ``directory`` (None:
+  none), e.g. the grouping a ``model.balance_by="time"`` run chose."""
+  newest = newest_meta(directory)
+  return None if newest is None else newest[1]["fingerprint"]
 
 
 def _all_processes(ok: bool) -> bool:
@@ -150,6 +156,8 @@ class Checkpointer:
     # every micro-batch before it are known finite.
     self.manager = _manager(own)
     self._others: dict[int, ocp.CheckpointManager] = {}
+    self._corrupt: set[int] = set()
+    self._saving: Optional[int] = None
 
   def _counts(self, state: PipelineState) -> list[int]:
     if self.block_counts is not None:
@@ -204,9 +212,27 @@ class Checkpointer:
             "blocks": sorted(arrays["blocks"]), "in_flight": entries["in_flight"],
             "opt_paths": {b: blocks_lib.opt_paths(v["opt_state"]) for b, v in blocks.items()},
             "extra_entries": entries["extra"], "extra": extra}
-    # As numpy: orbax refuses host-local jax.Arrays in a multi-process run.
-    self.manager.save(step, args=ocp.args.Composite(
-        arrays=ocp.args.PyTreeSave(jax.device_get(arrays)), meta=ocp.args.JsonSave(meta)))
+    with self._disk_full_is_one_line(step):
+      # As numpy: orbax refuses host-local jax.Arrays in a multi-process run.
+      self.manager.save(step, args=ocp.args.Composite(
+          arrays=ocp.args.PyTreeSave(jax.device_get(arrays)), meta=ocp.args.JsonSave(meta)))
+    self._saving = step
+
+  @contextlib.contextmanager
+  def _disk_full_is_one_line(self, step: int):
+    """Turns a full disk while writing into one :class:`CheckpointError`
+    (the checkpoints already saved stay, older ones are pruned only after)."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk_full(e):
+        raise
+      failed = self._saving if self._saving is not None else step
+      kept = sorted(s for s in self.manager.all_steps() if s != failed)
+      raise CheckpointError(
+          f"disk full while writing checkpoint {self.directory}/{failed}; the checkpoints "
+          f"saved before ({kept or 'none'}) are intact: free space on that disk, then re-run "
+          "the same command to resume.") from None
 
   def restore(self, template: PipelineState, devices: list) -> Optional[tuple]:
     """Restores the newest complete, valid checkpoint (every process).
@@ -246,15 +272,21 @@ class Checkpointer:
       except CheckpointError:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("checkpoint %s/%d is corrupt or partial (%s: %s); trying an older "
-                        "one.", self.directory, step, type(e).__name__, str(e)[:200])
+        self._warn_corrupt(step, e)
         result = None
       if _all_processes(result is not None):
         self._delete_newer(step)
         return (step,) + result
+    what = "corrupt" if self._corrupt == set(steps) else "corrupt or incomplete"
     raise CheckpointError(
-        f"no valid checkpoint in {self.directory} (steps tried: {steps}); delete the "
-        "directory to start afresh, or use another --workdir.")
+        f"every checkpoint in {self.directory} is {what} (steps {steps}; the log above says "
+        "why); move that directory away or pass --restart to start afresh, or use another "
+        "--workdir.")
+
+  def _warn_corrupt(self, step: int, e: BaseException) -> None:
+    self._corrupt.add(step)
+    logging.warning("checkpoint %s/%d is corrupt (%s: %s); trying an older one.",
+                    self.directory, step, type(e).__name__, str(e)[:200])
 
   def _complete_metas(self, step: int) -> Optional[list]:
     """Every writer's meta of ``step``, or None (with a warning) if one is
@@ -265,11 +297,12 @@ class Checkpointer:
       for q in range(1, metas[0].get("num_processes", 1)):
         reader = self._reader(q)
         if step not in reader.all_steps():
-          raise FileNotFoundError(f"process {q} has no step {step}")
+          logging.warning("checkpoint %s/%d is incomplete: process %d did not finish its "
+                          "part; trying an older one.", self.directory, step, q)
+          return None
         metas.append(_read_meta(reader, step))
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("checkpoint %s/%d is incomplete or unreadable (%s: %s); trying an older "
-                      "one.", self.directory, step, type(e).__name__, str(e)[:200])
+      self._warn_corrupt(step, e)
       return None
     if "blocks" not in metas[0]:
       raise CheckpointError(f"checkpoint {self.directory}/{step} was written by an older "
@@ -289,11 +322,21 @@ class Checkpointer:
   def _delete_newer(self, step: int) -> None:
     """Deletes this process's steps after ``step`` (not committed by every
     process, or unreadable): the resumed run writes them again."""
+    moved = False
     for s in self.manager.all_steps():
-      if s > step:
+      if s > step and s in self._corrupt:
+        kept = os.path.join(str(self.manager.directory), f"corrupt_{s}")
+        shutil.rmtree(kept, ignore_errors=True)
+        os.rename(os.path.join(str(self.manager.directory), str(s)), kept)
+        logging.warning("moved corrupt checkpoint %s/%d to %s (delete it once looked at)",
+                        self.manager.directory, s, kept)
+        moved = True
+      elif s > step:
         logging.warning("deleting %s/%d: newer than the checkpoint resumed from, incomplete",
                         self.manager.directory, s)
         self.manager.delete(s)
+    if moved:
+      self.manager.reload()
 
   def _requests(self, metas, template: PipelineState, devices) -> dict:
     """Per writer process, the abstract arrays this process needs from it."""
@@ -357,8 +400,14 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def wait(self):
-    """Blocks until pending saves are on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until pending saves are on disk.
+
+    Raises:
+      CheckpointError: the disk is full.
+    """
+    with self._disk_full_is_one_line(-1):
+      self.manager.wait_until_finished()
+    self._saving = None
 
   def close(self):
     self.manager.close()

@@ -10,6 +10,7 @@ turn that logging back on. Only process 0 prints.
 
 from __future__ import annotations
 
+import errno
 import logging as std_logging
 import math
 import os
@@ -19,6 +20,8 @@ from typing import Optional
 from absl import logging
 import jax
 from tqdm import tqdm
+
+from petra_jax import optim
 
 # Backend names of accelerators, and the install that brings each one.
 _ACCELERATOR_INSTALL = {
@@ -37,10 +40,23 @@ _HARMLESS_WARNINGS = (
 )
 
 
+def disk_full(e: BaseException) -> bool:
+  """Whether ``e`` or an exception it was raised from is ENOSPC / EDQUOT."""
+  seen = 0
+  while e is not None and seen < 20:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    e, seen = e.__cause__ or e.__context__, seen + 1
+  return False
+
+
+
 class _DropHarmless(std_logging.Filter):
   """Drops the records of :data:`_HARMLESS_WARNINGS`."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.exc_info and disk_full(record.exc_info[1]):
+      return False  # (orbax's background threads; the run says it in one line)
     message = record.getMessage()
     return not any(h in message for h in _HARMLESS_WARNINGS)
 
@@ -65,6 +81,12 @@ def say(line: str) -> None:
   """Prints one line (stdout, process 0 only) without breaking a progress bar."""
   if _printing():
     tqdm.write(line)
+
+
+def warn(line: str) -> None:
+  """Prints one line to stderr (process 0) without breaking a progress bar."""
+  if _printing():
+    tqdm.write(line, file=sys.stderr)
 
 
 def progress(total: int, desc: str, unit: str, initial: int = 0, leave: bool = True) -> tqdm:
@@ -138,6 +160,15 @@ def setup_summary(run) -> None:
                f"{run.checkpointer.directory}/{run.restored_step})")
   say(f"{run.total_steps} updates of {c.batch_size} images ({c.accumulation_steps} "
       f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")
+  lr = optim.base_learning_rate(c)
+  auto = (" (automatic: 0.1 x batch_size / 256, as optim.learning_rate = 0; set "
+          "--config.optim.learning_rate to choose)") if not c.optim.learning_rate else ""
+  every = f"every {c.checkpoint_every} updates" if c.checkpoint_every else ""
+  if c.checkpoint_minutes and not c.checkpoint_drain:
+    every += (" and " if every else "") + (f"at each epoch end and at least every "
+                                           f"{c.checkpoint_minutes:g} min")
+  say(f"{c.optim.name} at learning rate {lr:g}{auto}; checkpoints "
+      f"{every or 'off'}")
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:

@@ -9,6 +9,7 @@ stops it on a signal with a checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import jax
@@ -16,15 +17,18 @@ import ml_collections
 
 from petra_jax.engine import diagnostics
 from petra_jax.engine import schedule as schedule_lib
+from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
 from petra_jax.training import distributed
 from petra_jax.training import preemption
+from petra_jax.training import run_record
 from petra_jax.training.assembly import Run, setup
 from petra_jax.training.evaluate import evaluate
 from petra_jax.training.loss_log import Diverged
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       restart: bool = False) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
   Runs the method's schedule (:mod:`petra_jax.engine.schedule`) tick by tick over
@@ -36,34 +40,81 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
   ...; :mod:`petra_jax.engine.diagnostics`).
 
+  Also writes ``WORKDIR/config.json``. A run whose last checkpoint ends it
+  prints one line and returns that run's last evaluation, unless
+  ``restart``, which deletes the workdir's checkpoints and metrics first.
+
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
 
   Raises:
     ConfigError, data.DataError: bad config or missing data.
     FloatingPointError: a NaN or Inf training loss.
+    SystemExit: 75 after SIGTERM / SIGINT (:func:`preempt`).
   """
   console.check_platform(config)
-  run = setup(config, workdir)
-  console.setup_summary(run)
-  bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
-                         initial=run.step * config.batch_size)
-  with preemption.StopOnSignal(announce=False) as stop, _discard_diverged(run):
-    for t in range(run.state.tick, len(run.schedule)):
-      tick = run.schedule[t]
-      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-      for out in outputs:  # (loss None off the last stage's process)
-        run.relay.add(out.micro_batch, out.loss)
-      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
-        save_checkpoint(run)
-      if _update_fed(run, tick):
-        bar.update(config.batch_size)
-        on_update(run)
-        if _stop_requested(run, stop) and run.step < run.total_steps:
-          preempt(run, stop.signal_name or "a signal to another process")
-  bar.close()
-  with _discard_diverged(run):
-    return finish(run)
+  if _begin(config, workdir, restart):
+    return run_record.last_result(workdir)
+  with preemption.StopOnSignal(announce=False) as stop:
+    stop.raising = True  # start-up: a signal stops it at once
+    try:
+      run = setup(config, workdir)
+    except preemption.Interrupted as e:
+      message = (f"preempted by {e.signal_name} during start-up, before any training; "
+                 "re-run the same command to start again.")
+      if jax.process_count() > 1:
+        distributed.exit_now(message if jax.process_index() == 0 else "",
+                             preemption.PREEMPTED_EXIT_CODE)
+      preemption.exit_preempted(message)
+    stop.raising = False
+    run.writer.write_text("config", "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```")
+    console.setup_summary(run)
+    bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
+                           initial=run.step * config.batch_size)
+    with _discard_diverged(run), contextlib.closing(bar):
+      for t in range(run.state.tick, len(run.schedule)):
+        tick = run.schedule[t]
+        run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+        for out in outputs:  # (loss None off the last stage's process)
+          run.relay.add(out.micro_batch, out.loss)
+        if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+          save_checkpoint(run)
+        if _update_fed(run, tick):
+          bar.update(config.batch_size)
+          on_update(run)
+          if _stop_requested(run, stop) and run.step < run.total_steps:
+            bar.close()
+            preempt(run, stop.signal_name or "a signal to another process")
+    with _discard_diverged(run):  # (a signal now: the run ends anyway)
+      return finish(run)
+
+
+def _begin(config, workdir: str, restart: bool) -> bool:
+  """Before set-up: ``restart``, config.json, a note on a changed config;
+  True (and one line) when the workdir's run is finished already."""
+  first = jax.process_index() == 0
+  if restart and first:
+    run_record.start_over(workdir)
+  if restart and jax.process_count() > 1:
+    distributed.barrier("petra_jax restart")
+  newest = checkpoint_lib.newest_meta(os.path.join(workdir, "checkpoints"))
+  extra = {} if newest is None else newest[1].get("extra", {})
+  if newest is not None and run_record.finished(newest[0], extra, config):
+    console.say(f"already finished: {workdir} holds the checkpoint of its last step "
+                f"({newest[0]}); nothing to do (pass --restart to train it again from scratch).")
+    return True
+  if first:
+    run_record.write_config(workdir, config)
+    changed = run_record.differences(extra["config"], config) if "config" in extra else []
+    if changed:
+      console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
+                   f"from its checkpoint's: {'; '.join(changed)}.")
+  return False
+
+
+def checkpointing(config) -> bool:
+  """Whether the run checkpoints at all."""
+  return bool(config.checkpoint_every or config.checkpoint_minutes)
 
 
 def on_update(run: Run) -> None:
@@ -81,8 +132,26 @@ def on_update(run: Run) -> None:
     _log_diagnostics(run)
   if evaluating:
     evaluate_and_log(run)
-  if c.checkpoint_every and step % c.checkpoint_every == 0 and not c.checkpoint_drain:
+  if not c.checkpoint_drain and ((c.checkpoint_every and step % c.checkpoint_every == 0)
+                                 or _auto_checkpoint_due(run, epoch_end)):
     save_checkpoint(run)
+
+
+def _auto_checkpoint_due(run: Run, epoch_end: bool) -> bool:
+  """``checkpoint_minutes``: at an epoch's end, or that long after the last
+  checkpoint (multi-process: process 0's clock, checked every
+  ``distributed.preemption_check_every`` updates)."""
+  minutes = run.config.checkpoint_minutes
+  if not minutes:
+    return False
+  if epoch_end:
+    return True
+  late = time.time() - run.last_save >= 60 * minutes
+  if not run.pipe.multiprocess:
+    return late
+  if run.step % run.config.distributed.preemption_check_every:
+    return False
+  return bool(distributed.broadcast_int(int(late)))
 
 
 def finish(run: Run) -> dict:
@@ -91,14 +160,14 @@ def finish(run: Run) -> dict:
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
   evaluate_and_log(run)
-  if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
+  if checkpointing(run.config) and (run.restored_step or 0) < run.total_steps:
     save_checkpoint(run)
   run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
   run.checkpointer.wait()
   run.checkpointer.close()
   run.writer.close()
   console.outputs(run.workdir,
-                  run.checkpointer.directory if run.config.checkpoint_every else None)
+                  run.checkpointer.directory if checkpointing(run.config) else None)
   return run.result
 
 
@@ -124,8 +193,12 @@ def save_checkpoint(run: Run) -> None:
   run.checkpointer.prune(verified_through=_verified_through(run))
   _log_diagnostics(run, wait=True)  # (not checkpointed)
   log_meta, log_arrays = run.loss_log.state()
+  run.writer.flush()
   run.checkpointer.save(run.step, run.state, extra={
-      "loss_log": log_meta, "metrics_offset": run.writer.offset()}, extra_arrays=log_arrays)
+      "loss_log": log_meta, "metrics_offset": run.writer.offset(),
+      "config": run_record.as_dict(run.config),
+      "run": run_record.run_end(run.config, run.total_steps)}, extra_arrays=log_arrays)
+  run.last_save = time.time()
 
 
 def preempt(run: Run, signal_name: str) -> None:

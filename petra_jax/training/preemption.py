@@ -51,11 +51,21 @@ import threading
 from types import FrameType
 from typing import Any, Callable, NoReturn, Sequence
 
+from tqdm import tqdm
+
 PREEMPTED_EXIT_CODE = 75
 
 logger = logging.getLogger(__name__)
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class Interrupted(BaseException):
+  """A signal while :attr:`StopOnSignal.raising` (e.g. during start-up)."""
+
+  def __init__(self, signal_name: str):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
 
 
 class StopOnSignal:
@@ -92,6 +102,7 @@ class StopOnSignal:
       if s in (signal.SIGKILL, signal.SIGSTOP):
         raise ValueError(f"{s.name} cannot be handled; pass e.g. SIGTERM, SIGINT.")
     self.announce = announce
+    self.raising = False  # True: a signal raises Interrupted instead of setting the flag
     self._signum: int | None = None
     self._previous: dict[int, _Handler] = {}
 
@@ -139,6 +150,9 @@ class StopOnSignal:
 
   def _handle(self, signum: int, frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
+    if self.raising:
+      self.raising = False
+      raise Interrupted(name)
     if self._signum is None:
       self._signum = signum
       if self.announce:
@@ -160,7 +174,8 @@ class StopOnSignal:
 def exit_preempted(message: str) -> NoReturn:
   """Prints ``message`` (one line) to stderr and exits with
   ``PREEMPTED_EXIT_CODE`` (raises ``SystemExit(75)``)."""
-  print(message, file=sys.stderr, flush=True)
+  tqdm.write(message, file=sys.stderr)  # (on a line of its own under a progress bar)
+  sys.stderr.flush()
   sys.exit(PREEMPTED_EXIT_CODE)
 
 

@@ -49,6 +49,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 from typing import Any
 
 LOCK_FILENAME = "petra_jax.lock"
@@ -62,6 +63,36 @@ logger = logging.getLogger(__name__)
 
 class WorkdirBusyError(RuntimeError):
   """The workdir is in use by another run; the message names it and the fix."""
+
+
+class WorkdirError(ValueError):
+  """A workdir that cannot be used; the message names the fix."""
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+  """Creates ``workdir`` if missing and checks that a file can be written in it.
+
+  Raises:
+    WorkdirError: it is a file, lies under a file, or cannot be written.
+  """
+  path = os.path.abspath(os.fspath(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"--workdir {path} is a file; pass a directory, or a path that does "
+                       "not exist yet.")
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise WorkdirError(f"--workdir {path} lies under {parent}, which is a file; pass a "
+                       "path under a directory.")
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix=".petra_jax_write_test")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise WorkdirError(f"cannot write in --workdir {path} ({e.strerror or e}); pass a "
+                       "directory you can write to.") from None
 
 
 def read_holder(workdir: str | os.PathLike) -> dict[str, Any] | None:
