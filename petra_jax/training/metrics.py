@@ -11,7 +11,11 @@ import math
 import os
 import shutil
 
-from tensorboardX import SummaryWriter
+import time
+
+from tensorboardX import summary as tb_summary
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
 
 
 class MetricWriter:
@@ -40,8 +44,10 @@ class MetricWriter:
       kept = read_metrics(workdir)
     tensorboard = os.path.join(workdir, "tensorboard")
     shutil.rmtree(tensorboard, ignore_errors=True)
+    os.makedirs(tensorboard)
     self._file = open(self.path, "a", encoding="utf-8")
-    self._tb = SummaryWriter(tensorboard)
+    # Synchronous (SummaryWriter's queue thread would make a flush partial).
+    self._tb = EventsWriter(os.path.join(tensorboard, "events"))
     for record in kept:
       self._add_scalars(record)
     self._tb.flush()
@@ -61,12 +67,15 @@ class MetricWriter:
   def _add_scalars(self, record: dict):
     for k, v in record.items():
       if k != "step" and isinstance(v, float) and math.isfinite(v):
-        self._tb.add_scalar(k, v, record["step"])
+        self._event(tb_summary.scalar(k, v), record["step"])
+
+  def _event(self, summary, step: int):
+    self._tb.write_event(event_pb2.Event(summary=summary, step=step, wall_time=time.time()))
 
   def write_text(self, tag: str, text: str):
     """A TensorBoard text at step 0 (e.g. the config)."""
     if self.enabled:
-      self._tb.add_text(tag, text, 0)
+      self._event(tb_summary.text(tag, text), 0)
       self._tb.flush()
 
   def offset(self) -> int:
