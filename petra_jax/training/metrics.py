@@ -1,8 +1,4 @@
-"""Metric writing: ``metrics.jsonl`` (one JSON object per line) and TensorBoard.
-
-Keys use ``train_`` / ``test_`` prefixes; every line carries ``step`` (optimizer
-updates so far) and ``epoch``.
-"""
+"""``metrics.jsonl`` (one JSON object per line, ``step`` = updates) and TensorBoard."""
 
 from __future__ import annotations
 
