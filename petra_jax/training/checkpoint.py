@@ -1,50 +1,14 @@
-"""Checkpoints of the whole pipeline, with orbax ``CheckpointManager``.
+"""Checkpoints of the whole pipeline (in-flight micro-batches, buffers, partial
+accumulations, counters) with orbax ``CheckpointManager``.
 
-A PETRA run has state that plain training does not: micro-batches in flight,
-the input buffers of non-reversible stages, partial gradient accumulations
-(inside each stage's optax ``MultiSteps`` state) and per-stage counters. A
-checkpoint holds all of it, plus whatever the caller adds (the data position,
-the losses not yet logged), so a resumed run continues as if it had never
-stopped.
-
-Layout. Every process writes the state it holds into its own orbax
-directory, ``DIR/<step>/`` for process 0 and ``DIR/process_<p>/<step>/`` for
-process ``p`` (one process: only the first; the orbax settings that let a
-process save alone are :mod:`~petra_jax.training.orbax_local`'s), each step
-with two items:
-
-* ``arrays`` (``ocp.args.PyTreeSave``): ``{"blocks": {"007": block, ...},
-  "in_flight": {"<stage>": {"00000": array, ...}}, "extra": {...}}``. State
-  is stored **per block** (global block index over the model, not per
-  stage; :mod:`~petra_jax.training.checkpoint_blocks`): :func:`split_stage`
-  cuts a grouped stage's parameters, statistics and optimizer state into its
-  blocks, :func:`merge_blocks` regroups them, so a checkpoint can be
-  resumed with another stage grouping, device count or process count.
-  In-flight payloads are stored per stage
-  (:mod:`~petra_jax.training.checkpoint_state`), ``extra`` (the caller's
-  arrays, e.g. unlogged losses) by process 0;
-* ``meta`` (JSON): the fingerprint, the tick, ``drained`` (no micro-batch in
-  flight), the writer's process and the process count, the blocks per stage,
-  the blocks it wrote, where each in-flight array belongs (slot, stage,
-  micro-batch, pytree spec, shape, dtype) and the caller's ``extra`` dict.
-
-Commit. orbax writes each process's step into a temporary directory and
-renames it when complete. A step counts only once **every** process of the
-run that wrote it has renamed its part: a restore reads process 0's meta
-(how many processes wrote), checks that each of them has the step, and
-otherwise falls back to an older one; all processes read the same files, so
-they pick the same step (the directory must be shared by the processes, as
-it is on one machine or on a cluster file system). After a restore each
-process deletes its newer (incomplete) steps, which the run will write anew.
-
-Resharding. In-flight micro-batches belong to the stage grouping that made
-them, so a checkpoint restores with another grouping (``model.num_stages``,
-``model.stage_sizes``) only if it was taken on a drained pipeline (the one at
-the end of training, or with ``checkpoint_drain``); every block's
-parameters, statistics and optimizer state carry over exactly; the counters
-a stage shares (``micro_batches``, optax ``count``/``mini_step``) are equal
-in every block of a drained pipeline. Another device or process count with
-the same grouping needs no drain.
+Every process writes its part into ``DIR/<step>/`` (process 0) or
+``DIR/process_<p>/<step>/``: ``arrays`` (blocks, :mod:`checkpoint_blocks`;
+in-flight payloads, :mod:`checkpoint_state`; the caller's arrays) and
+``meta`` (JSON: fingerprint, tick, ``drained``, layout, the caller's
+``extra``). A step counts once every process that wrote it has committed
+its part (an *incomplete* step is deleted on restore); a step that cannot
+be read is *corrupt* and moved to ``DIR/corrupt_<step>``. Another stage
+grouping restores only from a drained checkpoint.
 """
 
 from __future__ import annotations
@@ -64,14 +28,9 @@ from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
 from petra_jax.training import orbax_local
 from petra_jax.training.console import disk_full
-# Also imported from here by callers (train.py, tests).
 from petra_jax.training.checkpoint_blocks import (  # noqa: F401  pylint: disable=unused-import
     CheckpointError, merge_blocks, split_stage, stage_block_count)
 
-
-# ----------------------------------------------------------------------------
-# Directories and managers.
-# ----------------------------------------------------------------------------
 
 def process_dir(directory: str, process: int) -> str:
   """Where process ``process`` writes: ``directory`` for process 0, else
@@ -101,7 +60,7 @@ def newest_meta(directory: str) -> Optional[tuple[int, dict]]:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
         return step, _read_meta(manager, step)
-      except Exception:  # pylint: disable=broad-except  (unreadable: try an older one)
+      except Exception:  # pylint: disable=broad-except
         continue
     return None
   finally:
@@ -130,18 +89,9 @@ RESHARDABLE = ("num_stages", "stage_sizes")
 class Checkpointer:
   """Saves and restores :class:`PipelineState` plus caller metadata.
 
-  Every process of a multi-process run builds one and calls every method
-  at the same steps (see the module docstring for the layout and commit).
-
-  Args:
-    directory: where checkpoints go (``WORKDIR/checkpoints``).
-    keep: how many of the latest known-good checkpoints to keep
-      (:meth:`prune`); newer ones whose losses are still in flight are kept
-      too.
-    fingerprint: what must match for a checkpoint to be resumed (model,
-      method...); JSON-able. Its :data:`RESHARDABLE` fields may differ.
-    block_counts: blocks per stage (default: read from the state, which
-      needs every stage on this process).
+  Every process builds one and calls every method at the same steps.
+  ``keep`` known-good checkpoints are kept (:meth:`prune`); ``fingerprint``
+  must match on restore except its :data:`RESHARDABLE` fields.
   """
 
   def __init__(self, directory: str, keep: int, fingerprint: dict,
@@ -152,8 +102,6 @@ class Checkpointer:
     self.block_counts = None if block_counts is None else [int(n) for n in block_counts]
     own = process_dir(self.directory, jax.process_index())
     os.makedirs(own, exist_ok=True)
-    # Rotation is ours (prune): a checkpoint only counts once the losses of
-    # every micro-batch before it are known finite.
     self.manager = _manager(own)
     self._others: dict[int, ocp.CheckpointManager] = {}
     self._corrupt: set[int] = set()
@@ -176,8 +124,8 @@ class Checkpointer:
 
   def prune(self, verified_through: int) -> None:
     """Keeps the newest ``keep`` checkpoints at steps ``<= verified_through``
-    (known good) and every newer one; deletes the older ones (this
-    process's part)."""
+    and every newer one (this process's part).
+    """
     steps = sorted(self.manager.all_steps())
     good = [s for s in steps if s <= verified_through]
     for s in good[:max(len(good) - self.keep, 0)]:
@@ -192,15 +140,11 @@ class Checkpointer:
 
   def save(self, step: int, state: PipelineState, extra: dict,
            extra_arrays: Optional[dict[int, Any]] = None) -> None:
-    """Starts an (asynchronous) save of this process's part at ``step``.
+    """Starts an asynchronous save at ``step`` (arrays copied off the devices
+    first); ``extra`` is JSON-able, ``extra_arrays`` int-keyed arrays.
 
-    Args:
-      step: optimizer updates so far (the checkpoint's name).
-      state: the pipeline state; its arrays are copied off the devices before
-        this returns, so the pipeline can run on while the write finishes.
-      extra: JSON-able caller state (data position, log offsets...).
-      extra_arrays: caller arrays keyed by int (see
-        :func:`~petra_jax.training.checkpoint_state.flatten_in_flight`).
+    Raises:
+      CheckpointError: the disk is full (also for an earlier save).
     """
     counts = self._counts(state)
     blocks = blocks_lib.stage_blocks(state, counts)
@@ -238,26 +182,19 @@ class Checkpointer:
     """Restores the newest complete, valid checkpoint (every process).
 
     Args:
-      template: a freshly initialised state of this pipeline (gives the
-        stage pytree structure, shapes; None for other processes' stages).
-      devices: where each stage's state goes: its device, or its sharding
-        (``Placement.state_sharding``: a data-parallel stage's replicated
-        state).
+      template: a fresh state of this pipeline (None: other processes' stages).
+      devices: each stage's device or sharding.
 
     Returns:
-      ``(step, state, extra, extra_arrays)``, or None if there is no
-      checkpoint. ``extra_arrays`` is empty off process 0; ``state.tick`` is
-      the saved tick (meaningless with another grouping: the state is
-      drained then).
+      ``(step, state, extra, extra_arrays)``, or None if there is none.
 
     Raises:
-      CheckpointError: the checkpoint comes from a different run (model,
-        method...), was taken with micro-batches in flight and another stage
-        grouping, or no checkpoint in the directory is complete and valid.
+      CheckpointError: another run's checkpoint, a regrouping of an undrained
+        one, or none complete and valid.
     """
     steps = sorted(self._reader(0).all_steps(), reverse=True)
     if not steps:
-      self._delete_newer(-1)  # parts of steps process 0 never completed
+      self._delete_newer(-1)
       return None
     for step in steps:
       metas = self._complete_metas(step)
@@ -310,7 +247,6 @@ class Checkpointer:
     return metas
 
   def _check_fingerprint(self, saved: dict, step: int):
-    # A field the checkpoint lacks (written by an older version) is not checked.
     diffs = [f"{k}: checkpoint {saved[k]!r} vs config {v!r}"
              for k, v in self.fingerprint.items()
              if k in saved and saved[k] != v and k not in RESHARDABLE]
@@ -356,7 +292,7 @@ class Checkpointer:
       q = stage_owner.get(j)
       wanted = {} if q is None else state_lib.entries_abstract(metas[q]["in_flight"][str(j)],
                                                                devices[j])
-      if wanted:  # (orbax restores no empty subtree)
+      if wanted:
         requests[q]["in_flight"][str(j)] = wanted
     if jax.process_index() == 0:
       requests[0]["extra"] = state_lib.entries_abstract(metas[0]["extra_entries"], devices[0])
@@ -400,11 +336,7 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def wait(self):
-    """Blocks until pending saves are on disk.
-
-    Raises:
-      CheckpointError: the disk is full.
-    """
+    """Blocks until pending saves are on disk; CheckpointError if disk full."""
     with self._disk_full_is_one_line(-1):
       self.manager.wait_until_finished()
     self._saving = None

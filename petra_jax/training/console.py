@@ -1,11 +1,6 @@
-"""What a training run prints: our own lines, and other libraries' only on request.
-
-At the default verbosity a run shows a set-up summary, a progress bar for
-training and one for each evaluation (on a terminal), one line per
-evaluation, and where the metrics and checkpoints went; the INFO logging of
-orbax, tfds and jax (and our own ``logging.info`` details) is off, warnings
-still shown. absl's ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG)
-turn that logging back on. Only process 0 prints.
+"""What a run prints: a set-up summary, progress bars (on a terminal), a line
+per evaluation and where outputs went (process 0); other libraries' INFO
+logging only with absl's ``--verbosity``.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from tqdm import tqdm
 
 from petra_jax import optim
 
-# Backend names of accelerators, and the install that brings each one.
 _ACCELERATOR_INSTALL = {
     "gpu": "pip install -e '.[cuda12]'",
     "cuda": "pip install -e '.[cuda12]'",
@@ -31,9 +25,7 @@ _ACCELERATOR_INSTALL = {
 }
 
 
-# Warnings of other libraries that say nothing about the run (checked against
-# orbax 0.12.8: the per-process checkpoint handlers register no jax.Array
-# metadata on purpose); shown again with --verbosity.
+# Other libraries' warnings that say nothing about the run (orbax 0.12.8).
 _HARMLESS_WARNINGS = (
     "No jax.Array in TypeHandlerRegistry: ArrayMetadata persistence is disabled",
     "Global object size logging disabled",
@@ -56,17 +48,14 @@ class _DropHarmless(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     if record.exc_info and disk_full(record.exc_info[1]):
-      return False  # (orbax's background threads; the run says it in one line)
+      return False  # (the run says it in one line)
     message = record.getMessage()
     return not any(h in message for h in _HARMLESS_WARNINGS)
 
 
 def quiet_library_logging(verbosity_given: bool) -> None:
-  """Shows only warnings and errors from logging, unless ``--verbosity`` was
-  given on the command line (then absl's level stays as asked).
-
-  Call after absl parsed the flags (in ``main``) and before JAX starts its
-  backends (whose start-up logs ``Unable to initialize backend 'tpu'``).
+  """Warnings and errors only, unless ``--verbosity`` was given; call
+  before JAX starts its backends.
   """
   if not verbosity_given:
     logging.set_verbosity(logging.WARNING)
@@ -96,17 +85,8 @@ def progress(total: int, desc: str, unit: str, initial: int = 0, leave: bool = T
 
 
 def platform_mismatch(wanted: str, jax_platforms: str, backend: str) -> Optional[str]:
-  """The line for an accelerator asked for but not in use, else None.
-
-  Args:
-    wanted: ``config.platform`` ("" = none asked for).
-    jax_platforms: ``$JAX_PLATFORMS`` / ``jax_platforms`` ("" = unset), e.g.
-      ``"cuda,cpu"``; its first entry counts when ``wanted`` is "".
-    backend: the backend JAX runs on (``jax.default_backend()``).
-
-  Returns:
-    e.g. ``"warning: config.platform='gpu' but JAX runs on the CPU (no gpu
-    backend is installed): pip install -e '.[cuda12]'"``.
+  """The warning line for an accelerator asked for (``wanted``, else the
+  first of ``jax_platforms``) while JAX runs on ``backend`` "cpu", else None.
   """
   source = "config.platform"
   if not wanted and jax_platforms:
@@ -129,15 +109,13 @@ def check_platform(config) -> None:
 
 
 def backend_error() -> Optional[str]:
-  """Starts JAX's backends; the line naming the fix if the platform that
-  ``$JAX_PLATFORMS`` asks for cannot start, else None.
-
-  Call after ``jax.distributed.initialize`` (which must come first).
+  """Starts JAX's backends (after ``jax.distributed``); the line naming the
+  fix if ``$JAX_PLATFORMS``'s platform cannot start, else None.
   """
   try:
     jax.default_backend()
     return None
-  except (RuntimeError, AssertionError) as e:  # (jax asserts when no CUDA plugin exists)
+  except (RuntimeError, AssertionError) as e:
     asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
     why = (str(e).splitlines() or [type(e).__name__])[0]
     install = _ACCELERATOR_INSTALL.get(asked.split(",")[0].strip().lower())

@@ -1,10 +1,4 @@
-"""The training loop, tick by tick, and its hooks between updates.
-
-:func:`train_and_evaluate` runs a :class:`~petra_jax.training.assembly.Run`'s
-tick table; after each update :func:`on_update` logs, evaluates and
-checkpoints as configured; :func:`finish` closes the run, :func:`preempt`
-stops it on a signal with a checkpoint.
-"""
+"""The training loop, tick by tick, and its hooks between updates."""
 
 from __future__ import annotations
 
@@ -31,32 +25,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        restart: bool = False) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
-  Runs the method's schedule (:mod:`petra_jax.engine.schedule`) tick by tick over
-  ``total_steps * k`` micro-batches. Writes ``WORKDIR/metrics.jsonl``
-  (``step``, ``epoch``, ``train_loss``, ``learning_rate`` every ``log_every``
-  updates; ``test_loss``, ``test_accuracy`` at each evaluation) and
-  TensorBoard events; with ``reconstruction_error_every``,
-  ``reconstruction_error/stage_<j>``; with ``grad_quality_every``, per-stage
-  gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
-  ...; :mod:`petra_jax.engine.diagnostics`).
-
-  Also writes ``WORKDIR/config.json``. A run whose last checkpoint ends it
-  prints one line and returns that run's last evaluation, unless
-  ``restart``, which deletes the workdir's checkpoints and metrics first.
+  Runs the method's tick table over ``total_steps * k`` micro-batches; writes
+  ``WORKDIR/config.json``, ``metrics.jsonl`` and TensorBoard events. A run
+  whose last checkpoint ends it prints one line and returns its last
+  evaluation; ``restart`` deletes the workdir's run first.
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
 
   Raises:
-    ConfigError, data.DataError: bad config or missing data.
-    FloatingPointError: a NaN or Inf training loss.
-    SystemExit: 75 after SIGTERM / SIGINT (:func:`preempt`).
+    ConfigError, data.DataError, FloatingPointError (a NaN/Inf loss);
+    SystemExit(75) after SIGTERM / SIGINT.
   """
   console.check_platform(config)
   if _begin(config, workdir, restart):
     return run_record.last_result(workdir)
   with preemption.StopOnSignal(announce=False) as stop:
-    stop.raising = True  # start-up: a signal stops it at once
+    stop.raising = True
     try:
       run = setup(config, workdir)
     except preemption.Interrupted as e:
@@ -75,7 +60,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       for t in range(run.state.tick, len(run.schedule)):
         tick = run.schedule[t]
         run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-        for out in outputs:  # (loss None off the last stage's process)
+        for out in outputs:
           run.relay.add(out.micro_batch, out.loss)
         if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
           save_checkpoint(run)
@@ -85,7 +70,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
           if _stop_requested(run, stop) and run.step < run.total_steps:
             bar.close()
             preempt(run, stop.signal_name or "a signal to another process")
-    with _discard_diverged(run):  # (a signal now: the run ends anyway)
+    with _discard_diverged(run):
       return finish(run)
 
 
@@ -118,9 +103,7 @@ def checkpointing(config) -> bool:
 
 
 def on_update(run: Run) -> None:
-  """Periodic hooks after update ``run.step`` entered the pipeline: logs,
-  mid-epoch checkpoints, and at an epoch's end evaluation and checkpoint.
-  The last update's are in :func:`finish`."""
+  """After update ``run.step``: logs, evaluations and checkpoints as configured."""
   c, step = run.config, run.step
   if step == run.total_steps:
     return
@@ -138,9 +121,10 @@ def on_update(run: Run) -> None:
 
 
 def _auto_checkpoint_due(run: Run, epoch_end: bool) -> bool:
-  """``checkpoint_minutes``: at an epoch's end, or that long after the last
-  checkpoint (multi-process: process 0's clock, checked every
-  ``distributed.preemption_check_every`` updates)."""
+  """``checkpoint_minutes``: at an epoch's end or that long after the last
+  checkpoint (multi-process: process 0's clock, agreed every
+  ``preemption_check_every`` updates).
+  """
   minutes = run.config.checkpoint_minutes
   if not minutes:
     return False
@@ -162,7 +146,7 @@ def finish(run: Run) -> dict:
   evaluate_and_log(run)
   if checkpointing(run.config) and (run.restored_step or 0) < run.total_steps:
     save_checkpoint(run)
-  run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
+  run.checkpointer.prune(verified_through=run.total_steps)
   run.checkpointer.wait()
   run.checkpointer.close()
   run.writer.close()
@@ -176,22 +160,18 @@ def evaluate_and_log(run: Run) -> None:
   result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size)
   result["wall_time"] = time.time() - run.start
   run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
-  if "test_loss" in result:  # (process 0 only in multi-process runs)
+  if "test_loss" in result:
     console.epoch_line(run.step, run.steps_per_epoch, run.loss_log.last_loss, result)
   run.result = result
 
 
 def save_checkpoint(run: Run) -> None:
-  """Saves the whole pipeline at ``run.step`` (never a diverged state).
-
-  Multi-process: every process calls it at the same step and saves its part.
+  """Saves the whole pipeline at ``run.step`` (every process, its part);
+  older known-good checkpoints beyond ``keep_checkpoints`` are pruned first.
   """
-  run.relay.flush()  # (process 0's loss log holds every loss computed so far)
-  # Checkpoints up to the last update whose losses are all known finite are
-  # good; older good ones beyond keep_checkpoints can go. Newer ones still
-  # have micro-batches in flight whose loss may yet be NaN: kept until then.
+  run.relay.flush()
   run.checkpointer.prune(verified_through=_verified_through(run))
-  _log_diagnostics(run, wait=True)  # (not checkpointed)
+  _log_diagnostics(run, wait=True)
   log_meta, log_arrays = run.loss_log.state()
   run.writer.flush()
   run.checkpointer.save(run.step, run.state, extra={
@@ -202,14 +182,8 @@ def save_checkpoint(run: Run) -> None:
 
 
 def preempt(run: Run, signal_name: str) -> None:
-  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
-
-  The signal is acted on at the first update boundary after it (at most k
-  ticks); multi-process, at the first whose step is a multiple of
-  ``distributed.preemption_check_every`` (:func:`_stop_requested`). A run
-  re-started with the same command resumes there with the losses of an
-  uninterrupted run. Multi-process: every process saves its part of the same
-  step and exits 75; process 0 prints the line.
+  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75 (every
+  process; process 0 prints).
   """
   if run.checkpointer.latest_step() != run.step:
     save_checkpoint(run)
@@ -225,11 +199,8 @@ def preempt(run: Run, signal_name: str) -> None:
 
 
 def _verified_through(run: Run) -> int:
-  """The updates whose losses are all known finite (process 0's count, on
-  every process).
-
-  Raises:
-    Diverged: a received loss is NaN/Inf (on every process of the run).
+  """The updates whose losses are all known finite (process 0's count);
+  raises Diverged on every process if one is NaN/Inf.
   """
   try:
     run.loss_log.check_finite()
@@ -237,7 +208,7 @@ def _verified_through(run: Run) -> int:
   except Diverged as e:
     if not run.pipe.multiprocess:
       raise
-    verified = -e.step  # (steps count from 1)
+    verified = -e.step
   if run.pipe.multiprocess:
     verified = distributed.broadcast_int(verified)
   if verified < 0:
@@ -257,10 +228,7 @@ def _log_diagnostics(run: Run, wait: bool = False) -> None:
 
 
 def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
-  """Writes gradient-quality results (paper App. B): one line per probed
-  micro-batch ``m`` at step ``m // k + 1``, keys
-  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>``
-  (:mod:`petra_jax.engine.diagnostics`)."""
+  """Gradient-quality lines (paper App. B) at step ``m // k + 1``."""
   for m, quality in results:
     values = jax.device_get(quality)
     step = m // k + 1
@@ -271,9 +239,7 @@ def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
 
 @contextlib.contextmanager
 def _discard_diverged(run: Run):
-  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N
-  (they hold the diverging micro-batch in flight), so the newest one left
-  is good."""
+  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N."""
   try:
     yield
   except Diverged as e:
@@ -291,16 +257,8 @@ def _update_fed(run: Run, tick) -> bool:
 
 
 def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
-  """Whether to stop at this update: a signal here, or (multi-process) on
-  any process.
-
-  One process: at every update. Multi-process: the processes agree only at
-  the updates ``s`` that are multiples of ``N = distributed.
-  preemption_check_every`` (a small collective there, none in between), so
-  every process gets the same answer at the same update and all of them save
-  the same step. A signal that arrives during update ``s`` is acted on at
-  the first multiple of N at or after ``s``: at most ``N - 1`` updates later
-  than in one process (none with N = 1).
+  """Whether to stop at this update: a signal here or, multi-process, on
+  any process (agreed only every ``preemption_check_every`` updates).
   """
   if not run.pipe.multiprocess:
     return stop.requested
