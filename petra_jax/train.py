@@ -55,8 +55,8 @@ def main(argv):
       preemption.exit_preempted(f"stopped by {e.signal_name} before training started; re-run "
                                 "the same command to start again.")
     except KeyboardInterrupt:
-      print("interrupted (Ctrl-C twice): stopped without a checkpoint; re-run the same "
-            "command to resume from the last one.", file=sys.stderr)
+      print("interrupted by Ctrl-C: stopped without saving; re-run the same command to "
+            "resume from the last checkpoint.", file=sys.stderr)
       sys.exit(130)
 
 
@@ -128,7 +128,8 @@ def _checked_config(argv):
   value = arg[len("--config="):]
   path = value.split(":", 1)[0]
   if not os.path.isfile(path):
-    sys.exit(f"error: config file {path} does not exist; pass --config=configs/<recipe>.py "
+    why = "is not a file" if os.path.exists(path) else "does not exist"
+    sys.exit(f"error: config file {path} {why}; pass --config=configs/<recipe>.py "
              "(e.g. configs/cifar10_cpu.py) or a run's WORKDIR/config.json.")
   if value.endswith(".json"):
     value = f"{run_record.__file__}:{os.path.abspath(value)}"
