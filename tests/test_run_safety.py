@@ -130,7 +130,8 @@ def test_cli_missing_config_and_bad_workdir_are_one_line(tmp_path):
   for args, message in (
       (["--config=configs/nope.py"], "error: config file configs/nope.py does not exist"),
       (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}"], "is a file"),
-      (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}/run"], "which is a file")):
+      (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}/run"], "which is a file"),
+      (["--config=configs/cifar10_cpu.py", "--restart", f"--workdir={a_file}"], "is a file")):
     r = _cli(*args)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
@@ -162,6 +163,24 @@ def test_disk_full_while_checkpointing_loses_nothing_saved(tmp_path, monkeypatch
   step, _, extra, _ = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint={}).restore(
       state, pipe.devices)
   assert (step, extra) == (1, {"n": 1})
+
+
+def test_finished_run_is_left_alone_unless_restarted(tmp_path, capsys):
+  c = config_lib.get_config()
+  c.max_steps = 7
+  pipe, state = _tiny_pipeline()
+  ckpt = checkpoint.Checkpointer(str(tmp_path / "checkpoints"), keep=1, fingerprint={})
+  ckpt.save(7, state, extra={"run": run_record.run_end(c, 7), "config": run_record.as_dict(c)})
+  ckpt.wait()
+  ckpt.close()
+  (tmp_path / "metrics.jsonl").write_text('{"step": 7, "test_accuracy": 0.5}\n')
+  assert loop.train_and_evaluate(c, str(tmp_path)) == {"step": 7, "test_accuracy": 0.5}
+  assert capsys.readouterr().out.startswith(f"already finished: {tmp_path} holds the "
+                                            "checkpoint of its last step (7)")
+  assert not (tmp_path / "config.json").exists()  # nothing written
+  assert not loop._begin(c, str(tmp_path), restart=True)  # pylint: disable=protected-access
+  assert sorted(os.listdir(tmp_path)) == ["config.json"]
+  assert run_record.get_config(str(tmp_path / "config.json")).max_steps == 7
 
 
 def test_disk_full_tracebacks_of_orbax_threads_are_not_shown():

@@ -52,6 +52,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              preemption.PREEMPTED_EXIT_CODE)
       preemption.exit_preempted(message)
     stop.raising = False
+    if run.restored_step == run.total_steps:  # (a run-length field changed, not its end)
+      _say_finished(workdir, run.total_steps)
+      run.checkpointer.close()
+      run.writer.close()
+      return run_record.last_result(workdir)
     run.writer.write_text("config", "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```")
     console.setup_summary(run)
     bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
@@ -85,8 +90,7 @@ def _begin(config, workdir: str, restart: bool) -> bool:
   newest = checkpoint_lib.newest_meta(os.path.join(workdir, "checkpoints"))
   extra = {} if newest is None else newest[1].get("extra", {})
   if newest is not None and run_record.finished(newest[0], extra, config):
-    console.say(f"already finished: {workdir} holds the checkpoint of its last step "
-                f"({newest[0]}); nothing to do (pass --restart to train it again from scratch).")
+    _say_finished(workdir, newest[0])
     return True
   if first:
     run_record.write_config(workdir, config)
@@ -95,6 +99,11 @@ def _begin(config, workdir: str, restart: bool) -> bool:
       console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
                    f"from its checkpoint's: {'; '.join(changed)}.")
   return False
+
+
+def _say_finished(workdir: str, step: int) -> None:
+  console.say(f"already finished: {workdir} holds the checkpoint of its last step ({step}); "
+              "nothing to do (pass --restart to train it again from scratch).")
 
 
 def checkpointing(config) -> bool:
