@@ -314,3 +314,37 @@ def test_sigterm_during_start_up_is_one_line(cifar10_dir, tmp_path):
   assert "Traceback" not in err
   lines = [line for line in err.splitlines() if "SIGTERM" in line]
   assert len(lines) == 1 and lines[0].startswith("preempted by SIGTERM"), err[-2000:]
+
+
+# The CLI with orbax's array writer failing with ENOSPC from update 4 on.
+DISK_FULL = """
+import errno, sys
+from absl import app, flags
+from petra_jax import train
+from petra_jax.training import checkpoint, orbax_local
+real, save, full = orbax_local._write, checkpoint.Checkpointer.save, []
+async def write(*a, **k):
+  if full:
+    raise OSError(errno.ENOSPC, "No space left on device")
+  return await real(*a, **k)
+def saving(self, step, *a, **k):
+  full.extend([1] if step >= 4 else [])
+  return save(self, step, *a, **k)
+orbax_local._write, checkpoint.Checkpointer.save = write, saving
+flags.mark_flags_as_required(["config"])
+app.run(train.main, flags_parser=train._parse_flags)
+"""
+
+
+@pytest.mark.slow
+def test_cli_disk_full_is_one_line_and_keeps_the_saved_checkpoint(cifar10_dir, tmp_path):
+  r = subprocess.run([sys.executable, "-c", DISK_FULL, *_train(cifar10_dir, tmp_path)[3:],
+                      "--config.steps_per_epoch=2"], cwd=REPO, capture_output=True, text=True,
+                     timeout=600)
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines() == [
+      f"error: disk full while writing checkpoint {tmp_path}/checkpoints/4; the checkpoints "
+      "saved before ([2]) are intact: free space on that disk, then re-run the same command "
+      "to resume."]
+  step, meta = checkpoint.newest_meta(str(tmp_path / "checkpoints"))
+  assert step == 2 and meta["extra"]["run"]["total_steps"] == 4

@@ -75,7 +75,11 @@ class LocalNumpyHandler(_NumpyHandler):
                           local_shape=value.shape, dtype=value.dtype,
                           process_index=_orbax_process_index() if ocdbt else None, arg=arg)
       writes.append(_write(value, spec, info.ts_context))
-    await asyncio.gather(*writes)
+    # Every write ends before an error is raised (a full disk fails some).
+    errors = [e for e in await asyncio.gather(*writes, return_exceptions=True)
+              if isinstance(e, BaseException)]
+    if errors:
+      raise errors[0]
 
 
 async def _write(value: np.ndarray, spec: dict, context) -> None:
