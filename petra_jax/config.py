@@ -128,6 +128,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.reconstruction_error_every = 0
   c.grad_quality_every = 0
   c.checkpoint_every = 0
+  c.checkpoint_minutes = 10.0  # also at each epoch end and at least this often; 0 = checkpoint_every only
   c.keep_checkpoints = 2
   c.checkpoint_drain = False
   c.distributed = _distributed_config()

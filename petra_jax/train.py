@@ -1,17 +1,15 @@
 """Training entry point: ``python -m petra_jax.train --config=configs/cifar10.py``.
 
-``main`` only parses flags (``--config``, ``--workdir``; absl's
-``--verbosity`` shows other libraries' logging) and calls
-:func:`train_and_evaluate`. Errors in the configuration or the data end the
-run with one line naming the fix, never a JAX traceback. The work lives in
-:mod:`petra_jax.training`: ``validation`` (config checks), ``distributed``
-(multi-process start-up), ``assembly`` (data, pipeline, checkpoint),
-``loop`` (the loop and its hooks), ``evaluate``, ``loss_log``, ``console``.
+``main`` parses the flags and calls :func:`train_and_evaluate`; a bad
+config, data set, workdir or checkpoint ends the run with one line naming
+the fix. ``--config=WORKDIR/config.json`` runs a saved config again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 
 import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
@@ -24,6 +22,8 @@ from petra_jax import data as data_lib
 from petra_jax.engine import transport
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
+from petra_jax.training import preemption
+from petra_jax.training import run_record
 from petra_jax.training import workdir as workdir_lib
 # Re-exported: what studies.py, benchmarks and tests call as ``train.<name>``.
 from petra_jax.training.assembly import setup  # noqa: F401
@@ -32,15 +32,35 @@ from petra_jax.training.evaluate import evaluate  # noqa: F401
 from petra_jax.training.loop import train_and_evaluate
 from petra_jax.training.validation import ConfigError, validate_config  # noqa: F401
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file (configs/*.py[:variant]) or a run's "
+    "WORKDIR/config.json.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Directory for metrics and checkpoints.")
+_RESTART = flags.DEFINE_bool(
+    "restart", False, "Start over: delete WORKDIR's checkpoints, metrics.jsonl and TensorBoard "
+    "events first. Without it a run resumes from WORKDIR's last checkpoint, and a finished "
+    "run says so and exits.")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   console.quiet_library_logging(verbosity_given=flags.FLAGS["verbosity"].present > 0)
+  # Until training starts, SIGTERM stops the run at once (exit 75).
+  with preemption.StopOnSignal((signal.SIGTERM,), escalate=(), announce=False) as startup:
+    startup.raising = True
+    try:
+      _run()
+    except preemption.Interrupted as e:
+      preemption.exit_preempted(f"stopped by {e.signal_name} before training started; re-run "
+                                "the same command to start again.")
+    except KeyboardInterrupt:
+      print("interrupted by Ctrl-C: stopped without saving; re-run the same command to "
+            "resume from the last checkpoint.", file=sys.stderr)
+      sys.exit(130)
+
+
+def _run():
   try:
     distributed = initialize_distributed(_CONFIG.value)
   except ConfigError as e:
@@ -49,15 +69,17 @@ def main(argv):
   if backend_error:
     exit_now(f"error: {backend_error}")
   try:
+    workdir_lib.check_workdir(_WORKDIR.value)
     with _workdir_lock(_WORKDIR.value):
-      train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+      train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value)
   except transport.PeerError as e:
     exit_now(f"error: process {jax.process_index()}: {e}")
   except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FloatingPointError,
-          ValueError, workdir_lib.WorkdirBusyError) as e:
+          ValueError, workdir_lib.WorkdirBusyError, OSError) as e:
+    message = _one_line(e)
     if distributed:
-      exit_now(f"error: process {jax.process_index()}: {e}")
-    sys.exit(f"error: {e}")
+      exit_now(f"error: process {jax.process_index()}: {message}")
+    sys.exit(f"error: {message}")
   except Exception as e:  # pylint: disable=broad-except
     if not distributed:
       raise
@@ -65,6 +87,17 @@ def main(argv):
     # exit now rather than wait at jax.distributed's shutdown barrier.
     logging.exception("process %d failed", jax.process_index())
     exit_now(f"error: process {jax.process_index()}: {type(e).__name__}: {e}")
+
+
+def _one_line(e: Exception) -> str:
+  """The error's message; an OSError's with the file and the fix."""
+  if not isinstance(e, OSError):
+    return str(e)
+  if console.disk_full(e):
+    return (f"disk full ({e.filename or _WORKDIR.value}); free space there, then re-run the "
+            "same command to resume from the last checkpoint.")
+  return (f"{e.strerror or e} ({e.filename or _WORKDIR.value}); fix that path or pass "
+          "another --workdir.")
 
 
 def _workdir_lock(workdir: str):
@@ -75,8 +108,39 @@ def _workdir_lock(workdir: str):
   return contextlib.nullcontext()
 
 
+def _config_argument(argv) -> tuple[int, str] | None:
+  """Where ``--config``'s value is in ``argv``, and the value."""
+  for i, arg in enumerate(argv[1:], 1):
+    if arg.startswith("--config="):
+      return i, arg
+    if arg == "--config" and i + 1 < len(argv):
+      return i + 1, "--config=" + argv[i + 1]
+  return None
+
+
+def _checked_config(argv):
+  """``argv`` with ``--config=X.json`` loaded by :mod:`run_record`; exits
+  with one line if the config file does not exist."""
+  found = _config_argument(argv)
+  if found is None:
+    return argv
+  i, arg = found
+  value = arg[len("--config="):]
+  path = value.split(":", 1)[0]
+  if not os.path.isfile(path):
+    why = "is not a file" if os.path.exists(path) else "does not exist"
+    sys.exit(f"error: config file {path} {why}; pass --config=configs/<recipe>.py "
+             "(e.g. configs/cifar10_cpu.py) or a run's WORKDIR/config.json.")
+  if value.endswith(".json"):
+    value = f"{run_record.__file__}:{os.path.abspath(value)}"
+  argv = list(argv)
+  argv[i] = "--config=" + value if argv[i].startswith("--config=") else value
+  return argv
+
+
 def _parse_flags(argv):
   """absl's flag parsing, with a bad ``--config.*`` override as one line."""
+  argv = _checked_config(argv)
   try:
     return flags.FLAGS(argv)
   except (KeyError, AttributeError, TypeError, ValueError) as e:

@@ -84,9 +84,13 @@ def test_corrupt_latest_falls_back_then_errors(tmp_path, caplog):
   step, *_ = checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP).restore(
       template, pipe.devices)
   assert step == 1
-  assert "checkpoint" in caplog.text and "/2" in caplog.text
+  # Named corrupt (not incomplete) and kept aside, not deleted.
+  assert f"checkpoint {tmp_path}/2 is corrupt" in caplog.text
+  assert "incomplete" not in caplog.text
+  assert (tmp_path / "corrupt_2" / "arrays").is_dir() and not (tmp_path / "2").exists()
   corrupt(1)
-  with pytest.raises(checkpoint.CheckpointError, match="no valid checkpoint"):
+  with pytest.raises(checkpoint.CheckpointError, match=r"every checkpoint in .* is corrupt "
+                     r"\(steps \[1\]"):
     checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP).restore(
         template, pipe.devices)
 

@@ -1,1 +1,0 @@
-"""The training run: loop, checkpoints, workdir, preemption and metrics."""

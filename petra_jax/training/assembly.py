@@ -68,6 +68,7 @@ class Run:
   result: dict = dataclasses.field(default_factory=dict)
   drain_points: dict = dataclasses.field(default_factory=dict)
   relay: Optional[LossRelay] = None  # the losses on their way to loss_log
+  last_save: float = dataclasses.field(default_factory=time.time)
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:

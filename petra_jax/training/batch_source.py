@@ -1,20 +1,10 @@
-"""Where a training run's micro-batches come from: ``m -> (images, labels)``.
+"""Where a run's micro-batches come from: ``m -> (images, labels)``.
 
-Update ``s = m // k`` is row ``s % steps_per_epoch`` of epoch ``s //
-steps_per_epoch``'s permutation (a function of the seed and the epoch), cut
-into ``k`` micro-batches; micro-batch ``m``'s augmentation draws from
-``fold_in(key(seed + 1), m)``, folded in on the host
-(``data.batches.host_fold_in``, bit for bit jax's: no device round trip). So
-the data position is the micro-batch index alone, which the schedule gives:
-a resumed run reads the same batches.
-
-Off the critical path: in-memory datasets prepare a whole update at once
-(one gather, one ``jax.device_put``, one jitted augmentation of its ``k``
-micro-batches: ``data.make_update_batch_fn``) when its first micro-batch is
-asked for, and its labels in one ``jax.device_put`` to the last stage;
-lazy ones (ImageNet) decode the next ``config.prefetch`` micro-batches in
-background threads (:class:`petra_jax.data.prefetch.Prefetcher`). Processes
-that do not own stage 0 read only labels (images None).
+Update ``s = m // k`` is row ``s % steps_per_epoch`` of its epoch's seeded
+permutation; micro-batch ``m``'s augmentation draws from ``fold_in(key(seed +
+1), m)``. The position is ``m`` alone, so a resumed run reads the same
+batches. In-memory data sets prepare a whole update at once; lazy ones
+decode ``config.prefetch`` micro-batches ahead in threads.
 """
 
 from __future__ import annotations

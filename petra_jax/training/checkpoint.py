@@ -1,56 +1,22 @@
-"""Checkpoints of the whole pipeline, with orbax ``CheckpointManager``.
+"""Checkpoints of the whole pipeline (in-flight micro-batches, buffers, partial
+accumulations, counters) with orbax ``CheckpointManager``.
 
-A PETRA run has state that plain training does not: micro-batches in flight,
-the input buffers of non-reversible stages, partial gradient accumulations
-(inside each stage's optax ``MultiSteps`` state) and per-stage counters. A
-checkpoint holds all of it, plus whatever the caller adds (the data position,
-the losses not yet logged), so a resumed run continues as if it had never
-stopped.
-
-Layout. Every process writes the state it holds into its own orbax
-directory, ``DIR/<step>/`` for process 0 and ``DIR/process_<p>/<step>/`` for
-process ``p`` (one process: only the first; the orbax settings that let a
-process save alone are :mod:`~petra_jax.training.orbax_local`'s), each step
-with two items:
-
-* ``arrays`` (``ocp.args.PyTreeSave``): ``{"blocks": {"007": block, ...},
-  "in_flight": {"<stage>": {"00000": array, ...}}, "extra": {...}}``. State
-  is stored **per block** (global block index over the model, not per
-  stage; :mod:`~petra_jax.training.checkpoint_blocks`): :func:`split_stage`
-  cuts a grouped stage's parameters, statistics and optimizer state into its
-  blocks, :func:`merge_blocks` regroups them, so a checkpoint can be
-  resumed with another stage grouping, device count or process count.
-  In-flight payloads are stored per stage
-  (:mod:`~petra_jax.training.checkpoint_state`), ``extra`` (the caller's
-  arrays, e.g. unlogged losses) by process 0;
-* ``meta`` (JSON): the fingerprint, the tick, ``drained`` (no micro-batch in
-  flight), the writer's process and the process count, the blocks per stage,
-  the blocks it wrote, where each in-flight array belongs (slot, stage,
-  micro-batch, pytree spec, shape, dtype) and the caller's ``extra`` dict.
-
-Commit. orbax writes each process's step into a temporary directory and
-renames it when complete. A step counts only once **every** process of the
-run that wrote it has renamed its part: a restore reads process 0's meta
-(how many processes wrote), checks that each of them has the step, and
-otherwise falls back to an older one; all processes read the same files, so
-they pick the same step (the directory must be shared by the processes, as
-it is on one machine or on a cluster file system). After a restore each
-process deletes its newer (incomplete) steps, which the run will write anew.
-
-Resharding. In-flight micro-batches belong to the stage grouping that made
-them, so a checkpoint restores with another grouping (``model.num_stages``,
-``model.stage_sizes``) only if it was taken on a drained pipeline (the one at
-the end of training, or with ``checkpoint_drain``); every block's
-parameters, statistics and optimizer state carry over exactly; the counters
-a stage shares (``micro_batches``, optax ``count``/``mini_step``) are equal
-in every block of a drained pipeline. Another device or process count with
-the same grouping needs no drain.
+Every process writes its part into ``DIR/<step>/`` (process 0) or
+``DIR/process_<p>/<step>/``: ``arrays`` (blocks, :mod:`checkpoint_blocks`;
+in-flight payloads, :mod:`checkpoint_state`; the caller's arrays) and
+``meta`` (JSON: fingerprint, tick, ``drained``, layout, the caller's
+``extra``). A step counts once every process that wrote it has committed
+its part (an *incomplete* step is deleted on restore); a step that cannot
+be read is *corrupt* and moved to ``DIR/corrupt_<step>``. Another stage
+grouping restores only from a drained checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from typing import Any, Optional, Sequence
 
 import jax
@@ -61,14 +27,10 @@ from petra_jax.engine.pipeline_state import PipelineState
 from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
 from petra_jax.training import orbax_local
-# Also imported from here by callers (train.py, tests).
+from petra_jax.training.console import disk_full
 from petra_jax.training.checkpoint_blocks import (  # noqa: F401  pylint: disable=unused-import
     CheckpointError, merge_blocks, split_stage, stage_block_count)
 
-
-# ----------------------------------------------------------------------------
-# Directories and managers.
-# ----------------------------------------------------------------------------
 
 def process_dir(directory: str, process: int) -> str:
   """Where process ``process`` writes: ``directory`` for process 0, else
@@ -88,25 +50,28 @@ def _read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
   return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def saved_fingerprint(directory: str) -> Optional[dict]:
-  """The fingerprint of the newest readable checkpoint in ``directory``.
-
-  Returns None when the directory holds no checkpoint (or does not exist).
-  Lets a resumed run rebuild what it decided at its start, e.g. the stage
-  grouping chosen from measured times (``model.balance_by="time"``).
-  """
+def newest_meta(directory: str) -> Optional[tuple[int, dict]]:
+  """``(step, meta)`` of the newest readable checkpoint of process 0 in
+  ``directory``; None if there is none."""
   if not os.path.isdir(directory):
     return None
   manager = _manager(os.path.abspath(directory))
   try:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
-        return _read_meta(manager, step)["fingerprint"]
-      except Exception:  # pylint: disable=broad-except  (unreadable: try an older one)
+        return step, _read_meta(manager, step)
+      except Exception:  # pylint: disable=broad-except
         continue
     return None
   finally:
     manager.close()
+
+
+def saved_fingerprint(directory: str) -> Optional[dict]:
+  """The fingerprint of the newest readable checkpoint in ``directory`` (None:
+  none), e.g. the grouping a ``model.balance_by="time"`` run chose."""
+  newest = newest_meta(directory)
+  return None if newest is None else newest[1]["fingerprint"]
 
 
 def _all_processes(ok: bool) -> bool:
@@ -124,18 +89,9 @@ RESHARDABLE = ("num_stages", "stage_sizes")
 class Checkpointer:
   """Saves and restores :class:`PipelineState` plus caller metadata.
 
-  Every process of a multi-process run builds one and calls every method
-  at the same steps (see the module docstring for the layout and commit).
-
-  Args:
-    directory: where checkpoints go (``WORKDIR/checkpoints``).
-    keep: how many of the latest known-good checkpoints to keep
-      (:meth:`prune`); newer ones whose losses are still in flight are kept
-      too.
-    fingerprint: what must match for a checkpoint to be resumed (model,
-      method...); JSON-able. Its :data:`RESHARDABLE` fields may differ.
-    block_counts: blocks per stage (default: read from the state, which
-      needs every stage on this process).
+  Every process builds one and calls every method at the same steps.
+  ``keep`` known-good checkpoints are kept (:meth:`prune`); ``fingerprint``
+  must match on restore except its :data:`RESHARDABLE` fields.
   """
 
   def __init__(self, directory: str, keep: int, fingerprint: dict,
@@ -146,10 +102,10 @@ class Checkpointer:
     self.block_counts = None if block_counts is None else [int(n) for n in block_counts]
     own = process_dir(self.directory, jax.process_index())
     os.makedirs(own, exist_ok=True)
-    # Rotation is ours (prune): a checkpoint only counts once the losses of
-    # every micro-batch before it are known finite.
     self.manager = _manager(own)
     self._others: dict[int, ocp.CheckpointManager] = {}
+    self._corrupt: set[int] = set()
+    self._saving: Optional[int] = None
 
   def _counts(self, state: PipelineState) -> list[int]:
     if self.block_counts is not None:
@@ -168,8 +124,8 @@ class Checkpointer:
 
   def prune(self, verified_through: int) -> None:
     """Keeps the newest ``keep`` checkpoints at steps ``<= verified_through``
-    (known good) and every newer one; deletes the older ones (this
-    process's part)."""
+    and every newer one (this process's part).
+    """
     steps = sorted(self.manager.all_steps())
     good = [s for s in steps if s <= verified_through]
     for s in good[:max(len(good) - self.keep, 0)]:
@@ -184,15 +140,11 @@ class Checkpointer:
 
   def save(self, step: int, state: PipelineState, extra: dict,
            extra_arrays: Optional[dict[int, Any]] = None) -> None:
-    """Starts an (asynchronous) save of this process's part at ``step``.
+    """Starts an asynchronous save at ``step`` (arrays copied off the devices
+    first); ``extra`` is JSON-able, ``extra_arrays`` int-keyed arrays.
 
-    Args:
-      step: optimizer updates so far (the checkpoint's name).
-      state: the pipeline state; its arrays are copied off the devices before
-        this returns, so the pipeline can run on while the write finishes.
-      extra: JSON-able caller state (data position, log offsets...).
-      extra_arrays: caller arrays keyed by int (see
-        :func:`~petra_jax.training.checkpoint_state.flatten_in_flight`).
+    Raises:
+      CheckpointError: the disk is full (also for an earlier save).
     """
     counts = self._counts(state)
     blocks = blocks_lib.stage_blocks(state, counts)
@@ -204,34 +156,45 @@ class Checkpointer:
             "blocks": sorted(arrays["blocks"]), "in_flight": entries["in_flight"],
             "opt_paths": {b: blocks_lib.opt_paths(v["opt_state"]) for b, v in blocks.items()},
             "extra_entries": entries["extra"], "extra": extra}
-    # As numpy: orbax refuses host-local jax.Arrays in a multi-process run.
-    self.manager.save(step, args=ocp.args.Composite(
-        arrays=ocp.args.PyTreeSave(jax.device_get(arrays)), meta=ocp.args.JsonSave(meta)))
+    with self._disk_full_is_one_line(step):
+      # As numpy: orbax refuses host-local jax.Arrays in a multi-process run.
+      self.manager.save(step, args=ocp.args.Composite(
+          arrays=ocp.args.PyTreeSave(jax.device_get(arrays)), meta=ocp.args.JsonSave(meta)))
+    self._saving = step
+
+  @contextlib.contextmanager
+  def _disk_full_is_one_line(self, step: int):
+    """Turns a full disk while writing into one :class:`CheckpointError`
+    (the checkpoints already saved stay, older ones are pruned only after)."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not disk_full(e):
+        raise
+      failed = self._saving if self._saving is not None else step
+      kept = sorted(s for s in self.manager.all_steps() if s != failed)
+      raise CheckpointError(
+          f"disk full while writing checkpoint {self.directory}/{failed}; the checkpoints "
+          f"saved before ({kept or 'none'}) are intact: free space on that disk, then re-run "
+          "the same command to resume.") from None
 
   def restore(self, template: PipelineState, devices: list) -> Optional[tuple]:
     """Restores the newest complete, valid checkpoint (every process).
 
     Args:
-      template: a freshly initialised state of this pipeline (gives the
-        stage pytree structure, shapes; None for other processes' stages).
-      devices: where each stage's state goes: its device, or its sharding
-        (``Placement.state_sharding``: a data-parallel stage's replicated
-        state).
+      template: a fresh state of this pipeline (None: other processes' stages).
+      devices: each stage's device or sharding.
 
     Returns:
-      ``(step, state, extra, extra_arrays)``, or None if there is no
-      checkpoint. ``extra_arrays`` is empty off process 0; ``state.tick`` is
-      the saved tick (meaningless with another grouping: the state is
-      drained then).
+      ``(step, state, extra, extra_arrays)``, or None if there is none.
 
     Raises:
-      CheckpointError: the checkpoint comes from a different run (model,
-        method...), was taken with micro-batches in flight and another stage
-        grouping, or no checkpoint in the directory is complete and valid.
+      CheckpointError: another run's checkpoint, a regrouping of an undrained
+        one, or none complete and valid.
     """
     steps = sorted(self._reader(0).all_steps(), reverse=True)
     if not steps:
-      self._delete_newer(-1)  # parts of steps process 0 never completed
+      self._delete_newer(-1)
       return None
     for step in steps:
       metas = self._complete_metas(step)
@@ -246,15 +209,21 @@ class Checkpointer:
       except CheckpointError:
         raise
       except Exception as e:  # pylint: disable=broad-except
-        logging.warning("checkpoint %s/%d is corrupt or partial (%s: %s); trying an older "
-                        "one.", self.directory, step, type(e).__name__, str(e)[:200])
+        self._warn_corrupt(step, e)
         result = None
       if _all_processes(result is not None):
         self._delete_newer(step)
         return (step,) + result
+    what = "corrupt" if self._corrupt == set(steps) else "corrupt or incomplete"
     raise CheckpointError(
-        f"no valid checkpoint in {self.directory} (steps tried: {steps}); delete the "
-        "directory to start afresh, or use another --workdir.")
+        f"every checkpoint in {self.directory} is {what} (steps {steps}; the log above says "
+        "why); move that directory away or pass --restart to start afresh, or use another "
+        "--workdir.")
+
+  def _warn_corrupt(self, step: int, e: BaseException) -> None:
+    self._corrupt.add(step)
+    logging.warning("checkpoint %s/%d is corrupt (%s: %s); trying an older one.",
+                    self.directory, step, type(e).__name__, str(e)[:200])
 
   def _complete_metas(self, step: int) -> Optional[list]:
     """Every writer's meta of ``step``, or None (with a warning) if one is
@@ -265,11 +234,12 @@ class Checkpointer:
       for q in range(1, metas[0].get("num_processes", 1)):
         reader = self._reader(q)
         if step not in reader.all_steps():
-          raise FileNotFoundError(f"process {q} has no step {step}")
+          logging.warning("checkpoint %s/%d is incomplete: process %d did not finish its "
+                          "part; trying an older one.", self.directory, step, q)
+          return None
         metas.append(_read_meta(reader, step))
     except Exception as e:  # pylint: disable=broad-except
-      logging.warning("checkpoint %s/%d is incomplete or unreadable (%s: %s); trying an older "
-                      "one.", self.directory, step, type(e).__name__, str(e)[:200])
+      self._warn_corrupt(step, e)
       return None
     if "blocks" not in metas[0]:
       raise CheckpointError(f"checkpoint {self.directory}/{step} was written by an older "
@@ -277,7 +247,6 @@ class Checkpointer:
     return metas
 
   def _check_fingerprint(self, saved: dict, step: int):
-    # A field the checkpoint lacks (written by an older version) is not checked.
     diffs = [f"{k}: checkpoint {saved[k]!r} vs config {v!r}"
              for k, v in self.fingerprint.items()
              if k in saved and saved[k] != v and k not in RESHARDABLE]
@@ -289,11 +258,21 @@ class Checkpointer:
   def _delete_newer(self, step: int) -> None:
     """Deletes this process's steps after ``step`` (not committed by every
     process, or unreadable): the resumed run writes them again."""
+    moved = False
     for s in self.manager.all_steps():
-      if s > step:
+      if s > step and s in self._corrupt:
+        kept = os.path.join(str(self.manager.directory), f"corrupt_{s}")
+        shutil.rmtree(kept, ignore_errors=True)
+        os.rename(os.path.join(str(self.manager.directory), str(s)), kept)
+        logging.warning("moved corrupt checkpoint %s/%d to %s (delete it once looked at)",
+                        self.manager.directory, s, kept)
+        moved = True
+      elif s > step:
         logging.warning("deleting %s/%d: newer than the checkpoint resumed from, incomplete",
                         self.manager.directory, s)
         self.manager.delete(s)
+    if moved:
+      self.manager.reload()
 
   def _requests(self, metas, template: PipelineState, devices) -> dict:
     """Per writer process, the abstract arrays this process needs from it."""
@@ -313,7 +292,7 @@ class Checkpointer:
       q = stage_owner.get(j)
       wanted = {} if q is None else state_lib.entries_abstract(metas[q]["in_flight"][str(j)],
                                                                devices[j])
-      if wanted:  # (orbax restores no empty subtree)
+      if wanted:
         requests[q]["in_flight"][str(j)] = wanted
     if jax.process_index() == 0:
       requests[0]["extra"] = state_lib.entries_abstract(metas[0]["extra_entries"], devices[0])
@@ -357,8 +336,10 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def wait(self):
-    """Blocks until pending saves are on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until pending saves are on disk; CheckpointError if disk full."""
+    with self._disk_full_is_one_line(-1):
+      self.manager.wait_until_finished()
+    self._saving = None
 
   def close(self):
     self.manager.close()

@@ -1,14 +1,8 @@
-"""The per-block part of a checkpoint: what makes resharding possible.
+"""The per-block part of a checkpoint, which makes resharding possible.
 
-A checkpoint stores the train state **per block** (global block index over
-the model, ``"007"``), not per stage: :func:`split_stage` cuts a grouped
-stage's parameters, statistics and optimizer state into its blocks,
-:func:`merge_blocks` regroups them, so a checkpoint resumes with another
-stage grouping, device count or process count. A block's optimizer state is
-stored flat (:func:`flat_opt`) and checked against the optimizer of the
-stage it lands in by its leaf paths (:func:`opt_paths`,
-:func:`check_optimizer_fit`); another grouping needs a drained checkpoint
-(:func:`check_layout`).
+State is stored per block (global index ``"007"``): :func:`split_stage` cuts
+a stage's state into blocks, :func:`merge_blocks` regroups them, so a
+checkpoint resumes with another grouping, device or process count.
 """
 
 from __future__ import annotations
@@ -27,8 +21,7 @@ class CheckpointError(RuntimeError):
 
 
 def stage_block_count(train_state) -> int:
-  """Blocks in a stage, read from its parameters: a group
-  (:func:`petra_jax.engine.stage.group`) keeps them under ``"block_0"``, ... ."""
+  """Blocks in a stage: ``n`` if its params are ``block_0..n-1``, else 1."""
   params = train_state.params
   n = len(params) if isinstance(params, dict) else 0
   names = [f"block_{i}" for i in range(n)]
@@ -47,21 +40,9 @@ def _as_tree(train_state) -> dict:
 
 
 def split_stage(train_state, num_blocks: int) -> list[dict]:
-  """One tree per block of a stage's state.
-
-  Every subtree keyed ``{"block_0", ..., "block_<n-1>"}`` (the parameters,
-  the statistics and every optax state that mirrors the parameters: momentum,
-  ``MultiSteps`` accumulators, masked states...) is cut into its blocks; the
-  other leaves (counters such as ``micro_batches``, optax ``count``,
-  ``mini_step``) are shared by the stage and copied into every block.
-
-  Args:
-    train_state: a :class:`StageState` (arrays or ``jax.ShapeDtypeStruct``).
-    num_blocks: the stage's block count.
-
-  Returns:
-    ``num_blocks`` dicts ``{"micro_batches", "params", "batch_stats",
-    "opt_state"}``.
+  """``num_blocks`` trees ``{"micro_batches", "params", "batch_stats", "opt_state"}``
+  of a :class:`StageState`: subtrees keyed ``block_0..n-1`` are cut, shared
+  counters (``micro_batches``, optax ``count``) copied into every block.
   """
   tree = _as_tree(train_state)
   if num_blocks == 1:
@@ -73,21 +54,8 @@ def split_stage(train_state, num_blocks: int) -> list[dict]:
 
 
 def merge_blocks(blocks: Sequence[dict], template):
-  """The inverse of :func:`split_stage`: a stage's state from its blocks'.
-
-  Args:
-    blocks: per block, a tree from :func:`split_stage` (possibly taken with
-      another grouping).
-    template: a freshly initialised :class:`StageState` of the stage (gives
-      its structure and its static optimizer).
-
-  Returns:
-    The :class:`StageState`.
-
-  Raises:
-    CheckpointError: a shared counter differs between the blocks (they come
-      from stages that had not run the same number of backward passes: the
-      checkpoint was not drained), or the trees do not fit the template.
+  """The inverse of :func:`split_stage`; raises CheckpointError on a misfit
+  or on shared counters that differ (the checkpoint was not drained).
   """
   if len(blocks) == 1:
     return template.replace(**blocks[0])
@@ -113,9 +81,7 @@ def merge_blocks(blocks: Sequence[dict], template):
 
 
 def stage_blocks(state: PipelineState, counts: Sequence[int]) -> dict:
-  """``{"007": block tree}`` of the stages this process holds (the others'
-  train states are ``None``), ``counts[j]`` blocks in stage ``j``
-  (:func:`split_stage`)."""
+  """``{"007": block tree}`` of this process's stages (:func:`split_stage`)."""
   out = {}
   for j, st in enumerate(state.train_states):
     if st is not None:
@@ -126,19 +92,16 @@ def stage_blocks(state: PipelineState, counts: Sequence[int]) -> dict:
 
 
 def opt_paths(opt_state) -> list[str]:
-  """Each optimizer-state leaf's path without tuple positions (``["mini_step",
-  "inner_opt_state/trace/conv/kernel", ...]``): the same for two chains that
-  differ only by stateless transformations, such as a delay compensation's
-  at delay 0 and at delay 6."""
+  """Optimizer-state leaf paths without tuple positions (equal for chains
+  that differ only by stateless transformations).
+  """
   return ["/".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path
                    if not isinstance(k, jax.tree_util.SequenceKey))
           for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
 
 
 def flat_opt(block: dict) -> dict:
-  """A block tree with its optimizer state as its leaves, ``{"00000": leaf}``
-  (how a checkpoint stores it: it then fits any chain with the same
-  :func:`opt_paths`)."""
+  """A block tree with its optimizer state flat, ``{"00000": leaf}``."""
   leaves = jax.tree.leaves(block["opt_state"])
   return dict(block, opt_state={f"{i:05d}": x for i, x in enumerate(leaves)})
 
@@ -152,15 +115,9 @@ def unflat_opt(block: dict, like: dict) -> dict:
 def check_layout(meta: dict, counts: list[int], directory: str, step: int) -> None:
   """Another grouping needs a drained checkpoint over the same blocks.
 
-  Args:
-    meta: process 0's ``meta`` item (``block_counts``, ``drained``).
-    counts: blocks per stage of the pipeline resuming.
-    directory: the checkpoint directory, for the messages.
-    step: the checkpoint's step.
-
   Raises:
-    CheckpointError: another block count, or another grouping with
-      micro-batches in flight.
+    CheckpointError: another block count, or regrouping with micro-batches
+      in flight.
   """
   saved, where = meta["block_counts"], f"{directory}/{step}"
   if saved == counts:
@@ -178,15 +135,7 @@ def check_layout(meta: dict, counts: list[int], directory: str, step: int) -> No
 
 
 def check_optimizer_fit(metas: list[dict], blocks_now: dict, where: str) -> None:
-  """Each block's saved optimizer state must fit its stage's optimizer now
-  (the same leaf paths; a compensation's hyper-parameters may change with
-  the stage's delay, its state may not).
-
-  Args:
-    metas: every writer process's ``meta`` item (``opt_paths``,
-      ``block_counts``).
-    blocks_now: :func:`stage_blocks` of the template state resuming.
-    where: ``"<directory>/<step>"``, for the message.
+  """Each block's saved optimizer state must have its stage's leaf paths.
 
   Raises:
     CheckpointError: a block's optimizer leaf paths differ.

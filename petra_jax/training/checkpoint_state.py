@@ -1,21 +1,9 @@
 """The in-flight part of a checkpoint: messages as flat arrays plus JSON.
 
-A :class:`PipelineState` holds, besides the stages' train states, boxes of
-messages ``{micro_batch: payload}`` (activations on their way forward,
-gradients on their way back, input buffers, weight stashes, labels...). A
-payload is a pytree of arrays, tuples, dicts, ``None`` and
-:class:`~petra_jax.engine.quantize.Quantized` messages. A checkpoint stores
-each payload as
-
-* its arrays, flat, under ``"00000"``, ``"00001"``, ... (orbax's ``arrays``
-  item, one dict per stage), and
-* an *entry* in the JSON ``meta`` item: ``{"slot": field name, "stage": j,
-  "key": micro-batch, "spec": pytree spec, "leaves": the array ids,
-  "shapes": [[shape, dtype], ...]}``, which is all a restore needs to ask
-  orbax for the arrays and to rebuild the payload.
-
-:func:`flatten_in_flight` makes both for the stages this process holds,
-:func:`refill` puts restored payloads back into a state's boxes.
+Each payload of a :class:`PipelineState`'s message boxes (a pytree of
+arrays, tuples, dicts, ``None``, ``Quantized``) is stored as its arrays
+under ``"00000"``, ... and a JSON entry ``{"slot", "stage", "key", "spec",
+"leaves", "shapes"}`` that rebuilds it.
 """
 
 from __future__ import annotations
@@ -30,17 +18,8 @@ from petra_jax.engine.pipeline_state import PipelineState, message_fields
 
 
 def _encode(payload, leaves: list):
-  """A payload's JSON spec; appends its arrays to ``leaves`` in spec order.
-
-  Args:
-    payload: a pytree of arrays, tuples / lists, dicts, ``None`` and
-      ``Quantized`` messages.
-    leaves: the list the arrays are appended to.
-
-  Returns:
-    ``None`` for ``None``, a list for a tuple, ``{"quantized": [fmt, dtype],
-    "values": [...]}`` for a ``Quantized``, ``{"keys", "values"}`` for a
-    dict, ``"array"`` for an array.
+  """A payload's JSON spec (None, list, ``{"quantized", "values"}``,
+  ``{"keys", "values"}`` or ``"array"``); its arrays go to ``leaves``.
   """
   if payload is None:
     return None
@@ -72,9 +51,9 @@ def _decode(spec, leaves: Iterator):
 
 
 def boxes(state: PipelineState):
-  """``(field, stage, {micro_batch: payload})`` of every message field, read
-  from :class:`PipelineState`'s field metadata (no hand-written list); a
-  field that is not per stage (the labels) belongs to the last stage."""
+  """``(field, stage, {micro_batch: payload})`` of every message field
+  (labels belong to the last stage).
+  """
   last = len(state.train_states) - 1
   for f in message_fields():
     value = getattr(state, f.name)
@@ -86,9 +65,7 @@ def boxes(state: PipelineState):
 
 
 def _flatten(items, leaves_out: dict, stage: int) -> list[dict]:
-  """``[(slot, key, payload)] -> entries``; the payload arrays go to
-  ``leaves_out`` under ``"00000"``, ``"00001"``, ... (numbering on from the
-  ids already there)."""
+  """``[(slot, key, payload)] -> entries``; arrays go to ``leaves_out``."""
   entries = []
   for slot, key, payload in items:
     leaves = []
@@ -101,18 +78,9 @@ def _flatten(items, leaves_out: dict, stage: int) -> list[dict]:
 
 
 def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
-  """The in-flight payloads of this process's stages (and ``extra_arrays``).
-
-  Args:
-    state: the pipeline state (``None`` train states: another process's
-      stages, skipped).
-    extra_arrays: caller's arrays to save alongside, keyed by an int id
-      (e.g. losses not yet logged, by micro-batch).
-
-  Returns:
-    ``(arrays, entries)``: ``arrays = {"in_flight": {"<j>": {"00000":
-    array}}, "extra": {...}}`` and ``entries``, JSON-able, the same keys with
-    lists saying where each payload goes back.
+  """``(arrays, entries)`` of this process's stages' payloads and
+  ``extra_arrays`` (int-keyed): ``{"in_flight": {"<j>": {"00000": array}},
+  "extra": {...}}`` and the JSON entries under the same keys.
   """
   per_stage = {}
   for name, j, box in boxes(state):
@@ -128,9 +96,7 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
 
 
 def abstract(shape, dtype, device) -> jax.ShapeDtypeStruct:
-  """An array of ``shape`` and ``dtype`` (a name, e.g. ``"float32"``) on
-  ``device`` (a ``jax.Device``, or a sharding: a data-parallel stage's
-  replicated state), as orbax's restore asks for it."""
+  """A ``ShapeDtypeStruct`` on ``device`` (a device or a sharding)."""
   sharding = (jax.sharding.SingleDeviceSharding(device) if isinstance(device, jax.Device)
               else device)
   return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
@@ -149,19 +115,8 @@ def unflatten(entries: list, arrays: dict) -> list[tuple]:
 
 
 def refill(state: PipelineState, metas: list[dict], in_flight: dict) -> None:
-  """Puts the in-flight payloads back in ``state``'s boxes (in place).
-
-  On a stage's process its payloads go back; elsewhere the keys of the
-  routed fields get ``None`` (as a running multi-process pipeline keeps
-  them).
-
-  Args:
-    state: a drained state (:meth:`PipelineState.empty`) of the restored
-      stages (``None`` train states: another process's).
-    metas: every writer process's ``meta`` item (their ``"in_flight"``
-      entries).
-    in_flight: ``{"<j>": {"00000": array}}``, the restored arrays of this
-      process's stages.
+  """Puts restored payloads back in ``state``'s boxes (in place); the
+  routed fields of other processes' stages get ``None`` keys.
   """
   by_slot = {(name, j): box for name, j, box in boxes(state)}
   routed = {f.name for f in message_fields() if f.metadata["routed"]}

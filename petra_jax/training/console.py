@@ -1,15 +1,11 @@
-"""What a training run prints: our own lines, and other libraries' only on request.
-
-At the default verbosity a run shows a set-up summary, a progress bar for
-training and one for each evaluation (on a terminal), one line per
-evaluation, and where the metrics and checkpoints went; the INFO logging of
-orbax, tfds and jax (and our own ``logging.info`` details) is off, warnings
-still shown. absl's ``--verbosity=0`` (INFO) or ``--verbosity=1`` (DEBUG)
-turn that logging back on. Only process 0 prints.
+"""What a run prints: a set-up summary, progress bars (on a terminal), a line
+per evaluation and where outputs went (process 0); other libraries' INFO
+logging only with absl's ``--verbosity``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging as std_logging
 import math
 import os
@@ -20,7 +16,8 @@ from absl import logging
 import jax
 from tqdm import tqdm
 
-# Backend names of accelerators, and the install that brings each one.
+from petra_jax import optim
+
 _ACCELERATOR_INSTALL = {
     "gpu": "pip install -e '.[cuda12]'",
     "cuda": "pip install -e '.[cuda12]'",
@@ -28,29 +25,37 @@ _ACCELERATOR_INSTALL = {
 }
 
 
-# Warnings of other libraries that say nothing about the run (checked against
-# orbax 0.12.8: the per-process checkpoint handlers register no jax.Array
-# metadata on purpose); shown again with --verbosity.
+# Other libraries' warnings that say nothing about the run (orbax 0.12.8).
 _HARMLESS_WARNINGS = (
     "No jax.Array in TypeHandlerRegistry: ArrayMetadata persistence is disabled",
     "Global object size logging disabled",
 )
 
 
+def disk_full(e: BaseException) -> bool:
+  """Whether ``e`` or an exception it was raised from is ENOSPC / EDQUOT."""
+  seen = 0
+  while e is not None and seen < 20:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    e, seen = e.__cause__ or e.__context__, seen + 1
+  return False
+
+
+
 class _DropHarmless(std_logging.Filter):
   """Drops the records of :data:`_HARMLESS_WARNINGS`."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.exc_info and disk_full(record.exc_info[1]):
+      return False  # (the run says it in one line)
     message = record.getMessage()
     return not any(h in message for h in _HARMLESS_WARNINGS)
 
 
 def quiet_library_logging(verbosity_given: bool) -> None:
-  """Shows only warnings and errors from logging, unless ``--verbosity`` was
-  given on the command line (then absl's level stays as asked).
-
-  Call after absl parsed the flags (in ``main``) and before JAX starts its
-  backends (whose start-up logs ``Unable to initialize backend 'tpu'``).
+  """Warnings and errors only, unless ``--verbosity`` was given; call
+  before JAX starts its backends.
   """
   if not verbosity_given:
     logging.set_verbosity(logging.WARNING)
@@ -67,6 +72,12 @@ def say(line: str) -> None:
     tqdm.write(line)
 
 
+def warn(line: str) -> None:
+  """Prints one line to stderr (process 0) without breaking a progress bar."""
+  if _printing():
+    tqdm.write(line, file=sys.stderr)
+
+
 def progress(total: int, desc: str, unit: str, initial: int = 0, leave: bool = True) -> tqdm:
   """A progress bar on stderr (process 0, on a terminal only)."""
   return tqdm(total=total, initial=initial, unit=unit, unit_scale=True, desc=desc,
@@ -74,17 +85,8 @@ def progress(total: int, desc: str, unit: str, initial: int = 0, leave: bool = T
 
 
 def platform_mismatch(wanted: str, jax_platforms: str, backend: str) -> Optional[str]:
-  """The line for an accelerator asked for but not in use, else None.
-
-  Args:
-    wanted: ``config.platform`` ("" = none asked for).
-    jax_platforms: ``$JAX_PLATFORMS`` / ``jax_platforms`` ("" = unset), e.g.
-      ``"cuda,cpu"``; its first entry counts when ``wanted`` is "".
-    backend: the backend JAX runs on (``jax.default_backend()``).
-
-  Returns:
-    e.g. ``"warning: config.platform='gpu' but JAX runs on the CPU (no gpu
-    backend is installed): pip install -e '.[cuda12]'"``.
+  """The warning line for an accelerator asked for (``wanted``, else the
+  first of ``jax_platforms``) while JAX runs on ``backend`` "cpu", else None.
   """
   source = "config.platform"
   if not wanted and jax_platforms:
@@ -107,15 +109,13 @@ def check_platform(config) -> None:
 
 
 def backend_error() -> Optional[str]:
-  """Starts JAX's backends; the line naming the fix if the platform that
-  ``$JAX_PLATFORMS`` asks for cannot start, else None.
-
-  Call after ``jax.distributed.initialize`` (which must come first).
+  """Starts JAX's backends (after ``jax.distributed``); the line naming the
+  fix if ``$JAX_PLATFORMS``'s platform cannot start, else None.
   """
   try:
     jax.default_backend()
     return None
-  except (RuntimeError, AssertionError) as e:  # (jax asserts when no CUDA plugin exists)
+  except (RuntimeError, AssertionError) as e:
     asked = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
     why = (str(e).splitlines() or [type(e).__name__])[0]
     install = _ACCELERATOR_INSTALL.get(asked.split(",")[0].strip().lower())
@@ -138,6 +138,15 @@ def setup_summary(run) -> None:
                f"{run.checkpointer.directory}/{run.restored_step})")
   say(f"{run.total_steps} updates of {c.batch_size} images ({c.accumulation_steps} "
       f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")
+  lr = optim.base_learning_rate(c)
+  auto = (" (automatic: 0.1 x batch_size / 256, as optim.learning_rate = 0; set "
+          "--config.optim.learning_rate to choose)") if not c.optim.learning_rate else ""
+  every = f"every {c.checkpoint_every} updates" if c.checkpoint_every else ""
+  if c.checkpoint_minutes and not c.checkpoint_drain:
+    every += (" and " if every else "") + (f"at each epoch end and at least every "
+                                           f"{c.checkpoint_minutes:g} min")
+  say(f"{c.optim.name} at learning rate {lr:g}{auto}; checkpoints "
+      f"{every or 'off'}")
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:

@@ -1,9 +1,5 @@
-"""Multi-process runs: ``jax.distributed`` start-up, device order, the few
-collectives of the training loop, and the exit that skips the shutdown barrier.
-
-This is the one home of ``jax.experimental.multihost_utils`` in the training
-code. Every collective here must be called by every process of the run, at
-the same point.
+"""Multi-process runs: ``jax.distributed`` start-up, device order, the loop's
+collectives (every process calls them at the same point), a barrier-free exit.
 """
 
 from __future__ import annotations
@@ -22,21 +18,10 @@ from petra_jax.training.validation import ConfigError
 
 
 def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
-  """Starts ``jax.distributed`` when ``config.distributed`` or the
-  environment asks for it; call before any JAX computation.
-
-  ``coordinator_address``, ``num_processes`` and ``process_id`` fall back to
-  ``$JAX_COORDINATOR_ADDRESS``, ``$JAX_NUM_PROCESSES`` and ``$JAX_PROCESS_ID``;
-  with ``auto_detect`` jax fills what is unset from SLURM, a TPU pod or MPI.
-  CPU collectives use gloo. A peer that stops sending heartbeats for
-  ``heartbeat_timeout_s`` makes the others terminate.
-
-  Returns:
-    True if ``jax.distributed`` was initialised, False for a single process.
+  """Starts ``jax.distributed`` if asked; False for one process.
 
   Raises:
-    ConfigError: the processes did not all join within
-      ``initialization_timeout_s`` (or the coordinator is unreachable).
+    ConfigError: the processes did not all join in time.
   """
   d = config.distributed
   address = d.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS", "")
@@ -52,7 +37,7 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
         initialization_timeout=d.initialization_timeout_s,
         heartbeat_timeout_seconds=d.heartbeat_timeout_s,
         shutdown_timeout_seconds=d.shutdown_timeout_s)
-  except Exception as e:  # pylint: disable=broad-except  (jaxlib's runtime errors)
+  except Exception as e:  # pylint: disable=broad-except
     raise ConfigError(
         f"process {pid} could not join the {num}-process run at {address!r} within "
         f"{d.initialization_timeout_s} s: {str(e).splitlines()[0]}. Start every process "
@@ -64,9 +49,9 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
 
 
 def devices(config: ml_collections.ConfigDict) -> list:
-  """The stages' devices: the first ``num_devices x data_parallel`` (0: all)
-  of each process, in process order (stage 0 on process 0); consecutive
-  groups of ``data_parallel`` are the stages' device groups."""
+  """The first ``num_devices x data_parallel`` devices of each process, in
+  process order; consecutive groups of ``data_parallel`` form a stage.
+  """
   n = config.num_devices * config.data_parallel
   if jax.process_count() == 1:
     local = jax.local_devices()
@@ -93,13 +78,11 @@ def any_process(flag: bool) -> bool:
 
 
 def barrier(name: str) -> None:
-  """Waits until every process reaches the barrier ``name``."""
   multihost_utils.sync_global_devices(name)
 
 
 def exit_now(message: str, status: int = 1):
-  """Prints ``message`` to stderr and exits with ``status`` at once, skipping
-  ``jax.distributed``'s shutdown barrier (whose peers may be dead)."""
+  """Prints ``message`` and exits now, skipping the shutdown barrier."""
   if message:
     print(message, file=sys.stderr, flush=True)
   sys.stdout.flush()

@@ -15,17 +15,14 @@ from petra_jax.training import console
 
 @jax.jit
 def batch_sums(logits: jax.Array, labels: jax.Array, valid: jax.Array):
-  """Summed cross-entropy and correct predictions of a batch's first ``valid`` rows.
+  """Summed cross-entropy and hits of the first ``valid`` rows.
 
   Args:
-    logits: float32 ``[B, K]``; rows past ``valid`` are padding.
-    labels: int32 ``[B]`` in ``0 .. K-1`` (padded rows: any class).
-    valid: int32 scalar in ``1 .. B``.
+    logits: float32 ``[B, K]``; labels: int32 ``[B]``; valid: int32 scalar.
 
   Returns:
-    ``(loss_sum, correct)``: float32 ``sum_i -log softmax(logits_i)[labels_i]``
-    and int32 ``sum_i [argmax logits_i == labels_i]`` over ``i < valid``
-    (argmax: the first of tied maxima).
+    float32 ``sum_i -log softmax(logits_i)[labels_i]`` and int32
+    ``sum_i [argmax logits_i == labels_i]`` over ``i < valid``.
   """
   keep = jnp.arange(logits.shape[0]) < valid
   loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
@@ -34,26 +31,11 @@ def batch_sums(logits: jax.Array, labels: jax.Array, valid: jax.Array):
 
 
 def evaluate(pipe: Pipeline, state, split, info, batch_size: int) -> dict:
-  """Test loss and accuracy over the whole split (the last batch is padded).
+  """Test loss and accuracy over the whole split (last batch padded).
 
-  The loss and the hits of each batch are summed on the last stage's device
-  (:func:`batch_sums`); only two numbers per batch come back to the host,
-  where they are added up in float64.
-
-  Args:
-    pipe, state: the pipeline and its state (current weights and running
-      BatchNorm statistics).
-    split: from ``data.open_split`` (in memory, or lazy for ImageNet).
-    info: the dataset's ``data.DatasetInfo``.
-    batch_size: images per evaluation batch.
-
-  Multi-process: every process calls it; stage 0's process reads the images,
-  the last stage's process the labels and sums the loss and the hits, which
-  it sends to process 0 (as float64 bits: the same numbers as one process).
-
-  Returns:
-    ``{"test_loss": float, "test_accuracy": float}`` (accuracy in [0, 1]);
-    ``{}`` on processes other than 0 in a multi-process run.
+  Each batch's sums (:func:`batch_sums`) are computed on the last stage's
+  device, added up in float64. Returns ``{"test_loss", "test_accuracy"}``
+  (``{}`` off process 0).
   """
   n = len(split)
   sums = []
@@ -61,7 +43,7 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int) -> dict:
   for images, labels, valid in _batches(pipe, split, info, batch_size):
     logits = pipe.predict(state, images)
     bar.update(valid)
-    if logits is None:  # the last stage is another process's
+    if logits is None:
       continue
     padded = np.zeros(logits.shape[0], np.int32)
     padded[:valid] = labels
@@ -78,8 +60,7 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int) -> dict:
 
 
 def _batches(pipe: Pipeline, split, info, batch_size: int):
-  """``(images, labels, valid)`` of each batch; on a process that does not
-  feed stage 0, images are only their shape (``predict`` needs no more)."""
+  """``(images, labels, valid)`` per batch (images: a shape off stage 0's process)."""
   n = len(split)
   if pipe.owns_input:
     return data_lib.eval_batches(split, info, batch_size, pipe.placements[0].batch)
@@ -89,8 +70,7 @@ def _batches(pipe: Pipeline, split, info, batch_size: int):
 
 
 def _to_process_0(pipe: Pipeline, values: np.ndarray):
-  """float64 ``values`` computed by the last stage's process, on process 0
-  (sent as their uint32 bits, exactly); None on other processes."""
+  """The last stage's float64 ``values`` on process 0, bit-exact; else None."""
   first, last = pipe.input_device, pipe.output_device
   bits = values.view(np.uint32)
   if pipe.owns_input and pipe.owns_output:

@@ -1,14 +1,9 @@
-"""The training loop, tick by tick, and its hooks between updates.
-
-:func:`train_and_evaluate` runs a :class:`~petra_jax.training.assembly.Run`'s
-tick table; after each update :func:`on_update` logs, evaluates and
-checkpoints as configured; :func:`finish` closes the run, :func:`preempt`
-stops it on a signal with a checkpoint.
-"""
+"""The training loop, tick by tick, and its hooks between updates."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import jax
@@ -16,60 +11,108 @@ import ml_collections
 
 from petra_jax.engine import diagnostics
 from petra_jax.engine import schedule as schedule_lib
+from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
 from petra_jax.training import distributed
 from petra_jax.training import preemption
+from petra_jax.training import run_record
 from petra_jax.training.assembly import Run, setup
 from petra_jax.training.evaluate import evaluate
 from petra_jax.training.loss_log import Diverged
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       restart: bool = False) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
-  Runs the method's schedule (:mod:`petra_jax.engine.schedule`) tick by tick over
-  ``total_steps * k`` micro-batches. Writes ``WORKDIR/metrics.jsonl``
-  (``step``, ``epoch``, ``train_loss``, ``learning_rate`` every ``log_every``
-  updates; ``test_loss``, ``test_accuracy`` at each evaluation) and
-  TensorBoard events; with ``reconstruction_error_every``,
-  ``reconstruction_error/stage_<j>``; with ``grad_quality_every``, per-stage
-  gradient cosines and norm ratios (``grad_quality/cos_applied_e2e/stage_3``,
-  ...; :mod:`petra_jax.engine.diagnostics`).
+  Runs the method's tick table over ``total_steps * k`` micro-batches; writes
+  ``WORKDIR/config.json``, ``metrics.jsonl`` and TensorBoard events. A run
+  whose last checkpoint ends it prints one line and returns its last
+  evaluation; ``restart`` deletes the workdir's run first.
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
 
   Raises:
-    ConfigError, data.DataError: bad config or missing data.
-    FloatingPointError: a NaN or Inf training loss.
+    ConfigError, data.DataError, FloatingPointError (a NaN/Inf loss);
+    SystemExit(75) after SIGTERM / SIGINT.
   """
   console.check_platform(config)
-  run = setup(config, workdir)
-  console.setup_summary(run)
-  bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
-                         initial=run.step * config.batch_size)
-  with preemption.StopOnSignal(announce=False) as stop, _discard_diverged(run):
-    for t in range(run.state.tick, len(run.schedule)):
-      tick = run.schedule[t]
-      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-      for out in outputs:  # (loss None off the last stage's process)
-        run.relay.add(out.micro_batch, out.loss)
-      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
-        save_checkpoint(run)
-      if _update_fed(run, tick):
-        bar.update(config.batch_size)
-        on_update(run)
-        if _stop_requested(run, stop) and run.step < run.total_steps:
-          preempt(run, stop.signal_name or "a signal to another process")
-  bar.close()
-  with _discard_diverged(run):
-    return finish(run)
+  if _begin(config, workdir, restart):
+    return run_record.last_result(workdir)
+  with preemption.StopOnSignal(announce=False) as stop:
+    stop.raising = True
+    try:
+      run = setup(config, workdir)
+    except preemption.Interrupted as e:
+      message = (f"preempted by {e.signal_name} during start-up, before any training; "
+                 "re-run the same command to start again.")
+      if jax.process_count() > 1:
+        distributed.exit_now(message if jax.process_index() == 0 else "",
+                             preemption.PREEMPTED_EXIT_CODE)
+      preemption.exit_preempted(message)
+    stop.raising = False
+    if run.restored_step == run.total_steps:  # (a run-length field changed, not its end)
+      _say_finished(workdir, run.total_steps)
+      run.checkpointer.close()
+      run.writer.close()
+      return run_record.last_result(workdir)
+    run.writer.write_text("config", "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```")
+    console.setup_summary(run)
+    bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
+                           initial=run.step * config.batch_size)
+    with _discard_diverged(run), contextlib.closing(bar):
+      for t in range(run.state.tick, len(run.schedule)):
+        tick = run.schedule[t]
+        run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+        for out in outputs:
+          run.relay.add(out.micro_batch, out.loss)
+        if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+          save_checkpoint(run)
+        if _update_fed(run, tick):
+          bar.update(config.batch_size)
+          on_update(run)
+          if _stop_requested(run, stop) and run.step < run.total_steps:
+            bar.close()
+            preempt(run, stop.signal_name or "a signal to another process")
+    with _discard_diverged(run):
+      return finish(run)
+
+
+def _begin(config, workdir: str, restart: bool) -> bool:
+  """Before set-up: ``restart``, config.json, a note on a changed config;
+  True (and one line) when the workdir's run is finished already."""
+  first = jax.process_index() == 0
+  if restart and first:
+    run_record.start_over(workdir)
+  if restart and jax.process_count() > 1:
+    distributed.barrier("petra_jax restart")
+  newest = checkpoint_lib.newest_meta(os.path.join(workdir, "checkpoints"))
+  extra = {} if newest is None else newest[1].get("extra", {})
+  if newest is not None and run_record.finished(newest[0], extra, config):
+    _say_finished(workdir, newest[0])
+    return True
+  if first:
+    run_record.write_config(workdir, config)
+    changed = run_record.differences(extra["config"], config) if "config" in extra else []
+    if changed:
+      console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
+                   f"from its checkpoint's: {'; '.join(changed)}.")
+  return False
+
+
+def _say_finished(workdir: str, step: int) -> None:
+  console.say(f"already finished: {workdir} holds the checkpoint of its last step ({step}); "
+              "nothing to do (pass --restart to train it again from scratch).")
+
+
+def checkpointing(config) -> bool:
+  """Whether the run checkpoints at all."""
+  return bool(config.checkpoint_every or config.checkpoint_minutes)
 
 
 def on_update(run: Run) -> None:
-  """Periodic hooks after update ``run.step`` entered the pipeline: logs,
-  mid-epoch checkpoints, and at an epoch's end evaluation and checkpoint.
-  The last update's are in :func:`finish`."""
+  """After update ``run.step``: logs, evaluations and checkpoints as configured."""
   c, step = run.config, run.step
   if step == run.total_steps:
     return
@@ -81,8 +124,27 @@ def on_update(run: Run) -> None:
     _log_diagnostics(run)
   if evaluating:
     evaluate_and_log(run)
-  if c.checkpoint_every and step % c.checkpoint_every == 0 and not c.checkpoint_drain:
+  if not c.checkpoint_drain and ((c.checkpoint_every and step % c.checkpoint_every == 0)
+                                 or _auto_checkpoint_due(run, epoch_end)):
     save_checkpoint(run)
+
+
+def _auto_checkpoint_due(run: Run, epoch_end: bool) -> bool:
+  """``checkpoint_minutes``: at an epoch's end or that long after the last
+  checkpoint (multi-process: process 0's clock, agreed every
+  ``preemption_check_every`` updates).
+  """
+  minutes = run.config.checkpoint_minutes
+  if not minutes:
+    return False
+  if epoch_end:
+    return True
+  late = time.time() - run.last_save >= 60 * minutes
+  if not run.pipe.multiprocess:
+    return late
+  if run.step % run.config.distributed.preemption_check_every:
+    return False
+  return bool(distributed.broadcast_int(int(late)))
 
 
 def finish(run: Run) -> dict:
@@ -91,14 +153,14 @@ def finish(run: Run) -> dict:
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
   evaluate_and_log(run)
-  if run.config.checkpoint_every and (run.restored_step or 0) < run.total_steps:
+  if checkpointing(run.config) and (run.restored_step or 0) < run.total_steps:
     save_checkpoint(run)
-  run.checkpointer.prune(verified_through=run.total_steps)  # every loss is in
+  run.checkpointer.prune(verified_through=run.total_steps)
   run.checkpointer.wait()
   run.checkpointer.close()
   run.writer.close()
   console.outputs(run.workdir,
-                  run.checkpointer.directory if run.config.checkpoint_every else None)
+                  run.checkpointer.directory if checkpointing(run.config) else None)
   return run.result
 
 
@@ -107,36 +169,30 @@ def evaluate_and_log(run: Run) -> None:
   result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size)
   result["wall_time"] = time.time() - run.start
   run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
-  if "test_loss" in result:  # (process 0 only in multi-process runs)
+  if "test_loss" in result:
     console.epoch_line(run.step, run.steps_per_epoch, run.loss_log.last_loss, result)
   run.result = result
 
 
 def save_checkpoint(run: Run) -> None:
-  """Saves the whole pipeline at ``run.step`` (never a diverged state).
-
-  Multi-process: every process calls it at the same step and saves its part.
+  """Saves the whole pipeline at ``run.step`` (every process, its part);
+  older known-good checkpoints beyond ``keep_checkpoints`` are pruned first.
   """
-  run.relay.flush()  # (process 0's loss log holds every loss computed so far)
-  # Checkpoints up to the last update whose losses are all known finite are
-  # good; older good ones beyond keep_checkpoints can go. Newer ones still
-  # have micro-batches in flight whose loss may yet be NaN: kept until then.
+  run.relay.flush()
   run.checkpointer.prune(verified_through=_verified_through(run))
-  _log_diagnostics(run, wait=True)  # (not checkpointed)
+  _log_diagnostics(run, wait=True)
   log_meta, log_arrays = run.loss_log.state()
+  run.writer.flush()
   run.checkpointer.save(run.step, run.state, extra={
-      "loss_log": log_meta, "metrics_offset": run.writer.offset()}, extra_arrays=log_arrays)
+      "loss_log": log_meta, "metrics_offset": run.writer.offset(),
+      "config": run_record.as_dict(run.config),
+      "run": run_record.run_end(run.config, run.total_steps)}, extra_arrays=log_arrays)
+  run.last_save = time.time()
 
 
 def preempt(run: Run, signal_name: str) -> None:
-  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75.
-
-  The signal is acted on at the first update boundary after it (at most k
-  ticks); multi-process, at the first whose step is a multiple of
-  ``distributed.preemption_check_every`` (:func:`_stop_requested`). A run
-  re-started with the same command resumes there with the losses of an
-  uninterrupted run. Multi-process: every process saves its part of the same
-  step and exits 75; process 0 prints the line.
+  """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75 (every
+  process; process 0 prints).
   """
   if run.checkpointer.latest_step() != run.step:
     save_checkpoint(run)
@@ -152,11 +208,8 @@ def preempt(run: Run, signal_name: str) -> None:
 
 
 def _verified_through(run: Run) -> int:
-  """The updates whose losses are all known finite (process 0's count, on
-  every process).
-
-  Raises:
-    Diverged: a received loss is NaN/Inf (on every process of the run).
+  """The updates whose losses are all known finite (process 0's count);
+  raises Diverged on every process if one is NaN/Inf.
   """
   try:
     run.loss_log.check_finite()
@@ -164,7 +217,7 @@ def _verified_through(run: Run) -> int:
   except Diverged as e:
     if not run.pipe.multiprocess:
       raise
-    verified = -e.step  # (steps count from 1)
+    verified = -e.step
   if run.pipe.multiprocess:
     verified = distributed.broadcast_int(verified)
   if verified < 0:
@@ -184,10 +237,7 @@ def _log_diagnostics(run: Run, wait: bool = False) -> None:
 
 
 def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
-  """Writes gradient-quality results (paper App. B): one line per probed
-  micro-batch ``m`` at step ``m // k + 1``, keys
-  ``grad_quality/<cos|norm_ratio>_<a>_<b>/stage_<j>``
-  (:mod:`petra_jax.engine.diagnostics`)."""
+  """Gradient-quality lines (paper App. B) at step ``m // k + 1``."""
   for m, quality in results:
     values = jax.device_get(quality)
     step = m // k + 1
@@ -198,9 +248,7 @@ def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
 
 @contextlib.contextmanager
 def _discard_diverged(run: Run):
-  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N
-  (they hold the diverging micro-batch in flight), so the newest one left
-  is good."""
+  """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N."""
   try:
     yield
   except Diverged as e:
@@ -218,16 +266,8 @@ def _update_fed(run: Run, tick) -> bool:
 
 
 def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
-  """Whether to stop at this update: a signal here, or (multi-process) on
-  any process.
-
-  One process: at every update. Multi-process: the processes agree only at
-  the updates ``s`` that are multiples of ``N = distributed.
-  preemption_check_every`` (a small collective there, none in between), so
-  every process gets the same answer at the same update and all of them save
-  the same step. A signal that arrives during update ``s`` is acted on at
-  the first multiple of N at or after ``s``: at most ``N - 1`` updates later
-  than in one process (none with N = 1).
+  """Whether to stop at this update: a signal here or, multi-process, on
+  any process (agreed only every ``preemption_check_every`` updates).
   """
   if not run.pipe.multiprocess:
     return stop.requested

@@ -1,9 +1,4 @@
-"""The training-loss log: per-micro-batch losses in, ``train_loss`` lines out.
-
-:class:`LossLog` turns losses into lines (process 0 writes them);
-:class:`LossRelay` brings a multi-process run's losses from the last stage's
-process to process 0's log, batched.
-"""
+"""The training-loss log: per-micro-batch losses in, ``train_loss`` lines out."""
 
 from __future__ import annotations
 
@@ -27,17 +22,9 @@ class Diverged(FloatingPointError):
 class LossLog:
   """Collects per-micro-batch losses (device scalars) and writes train lines.
 
-  A batch's line is written once its k losses exist; PETRA's arrive ``J-1``
-  ticks after their micro-batch entered. Converting them to floats then costs
-  no wait: those ticks have been dispatched long since. Each line holds the
-  mean of the float32 losses of the ``log_every`` updates since the last one.
-
-  Args:
-    writer: a :class:`petra_jax.training.metrics.MetricWriter`.
-    k: micro-batches per update (``accumulation_steps``).
-    log_every: updates between lines.
-    steps_per_epoch: updates per epoch (the lines' ``epoch``).
-    schedule: ``update count -> learning rate`` (the lines' ``learning_rate``).
+  A line is written once its updates' k losses exist (PETRA's arrive ``J-1``
+  ticks late, so reading them costs no wait): the float32 mean over the
+  ``log_every`` updates since the last line.
   """
 
   def __init__(self, writer, k, log_every, steps_per_epoch, schedule):
@@ -49,11 +36,7 @@ class LossLog:
     self.last_loss = float("nan")
 
   def add(self, micro_batch: int, loss: jax.Array):
-    """Records micro-batch ``micro_batch``'s loss; writes the lines now complete.
-
-    Raises:
-      Diverged: a written mean is NaN/Inf.
-    """
+    """Records a loss; raises Diverged if a line written now is NaN/Inf."""
     self.losses[micro_batch] = loss
     self._flush()
 
@@ -67,7 +50,7 @@ class LossLog:
 
   def _write(self, step):
     value = float(np.mean(jax.device_get(self.window)))
-    first = step - len(self.window) // self.k + 1  # the window's first update
+    first = step - len(self.window) // self.k + 1
     self.window = []
     if not math.isfinite(value):
       raise Diverged(value, first)
@@ -82,9 +65,7 @@ class LossLog:
       self._write(self.next_step)
 
   def check_finite(self):
-    """Raises :class:`Diverged` if a loss received but not yet written is
-    NaN/Inf (a host sync). After it, every update before ``next_step`` is
-    known finite."""
+    """Raises :class:`Diverged` if a pending loss is NaN/Inf (a host sync)."""
     window = np.asarray(jax.device_get(self.window))
     if window.size and not np.all(np.isfinite(window)):
       bad = int(np.argmin(np.isfinite(window)))
@@ -108,21 +89,12 @@ class LossLog:
 
 
 class LossRelay:
-  """The losses on their way to the :class:`LossLog` of process 0.
+  """The losses on their way to process 0's :class:`LossLog`.
 
-  One process: every loss goes to the log as it arrives (``move`` None).
-  Multi-process: the last stage computes the losses on its own process;
-  they wait there and cross to process 0 in one transfer per :meth:`flush`
-  (a float32 vector, the same values bit for bit), instead of one transfer
-  per tick. Every process calls :meth:`add` for every loss task (its loss,
-  or None where it is not this process's) and :meth:`flush` at the same
-  points, so both ends agree on the vector's length.
-
-  Args:
-    loss_log: process 0's :class:`LossLog` (unused elsewhere).
-    move: ``(vector or None, spec) -> vector on process 0 or None``: the
-      pipeline's message route from the last stage to stage 0
-      (``Messenger.move``); None for one process.
+  One process (``move`` None): straight to the log. Multi-process: they wait
+  on the last stage's process and cross in one float32 vector per
+  :meth:`flush`; every process calls :meth:`add` and :meth:`flush` at the
+  same points.
   """
 
   def __init__(self, loss_log: LossLog, move: Optional[Callable] = None):
@@ -130,12 +102,7 @@ class LossRelay:
     self.pending: list = []  # (micro_batch, loss or None), in arrival order
 
   def add(self, micro_batch: int, loss: Optional[jax.Array]):
-    """Micro-batch ``micro_batch``'s float32 scalar loss (None off the last
-    stage's process). One process: straight to the log.
-
-    Raises:
-      Diverged: a line written now has a NaN/Inf mean (process 0).
-    """
+    """A float32 scalar loss (None off the last stage's process)."""
     if self.move is None:
       if loss is not None:
         self.loss_log.add(micro_batch, loss)
@@ -143,12 +110,8 @@ class LossRelay:
     self.pending.append((micro_batch, loss))
 
   def flush(self):
-    """Sends the pending losses to process 0's log (multi-process: every
-    process at the same point; a transfer between the last stage's process
-    and process 0, asynchronous like any other message).
-
-    Raises:
-      Diverged: a line written now has a NaN/Inf mean (process 0).
+    """Sends the pending losses to process 0 (every process, same point);
+    raises Diverged if a line written now is NaN/Inf.
     """
     if not self.pending:
       return

@@ -1,32 +1,11 @@
 """orbax settings for checkpoints that each process writes alone.
 
-orbax (0.12) assumes that the processes of a ``jax.distributed`` run save one
-checkpoint of *global* arrays together: it refuses host-local ``jax.Array``
-s, writes numpy arrays from process 0 only (they are taken as replicated)
-and synchronises the processes at every save. A PETRA process holds state
-no other process has (its own stages and messages), so
-:mod:`petra_jax.training.checkpoint` gives every process its own
-``CheckpointManager`` over its own directory, built here from orbax's public
-API only:
-
-* :func:`multiprocessing_options`: every host primary
-  (``primary_host=None``, orbax's documented setting for hosts that write
-  local state) and this process the only active one (no barrier with the
-  others), under barrier keys of its own;
-* :func:`item_handlers`: the ``arrays`` item's ``PyTreeCheckpointHandler``
-  with numpy arrays written by this process (:class:`LocalNumpyHandler`) and
-  the ``meta`` item's ``JsonCheckpointHandler``;
-* :func:`manager_options`: the manager's options, directories created
-  synchronously. orbax names the signals of *asynchronous* directory
-  creation after a per-process operation counter, which the processes of
-  one run share in the ``jax.distributed`` key-value store; created
-  synchronously, no signal is ever set, so simultaneous saves of different
-  processes cannot read each other's (tests/test_checkpoint.py checks that
-  orbax keeps it so).
-
-With one process all of it is what orbax does anyway. Every orbax name used
-here is resolved at import (:func:`_public`), so an orbax release that drops
-one fails at once, naming it and the tested version.
+orbax (0.12) saves the *global* arrays of all processes together; a PETRA
+process holds state no other has, so each gets its own ``CheckpointManager``:
+every host primary, this one the only active (no barriers), numpy arrays
+written by this process (:class:`LocalNumpyHandler`), directories created
+synchronously (no shared signal counters). Every orbax name is resolved at
+import (:func:`_public`).
 """
 
 from __future__ import annotations
@@ -45,11 +24,7 @@ TESTED_ORBAX = "0.12.8"
 
 
 def _public(path: str):
-  """The orbax attribute ``path`` (e.g. ``"type_handlers.NumpyHandler"``).
-
-  Raises:
-    ImportError: this orbax has no such public name (names the fix).
-  """
+  """The orbax attribute ``path``; ImportError naming the tested version."""
   obj = ocp
   for name in path.split("."):
     if not hasattr(obj, name):
@@ -72,28 +47,14 @@ _orbax_process_index = _public("multihost.process_index")
 
 
 class LocalNumpyHandler(_NumpyHandler):
-  """orbax's numpy handler, writing from this process instead of process 0
-  (the arrays are this process's own, not replicated ones).
-
-  Only :meth:`serialize` (orbax's public ``TypeHandler`` interface) differs;
-  the files, their tensorstore specs and the reading are ``NumpyHandler``'s,
-  so checkpoints read the same either way.
+  """orbax's numpy handler writing from this process, not process 0;
+  files and reading are ``NumpyHandler``'s.
   """
 
   async def serialize(self, values: Sequence[np.ndarray], infos: Sequence,
                       args: Optional[Sequence] = None) -> list:
-    """Starts writing ``values`` (copied first: the caller may reuse them).
-
-    Args:
-      values: numpy arrays, any shape and dtype, none empty.
-      infos: orbax's ``ParamInfo`` of each (its file name and directory).
-      args: orbax's ``SaveArgs`` of each (default: orbax's defaults).
-
-    Returns:
-      One orbax commit future, done once every array is written.
-
-    Raises:
-      ValueError: mismatched lengths, or an array of size 0 (orbax's rule).
+    """One commit future writing copies of ``values``; ValueError for
+    mismatched lengths or an empty array.
     """
     args = args or [_SaveArgs()] * len(values)
     _check_input_arguments(values, infos, args)
@@ -114,7 +75,11 @@ class LocalNumpyHandler(_NumpyHandler):
                           local_shape=value.shape, dtype=value.dtype,
                           process_index=_orbax_process_index() if ocdbt else None, arg=arg)
       writes.append(_write(value, spec, info.ts_context))
-    await asyncio.gather(*writes)
+    # Every write ends before an error is raised (a full disk fails some).
+    errors = [e for e in await asyncio.gather(*writes, return_exceptions=True)
+              if isinstance(e, BaseException)]
+    if errors:
+      raise errors[0]
 
 
 async def _write(value: np.ndarray, spec: dict, context) -> None:
@@ -124,10 +89,7 @@ async def _write(value: np.ndarray, spec: dict, context) -> None:
 
 
 def multiprocessing_options(path: str) -> ocp.options.MultiprocessingOptions:
-  """orbax's multiprocessing options of a manager over ``path`` (any
-  process's directory) run by this process alone: every host primary, this
-  one the only active, barrier keys of its own (``petra_p<p>_<crc32 of
-  path>``)."""
+  """Options for a manager run by this process alone."""
   p = jax.process_index()
   return ocp.options.MultiprocessingOptions(
       primary_host=None, active_processes={p},

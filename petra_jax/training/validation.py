@@ -83,6 +83,7 @@ RANGES = (
     Range("reconstruction_error_every", 0, why="0: off"),
     Range("grad_quality_every", 0, why="0: off"),
     Range("checkpoint_every", 0, why="0: off"),
+    Range("checkpoint_minutes", 0, why="0: checkpoint_every only"),
     Range("keep_checkpoints", 1, why="0 would delete every checkpoint to resume from"),
     Range("distributed.preemption_check_every", 1,
           why="updates between the processes' agreements to stop"),

@@ -1,44 +1,14 @@
 """One run per workdir: a lock held for a training run's lifetime.
 
-Two runs writing into one workdir would interleave their ``metrics.jsonl``
-and overwrite each other's checkpoints. ``WorkdirLock`` makes the second one
-fail at start with one line naming the first (pid, host, start time)::
-
-  with workdir.WorkdirLock(workdir):    # raises WorkdirBusyError if in use
-    train(...)
-
-Mechanism: the lock file ``<workdir>/petra_jax.lock`` is locked with
-``fcntl.flock`` (exclusive, non-blocking) on a descriptor kept open for the
-run's lifetime, and holds a JSON record of the holder::
-
-  {"pid": 1234, "host": "node7", "started": "2025-01-02T03:04:05+00:00",
-   "proc_start": 123456, "argv": ["python", "-m", "petra_jax.train", ...]}
-
-* The kernel drops a flock when its process dies, however it dies (SIGKILL,
-  OOM kill, power loss of a client of a network filesystem once its lease
-  expires), so a dead run never blocks a new one. The record it leaves behind
-  makes that case visible: the new run takes the lock over and logs a warning
-  naming the dead holder.
-* The record is also checked on its own, for filesystems whose flock does
-  not work: a record naming a live process on this host (same pid and same
-  process start time, so a reused pid does not count) refuses the lock even
-  when flock succeeded. If the filesystem has no flock at all (``ENOLCK``,
-  ``ENOSYS``, ``EOPNOTSUPP``; e.g. Lustre mounted without ``flock``), the
-  record alone decides: same host, live process: refused; same host, dead
-  process: taken over; another host: refused, as its liveness is unknown (the
-  message says to delete the lock file if that run is over). Without flock,
-  two runs starting in the same instant can both win; flock has no such race.
-* Filesystems whose flock is local to each host (NFS mounted with
-  ``local_lock=flock``, Lustre's ``localflock``) do not protect against a run
-  on another host using the same shared workdir.
-* Releasing empties the file rather than deleting it (deleting a locked file
-  races with a process that has just opened it), so an empty
-  ``petra_jax.lock`` is a free lock. The descriptor is not inherited by
-  programs the run starts (``O_CLOEXEC``); a forked child without ``exec``
-  does share it and keeps the lock while it lives.
-
-In a multi-process (``jax.distributed``) run, only process 0 takes the lock:
-the processes of one run share its workdir.
+``<workdir>/petra_jax.lock`` is ``fcntl.flock``-ed (exclusive, non-blocking)
+for the run's lifetime and holds a JSON record of the holder (``pid``,
+``host``, ``started``, ``proc_start``, ``argv``); a second run fails with
+one line naming the first. The kernel drops a flock when its process dies,
+so a dead run never blocks a new one (its lock is taken over with a
+warning). The record is also checked alone, for filesystems without
+working flock: a live process on this host refuses the lock; on another
+host, liveness is unknown and the lock is refused. Releasing empties the
+file (an empty lock file is free). Multi-process: process 0 takes it.
 """
 
 import datetime
@@ -49,10 +19,10 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 from typing import Any
 
 LOCK_FILENAME = "petra_jax.lock"
-# Most bytes of a holder record read back (records are about 200 bytes).
 _MAX_RECORD_BYTES = 1 << 16
 # errno values meaning "this filesystem does not do flock".
 _NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -64,18 +34,39 @@ class WorkdirBusyError(RuntimeError):
   """The workdir is in use by another run; the message names it and the fix."""
 
 
+class WorkdirError(ValueError):
+  """A workdir that cannot be used; the message names the fix."""
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+  """Creates ``workdir`` if missing and checks a file can be written in it.
+
+  Raises:
+    WorkdirError: a file, under a file, or not writable.
+  """
+  path = os.path.abspath(os.fspath(workdir))
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise WorkdirError(f"--workdir {path} is a file; pass a directory, or a path that does "
+                       "not exist yet.")
+  parent = path
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise WorkdirError(f"--workdir {path} lies under {parent}, which is a file; pass a "
+                       "path under a directory.")
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix=".petra_jax_write_test")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise WorkdirError(f"cannot write in --workdir {path} ({e.strerror or e}); pass a "
+                       "directory you can write to.") from None
+
+
 def read_holder(workdir: str | os.PathLike) -> dict[str, Any] | None:
-  """The holder record of a workdir's lock file, or None.
-
-  Args:
-    workdir: a run's directory.
-
-  Returns:
-    The record (``pid``: int, ``host``: str, ``started``: ISO 8601 UTC str,
-    ``proc_start``: int clock ticks after boot or None, ``argv``: list of str)
-    as last written, or None when there is no lock file, it is empty (free),
-    or it does not hold a record. A record does not mean the lock is held:
-    a run that died leaves its record behind.
+  """The record last written in a workdir's lock file, or None (no file,
+  empty, or no record); a dead run leaves its record behind.
   """
   try:
     with open(os.path.join(os.fspath(workdir), LOCK_FILENAME), "rb") as f:
@@ -85,20 +76,11 @@ def read_holder(workdir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 class WorkdirLock:
-  """An exclusive lock on a workdir, held from ``acquire`` to ``release``.
-
-  Use it as a context manager (``with WorkdirLock(workdir): ...``) or call
-  ``acquire`` / ``release``. See the module docstring for the mechanism.
-
-  Attributes:
-    workdir: the locked directory (``str``).
-    path: the lock file, ``<workdir>/petra_jax.lock``.
+  """An exclusive lock on ``workdir`` (a context manager, or ``acquire`` /
+  ``release``); ``path`` is its lock file.
   """
 
   def __init__(self, workdir: str | os.PathLike):
-    """Args:
-      workdir: the run's directory; created by ``acquire`` if missing.
-    """
     self.workdir = os.fspath(workdir)
     self.path = os.path.join(self.workdir, LOCK_FILENAME)
     self._fd: int | None = None
@@ -109,19 +91,11 @@ class WorkdirLock:
     return self._fd is not None
 
   def acquire(self) -> "WorkdirLock":
-    """Takes the lock and writes this process's record into the lock file.
-
-    A lock left by a run that is not running any more is taken over, with a
-    warning (``logging``) naming that run.
-
-    Returns:
-      ``self``.
+    """Takes the lock (creating the workdir) and writes this process's record.
 
     Raises:
-      WorkdirBusyError: another run holds the workdir; the one-line message
-        names its pid, host and start time, the lock file, and the fixes.
-      RuntimeError: this object holds the lock already.
-      OSError: the workdir cannot be created or the lock file not written.
+      WorkdirBusyError: another run holds it (names it and the fixes).
+      RuntimeError: held already. OSError: the lock file cannot be written.
     """
     if self._fd is not None:
       raise RuntimeError(f"WorkdirLock({self.workdir!r}) is held already.")
@@ -148,7 +122,7 @@ class WorkdirLock:
       os.pwrite(fd, record, 0)
       os.fsync(fd)
     except BaseException:
-      os.close(fd)  # also drops the flock
+      os.close(fd)
       raise
     self._fd = fd
     return self
@@ -161,7 +135,7 @@ class WorkdirLock:
     try:
       os.ftruncate(fd, 0)
     finally:
-      os.close(fd)  # drops the flock
+      os.close(fd)
 
   def __enter__(self) -> "WorkdirLock":
     return self.acquire()
@@ -236,9 +210,9 @@ def _proc_stat(pid: int) -> tuple[str | None, int | None]:
 
 
 def _is_running(pid: int, proc_start: int | None) -> bool:
-  """Whether the process ``pid`` of this host that started at ``proc_start``
-  (None: unknown) is running: it exists, is not a zombie, and has not been
-  replaced by another process with a reused pid."""
+  """Whether ``pid`` runs on this host, is no zombie, and started at
+  ``proc_start`` (None: unknown; a reused pid does not count).
+  """
   if pid <= 0:
     return False
   try:
