@@ -36,7 +36,7 @@ def _set_random_variables(pipe, state, x):
   h = x
   for j, s in enumerate(pipe.stages):
     v = random_variables(s, h, j)
-    state.train_states[j] = state.train_states[j].replace(
+    state.stage_states[j] = state.train_states[j].replace(
         params=v["params"], batch_stats=v["batch_stats"],
         opt_state=state.train_states[j].tx.init(v["params"]))
     h = stage_lib.forward(s, v["params"], v["batch_stats"], h)[0]

@@ -60,7 +60,7 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
   def setup():
     box["args"] = copy_tree(pipe.steps.backward_args(
         j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
-        labels=labels, stashed=state.stage_states[j].params))
+        labels=labels, stashed=state.train_states[j].params))
     return box["args"]
 
   def bwd():
