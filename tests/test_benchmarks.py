@@ -18,9 +18,8 @@ from petra_jax.engine.stage import Stage
 from petra_jax.engine.timing import stage_cost
 
 from helpers import tiny_revnet
-from conftest import REPO_ROOT
+from helpers import REPO
 
-REPO = str(REPO_ROOT)
 
 IMAGE = (8, 8, 3)
 

@@ -21,7 +21,7 @@ from petra_jax.training import metrics
 
 from petra_jax.engine import pipeline
 from helpers import random_batch
-from test_train import REPO
+from helpers import REPO
 
 FP = {"model": "revnet18", "width": 4}
 

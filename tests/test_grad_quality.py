@@ -22,9 +22,8 @@ from petra_jax.engine import observers
 from petra_jax.engine import pipeline
 from petra_jax.engine.stage import Stage
 from helpers import random_batch
-from test_train import tiny_config
+from helpers import REPO, tiny_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _small_revnet():

@@ -211,7 +211,7 @@ def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   the reconstruction error recorded for each of them."""
   from petra_jax import train
   from petra_jax.training import metrics as metrics_lib
-  from test_train import tiny_config
+  from helpers import tiny_config
   c = tiny_config(cifar10_dir, **{"model.name": name, "steps_per_epoch": 6, "eval_batch_size": 500,
                                   "reconstruction_error_every": 2, **extra})
   c.max_steps = 6

@@ -21,7 +21,7 @@ from petra_jax.training import metrics
 from petra_jax.engine import quantize
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.pipeline import Pipeline
-from test_train import tiny_config
+from helpers import tiny_config
 
 
 def _pipeline(name, formats, method="petra", **kwargs):

@@ -24,8 +24,8 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.optim import compensation
 
 from petra_jax.engine import pipeline
-from helpers import random_batch
-from test_train import tiny_config
+from helpers import random_batch, tiny_config
+
 
 FP = {"model": "revnet18", "width": 4, "method": "petra", "dataset": "cifar10"}
 

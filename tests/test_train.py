@@ -1,6 +1,5 @@
 """The training CLI end to end on the real CIFAR-10, and its input checks."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,40 +17,7 @@ from petra_jax.engine import timing
 from petra_jax.training import assembly, console, evaluate
 from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tiny_config(data_dir, **overrides):
-  c = config_lib.get_config()
-  c.data_dir = data_dir
-  c.model.width = 4
-  c.batch_size = 32
-  c.accumulation_steps = 1
-  c.num_epochs = 1
-  c.steps_per_epoch = 40
-  c.log_every = 1
-  c.num_devices = 1
-  c.eval_batch_size = 1000
-  c.optim.learning_rate = 0.05
-  c.optim.schedule = "constant"
-  c.optim.warmup_epochs = 0
-  for k, v in overrides.items():
-    target = c
-    *path, last = k.split(".")
-    for p in path:
-      target = target[p]
-    target[last] = v
-  return c
-
-
-def _config_file(path, *variant):
-  """``get_config(*variant)`` of a config file (config_flags' ``path:variant``)."""
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(*variant)
-
+from helpers import REPO, config_file, tiny_config
 
 @pytest.mark.slow
 def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
@@ -85,7 +51,7 @@ def test_backprop_and_revprop_give_the_same_per_step_losses(cifar10_dir, tmp_pat
   # constant rate of 0.01 they drift apart by 1e-3 by step 12.
   losses = {}
   for method in ("backprop", "revprop"):
-    c = _config_file("configs/cifar10_cpu.py")
+    c = config_file("configs/cifar10_cpu.py")
     c.data_dir, c.method, c.max_steps, c.log_every, c.eval_every = cifar10_dir, method, 12, 1, 0
     c.eval_batch_size = 1000
     train.train_and_evaluate(c, str(tmp_path / method))
@@ -163,7 +129,7 @@ def test_good_edge_values_pass():
 
 
 def test_num_stages_against_the_cpu_recipes_stage_sizes():
-  c = _config_file("configs/cifar10_cpu.py")
+  c = config_file("configs/cifar10_cpu.py")
   c.model.num_stages = 20  # the recipe sets stage_sizes=(1, 2, 2, 5): 4 stages
   with pytest.raises(train.ConfigError, match="--config.model.stage_sizes='\\(\\)'"):
     train.validate_config(c, len(jax.local_devices()))
@@ -172,7 +138,7 @@ def test_num_stages_against_the_cpu_recipes_stage_sizes():
 
 
 def test_runlocal_variant_is_the_cpu_recipe_shrunk():
-  full, small = _config_file("configs/cifar10_cpu.py"), _config_file("configs/cifar10_cpu.py",
+  full, small = config_file("configs/cifar10_cpu.py"), config_file("configs/cifar10_cpu.py",
                                                                        "runlocal")
   train.validate_config(small, len(jax.local_devices()))
   assert (small.model.width, small.batch_size, small.num_epochs) == (4, 32, 1)
@@ -184,7 +150,7 @@ def test_runlocal_variant_is_the_cpu_recipe_shrunk():
       a, b = a[part], b[part]
     assert a == b, same
   with pytest.raises(ValueError, match="runlocal"):
-    _config_file("configs/cifar10_cpu.py", "nope")
+    config_file("configs/cifar10_cpu.py", "nope")
 
 
 def _cli(*args, config="configs/cifar10_cpu.py"):

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import (batches_of, random_batch, rel_err, run_ticks,
+from helpers import (batches_of, config_file, random_batch, rel_err, run_ticks, tiny_config,
                      zero_delay_update_errors)
 from petra_jax import models
 from petra_jax.engine import methods
@@ -141,7 +141,6 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   losses stay finite."""
   from petra_jax import train  # pylint: disable=g-import-not-at-top
   from petra_jax.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from test_train import tiny_config  # pylint: disable=g-import-not-at-top
   wd = str(tmp_path)
   base = {"model.name": "revvit_tiny", "model.width": 2, "model.depth": 1,
           "model.stage_sizes": (), "batch_size": 16, "accumulation_steps": 2,
@@ -165,8 +164,7 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
 @pytest.mark.parametrize("variant", ["", "runlocal"])
 def test_cpu_recipe_validates_and_has_its_documented_size(variant):
   from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
-  from test_train import _config_file  # pylint: disable=g-import-not-at-top
-  c = _config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
+  c = config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
   validation.validate_config(c, 1)
   if not variant:
     s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth,
