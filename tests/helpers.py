@@ -189,3 +189,21 @@ def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
       return
     assert time.monotonic() < deadline, f"{what} never happened in {timeout_s} s"
     time.sleep(0.05)
+
+
+def restored_test_metrics(config, workdir, blocks):
+  """``(test_loss, test_accuracy)`` of a finished run's last checkpoint over
+  its whole test split, from :func:`composed_logits` of ``blocks`` (one per
+  stage) in float32 and :func:`loss_and_accuracy`."""
+  from petra_jax import train  # pylint: disable=g-import-not-at-top
+  run = train.setup(config, str(workdir))
+  run.checkpointer.close()
+  states = run.state.train_states
+  assert len(states) == len(blocks)
+  forward = jax.jit(lambda params, stats, x: composed_logits(blocks, params, stats, x))
+  params, stats = [s.params for s in states], [s.batch_stats for s in states]
+  mean, std = np.array(run.info.mean), np.array(run.info.std)
+  logits = [forward(params, stats, ((run.test.images[i:i + 1000] / 255.0 - mean) / std
+                                    ).astype(np.float32))
+            for i in range(0, len(run.test), 1000)]
+  return loss_and_accuracy(np.concatenate(logits), run.test.labels)
