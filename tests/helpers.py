@@ -44,13 +44,15 @@ def composed_loss(stages, params, batch_stats, x, labels):
 def composed_logits(stages, params, batch_stats, x):
   """Eval-mode logits ``float32[B, K]`` of the composed model (``train=False``:
   BatchNorm with the running statistics ``batch_stats``), the coupling spelt
-  out as in :func:`composed_loss`."""
+  out as in :func:`composed_loss`; a stage's ``pre`` (i-RevNet's
+  parameter-free ``P``) maps its input first, arrays it sets aside pass
+  through."""
   h = x
   for s, p, bs in zip(stages, params, batch_stats):
     variables = {"params": p, "batch_stats": bs} if bs else {"params": p}
     if s.reversible:
-      x1, x2 = h
-      h = (x2 + s.module.apply(variables, x1, train=False), x1)
+      x1, x2, *carried = h if s.pre is None else s.pre.apply(h)
+      h = (x2 + s.module.apply(variables, x1, train=False), x1, *carried)
     else:
       h = s.module.apply(variables, h, train=False)
   return h
