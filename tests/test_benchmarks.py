@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -358,6 +359,36 @@ def test_scaling_command_reports_consistent_figures():
   assert lim["thread_slowdown"] == pytest.approx(sum(one) / sum(groups))
   assert lim["load_balance"] == pytest.approx(max(one) / (sum(one) / 2))
   assert 0 <= lim["host_cpu_ms_per_tick"] and 0 < lim["host_ms_per_tick"]
+
+
+def test_scaling_report_from_given_measurements():
+  """The report of 2 processes over 4 stages of 1, 2, 3, 4 ms, from figures
+  set here, worked by hand: groups [0 1 | 2 3] of 3 and 7 ms (4 and 8 on one
+  core); the one boundary's 4 ms round trip split by bytes (100 forward, 300
+  backward): 1 ms to process 0's sends, 3 ms to process 1's."""
+  from petra_jax.benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  args = types.SimpleNamespace(processes=2, model="revnet_fixed", width=2, dataset="cifar10",
+                               batch_size=8)
+  single = {"stage_ms": [1.0, 2.0, 3.0, 4.0], "cores": 2,
+            "images_per_s": {"backprop": 100.0, "petra": 200.0}}
+  multi = {"images_per_s": 300.0, "group_ms_1thread": [4.0, 8.0],
+           "transfer": [{"boundary": 2, "bytes_forward": 100, "bytes_backward": 300,
+                         "round_trip_ms": 4.0}],
+           "host_ms_per_tick": 1.0, "host_cpu_ms_per_tick": 0.5}
+  r = scaling.report(args, single, multi)
+  lim = r["limits"]
+  assert r["stage_process"] == [0, 0, 1, 1] and lim["group_ms_single_process"] == [3.0, 7.0]
+  assert r["measured_speedup"] == pytest.approx(1.5)  # 300 / 200 images/s
+  assert r["speedup_vs_backprop"] == pytest.approx(3.0)
+  # Tick: max(3 + 1, 7 + 3) = 10 ms against 10 ms in sequence; on one core
+  # max(4 + 1, 8 + 3) = 11 ms, against 1e3 * 8 / 300 ms measured.
+  assert r["simulated_speedup"] == pytest.approx(1.0)
+  assert r["efficiency"] == pytest.approx(1.5)
+  assert lim["predicted_ms_per_tick"] == pytest.approx(11.0)
+  assert lim["measured_ms_per_tick"] == pytest.approx(80.0 / 3)
+  assert r["efficiency_one_core"] == pytest.approx(11.0 * 3 / 80)
+  assert lim["thread_slowdown"] == pytest.approx(1.2)  # 12 / 10
+  assert lim["load_balance"] == pytest.approx(8.0 / 6.0)
 
 
 def test_scaling_bad_process_count_is_one_clear_error():
