@@ -27,6 +27,7 @@ from typing import Sequence
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax.engine import methods as methods_lib
+from petra_jax.training import validation
 from petra_jax.training import metrics as metrics_lib
 from petra_jax import train
 import jax
@@ -78,7 +79,7 @@ def run(args, name: str, method: str, k: int, **overrides) -> dict:
   """Trains one row (``overrides``: dotted config fields); returns its final metrics and curve.
 
   Raises:
-    train.ConfigError, data.DataError: as :func:`train.train_and_evaluate`.
+    validation.ConfigError, data.DataError: as :func:`train.train_and_evaluate`.
   """
   workdir = os.path.join(args.workdir, name)
   if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
@@ -292,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     {"table4": table4, "ksweep": ksweep, "compensation": compensation_study,
      "local": _local}[args.study](args)
-  except (train.ConfigError, data_lib.DataError, ValueError) as e:
+  except (validation.ConfigError, data_lib.DataError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0

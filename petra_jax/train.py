@@ -12,25 +12,20 @@ import os
 import signal
 import sys
 
-import petra_jax  # noqa: F401  (applies the XLA-CPU work-around first)
-
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
 from petra_jax import data as data_lib
 from petra_jax.engine import transport
-from petra_jax.training import checkpoint as checkpoint_lib
+from petra_jax.training import checkpoint_blocks
 from petra_jax.training import console
 from petra_jax.training import preemption
 from petra_jax.training import run_record
 from petra_jax.training import workdir as workdir_lib
-# Re-exported: what studies.py, benchmarks and tests call as ``train.<name>``.
-from petra_jax.training.assembly import setup  # noqa: F401
 from petra_jax.training.distributed import exit_now, initialize_distributed
-from petra_jax.training.evaluate import evaluate  # noqa: F401
 from petra_jax.training.loop import train_and_evaluate
-from petra_jax.training.validation import ConfigError, validate_config  # noqa: F401
+from petra_jax.training.validation import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (configs/*.py[:variant]) or a run's "
@@ -74,7 +69,7 @@ def _run():
       train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value)
   except transport.PeerError as e:
     exit_now(f"error: process {jax.process_index()}: {e}")
-  except (ConfigError, data_lib.DataError, checkpoint_lib.CheckpointError, FloatingPointError,
+  except (ConfigError, data_lib.DataError, checkpoint_blocks.CheckpointError, FloatingPointError,
           ValueError, workdir_lib.WorkdirBusyError, OSError) as e:
     message = _one_line(e)
     if distributed:

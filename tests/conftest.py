@@ -33,8 +33,13 @@ def _real_data_dir():
 
 @pytest.fixture(scope="session")
 def cifar10_dir():
-  """The tfds data_dir that holds the real CIFAR-10; skips when absent."""
+  """The tfds data_dir that holds the real CIFAR-10; skips when absent, fails
+  instead when the environment variable ``CI`` is set."""
   d = _real_data_dir()
   if d is None:
-    pytest.skip("real CIFAR-10 not found (set TFDS_DATA_DIR)")
+    message = "real CIFAR-10 not found (set TFDS_DATA_DIR)"
+    if os.environ.get("CI"):
+      pytest.fail(f"{message}; CI is set, so the tests that need it fail instead of skipping",
+                  pytrace=False)
+    pytest.skip(message)
   return d

@@ -1,13 +1,19 @@
-"""Shared helpers for tests: tiny models and an independent composed loss."""
+"""Shared helpers for tests: tiny models and configs, an independent composed
+model, reading a run's losses and waiting for a process's event."""
 
 import functools
+import importlib.util
 import math
+import os
+import pathlib
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+REPO = str(pathlib.Path(__file__).resolve().parents[1])
 
 
 def random_batch(batch=8, size=16, num_classes=10, seed=0):
@@ -33,6 +39,34 @@ def composed_loss(stages, params, batch_stats, x, labels):
     else:
       h, _ = s.module.apply(variables, h, train=True, mutable=["batch_stats"])
   return optax.softmax_cross_entropy_with_integer_labels(h, labels).mean()
+
+
+def composed_logits(stages, params, batch_stats, x):
+  """Eval-mode logits ``float32[B, K]`` of the composed model (``train=False``:
+  BatchNorm with the running statistics ``batch_stats``), the coupling spelt
+  out as in :func:`composed_loss`; a stage's ``pre`` (i-RevNet's
+  parameter-free ``P``) maps its input first, arrays it sets aside pass
+  through."""
+  h = x
+  for s, p, bs in zip(stages, params, batch_stats):
+    variables = {"params": p, "batch_stats": bs} if bs else {"params": p}
+    if s.reversible:
+      x1, x2, *carried = h if s.pre is None else s.pre.apply(h)
+      h = (x2 + s.module.apply(variables, x1, train=False), x1, *carried)
+    else:
+      h = s.module.apply(variables, h, train=False)
+  return h
+
+
+def loss_and_accuracy(logits, labels):
+  """float64 NumPy mean cross-entropy and accuracy (first maximum wins) of
+  ``logits [N, K]`` against int ``labels [N]``."""
+  z = np.asarray(logits, np.float64)
+  z = z - z.max(1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(1, keepdims=True))
+  labels = np.asarray(labels)
+  loss = -logp[np.arange(len(labels)), labels].mean()
+  return float(loss), float(np.mean(np.argmax(z, 1) == labels))
 
 
 def rel_err(a, b):
@@ -110,3 +144,77 @@ def drained_step(pipe, state, images, labels):
   state, outs = pipe.run(state, Schedule("drained", pipe.num_stages, 1),
                          lambda m: (images, labels))
   return state, outs[0].loss
+
+
+def tiny_config(data_dir, **overrides):
+  """The default config at width 4, 40 steps of 32 images, constant rate 0.05;
+  ``overrides`` maps dotted field names (``"optim.name"``) to values."""
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = config_lib.get_config()
+  c.data_dir = data_dir
+  c.model.width = 4
+  c.batch_size = 32
+  c.accumulation_steps = 1
+  c.num_epochs = 1
+  c.steps_per_epoch = 40
+  c.log_every = 1
+  c.num_devices = 1
+  c.eval_batch_size = 1000
+  c.optim.learning_rate = 0.05
+  c.optim.schedule = "constant"
+  c.optim.warmup_epochs = 0
+  for k, v in overrides.items():
+    target = c
+    *path, last = k.split(".")
+    for p in path:
+      target = target[p]
+    target[last] = v
+  return c
+
+
+def config_file(path, *variant):
+  """``get_config(*variant)`` of a config file relative to the repository
+  (config_flags' ``path:variant``)."""
+  spec = importlib.util.spec_from_file_location("cfg", os.path.join(REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(*variant)
+
+
+def train_losses(workdir) -> dict:
+  """``{step: train_loss}`` of ``WORKDIR/metrics.jsonl`` (empty if absent)."""
+  from petra_jax.training import metrics  # pylint: disable=g-import-not-at-top
+  if not os.path.exists(os.path.join(str(workdir), "metrics.jsonl")):
+    return {}
+  return {r["step"]: r["train_loss"] for r in metrics.read_metrics(str(workdir))
+          if "train_loss" in r}
+
+
+def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
+  """Polls ``condition()`` until true; fails if ``proc`` (a Popen) exits first
+  or after ``timeout_s`` (a hang guard, not a measurement)."""
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    if proc is not None and proc.poll() is not None:
+      assert condition(), f"{what} never happened (exit {proc.returncode})"
+      return
+    assert time.monotonic() < deadline, f"{what} never happened in {timeout_s} s"
+    time.sleep(0.05)
+
+
+def restored_test_metrics(config, workdir, blocks):
+  """``(test_loss, test_accuracy)`` of a finished run's last checkpoint over
+  its whole test split, from :func:`composed_logits` of ``blocks`` (one per
+  stage) in float32 and :func:`loss_and_accuracy`."""
+  from petra_jax.training import assembly  # noqa: PLC0415
+  run = assembly.setup(config, str(workdir))
+  run.checkpointer.close()
+  states = run.state.train_states
+  assert len(states) == len(blocks)
+  forward = jax.jit(lambda params, stats, x: composed_logits(blocks, params, stats, x))
+  params, stats = [s.params for s in states], [s.batch_stats for s in states]
+  mean, std = np.array(run.info.mean), np.array(run.info.std)
+  logits = [forward(params, stats, ((run.test.images[i:i + 1000] / 255.0 - mean) / std
+                                    ).astype(np.float32))
+            for i in range(0, len(run.test), 1000)]
+  return loss_and_accuracy(np.concatenate(logits), run.test.labels)

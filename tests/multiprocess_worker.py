@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 
+from petra_jax.training import evaluate as evaluate_lib
 import petra_jax  # noqa: F401  (XLA-CPU work-around before JAX starts)
 import jax
 import jax.numpy as jnp
@@ -119,7 +120,7 @@ def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1
     received |= _received_dtypes(pipe, state)
   if fmt != "none":
     print(f"RECEIVED {sorted(received)}", flush=True)
-  test = train.evaluate(pipe, state, test_split, info, batch_size=16)
+  test = evaluate_lib.evaluate(pipe, state, test_split, info, batch_size=16)
   return {"losses": [float(losses[m]).hex() for m in sorted(losses)], "test": test,
           "grad_quality": _grad_quality(probe), "num_processes": jax.process_count()}
 

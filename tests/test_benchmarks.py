@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -17,9 +18,8 @@ from petra_jax.engine.partition import balanced_partition, equal_partition, grou
 from petra_jax.engine.timing import stage_cost
 
 from helpers import tiny_revnet
-from conftest import REPO_ROOT
+from helpers import REPO
 
-REPO = str(REPO_ROOT)
 
 IMAGE = (8, 8, 3)
 
@@ -62,6 +62,27 @@ def test_throughput_report_schema():
       if method == "gpipe":
         assert v["stored_bytes_per_stage"] == [
             int(k) * row["input_bytes"] for row in sizes[:-1]] + [0]
+
+
+def test_throughput_report_from_given_measurements(monkeypatch):
+  """The report's derived figures from stage times set here, worked by hand:
+  5 stages, compute c_j = F_j + B_j (the last stage B_j only) = 2, 3, 10, 3,
+  4 ms; sends 0.5 ms each way except stage 2's (1 and 2 ms)."""
+  fwd, bwd = [1.0, 1.0, 4.0, 1.0, 9.0], [1.0, 2.0, 6.0, 2.0, 4.0]
+  sf, sb = [0.5, 0.5, 1.0, 0.5, 0.0], [0.0, 0.5, 2.0, 0.5, 0.5]
+  rows = [{"forward": f, "backward": b, "send_forward": u, "send_backward": v,
+           "bytes_forward": 64, "bytes_backward": 128, "input_bytes": 64}
+          for f, b, u, v in zip(fwd, bwd, sf, sb)]
+  ms = {"backprop": 8.0, "revprop": 12.0, "petra": 4.0}
+  monkeypatch.setattr(throughput, "_measure",
+                      lambda *a, **k: (ms, [dict(r) for r in rows], [dict(r) for r in rows]))
+  r = throughput.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=4, iters=1, warmup=1)
+  assert r["ratio_petra_backprop"] == 0.5 and r["ratio_revprop_backprop"] == 1.5
+  assert r["sum_stage_ms"] == 22.0  # 2 + 3 + 10 + 3 + 4
+  # PETRA's tick is the slowest stage's compute, stage 2's 10 ms, plus its
+  # sends (1 + 2 ms): 22 / 13 with sends, 22 / 10 without.
+  assert r["simulated_speedup"] == pytest.approx(22.0 / 13.0)
+  assert r["simulated_speedup_compute_only"] == pytest.approx(2.2)
 
 
 def test_schedule_table_from_given_costs():
@@ -221,7 +242,8 @@ def test_table3_revnet50_imagenet():
   assert [(r["input_buffer"], r["param_buffer"]) for r in rows] == [
       (True, True), (True, False), (False, True), (False, False)]
   assert rows[0]["saving_pct"] == 0
-  for r, (_, paper) in zip(rows, memory_model.PAPER_TABLE3):
+  # The paper's Table 3 (Rivaud et al. 2025), saving % of each row.
+  for r, paper in zip(rows, (0.0, 2.0, 52.3, 54.3)):
     assert abs(r["saving_pct"] - paper) < 2.0
 
 
@@ -336,6 +358,36 @@ def test_scaling_command_reports_consistent_figures():
   assert lim["thread_slowdown"] == pytest.approx(sum(one) / sum(groups))
   assert lim["load_balance"] == pytest.approx(max(one) / (sum(one) / 2))
   assert 0 <= lim["host_cpu_ms_per_tick"] and 0 < lim["host_ms_per_tick"]
+
+
+def test_scaling_report_from_given_measurements():
+  """The report of 2 processes over 4 stages of 1, 2, 3, 4 ms, from figures
+  set here, worked by hand: groups [0 1 | 2 3] of 3 and 7 ms (4 and 8 on one
+  core); the one boundary's 4 ms round trip split by bytes (100 forward, 300
+  backward): 1 ms to process 0's sends, 3 ms to process 1's."""
+  from petra_jax.benchmarks import scaling  # pylint: disable=g-import-not-at-top
+  args = types.SimpleNamespace(processes=2, model="revnet_fixed", width=2, dataset="cifar10",
+                               batch_size=8)
+  single = {"stage_ms": [1.0, 2.0, 3.0, 4.0], "cores": 2,
+            "images_per_s": {"backprop": 100.0, "petra": 200.0}}
+  multi = {"images_per_s": 300.0, "group_ms_1thread": [4.0, 8.0],
+           "transfer": [{"boundary": 2, "bytes_forward": 100, "bytes_backward": 300,
+                         "round_trip_ms": 4.0}],
+           "host_ms_per_tick": 1.0, "host_cpu_ms_per_tick": 0.5}
+  r = scaling.report(args, single, multi)
+  lim = r["limits"]
+  assert r["stage_process"] == [0, 0, 1, 1] and lim["group_ms_single_process"] == [3.0, 7.0]
+  assert r["measured_speedup"] == pytest.approx(1.5)  # 300 / 200 images/s
+  assert r["speedup_vs_backprop"] == pytest.approx(3.0)
+  # Tick: max(3 + 1, 7 + 3) = 10 ms against 10 ms in sequence; on one core
+  # max(4 + 1, 8 + 3) = 11 ms, against 1e3 * 8 / 300 ms measured.
+  assert r["simulated_speedup"] == pytest.approx(1.0)
+  assert r["efficiency"] == pytest.approx(1.5)
+  assert lim["predicted_ms_per_tick"] == pytest.approx(11.0)
+  assert lim["measured_ms_per_tick"] == pytest.approx(80.0 / 3)
+  assert r["efficiency_one_core"] == pytest.approx(11.0 * 3 / 80)
+  assert lim["thread_slowdown"] == pytest.approx(1.2)  # 12 / 10
+  assert lim["load_balance"] == pytest.approx(8.0 / 6.0)
 
 
 def test_scaling_bad_process_count_is_one_clear_error():

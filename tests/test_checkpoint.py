@@ -13,6 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from petra_jax.training import checkpoint_blocks
 from petra_jax import models
 
 from petra_jax.training import checkpoint
@@ -21,7 +22,7 @@ from petra_jax.training import metrics
 
 from petra_jax.engine import pipeline
 from helpers import random_batch
-from test_train import REPO
+from helpers import REPO
 
 FP = {"model": "revnet18", "width": 4}
 
@@ -89,7 +90,7 @@ def test_corrupt_latest_falls_back_then_errors(tmp_path, caplog):
   assert "incomplete" not in caplog.text
   assert (tmp_path / "corrupt_2" / "arrays").is_dir() and not (tmp_path / "2").exists()
   corrupt(1)
-  with pytest.raises(checkpoint.CheckpointError, match=r"every checkpoint in .* is corrupt "
+  with pytest.raises(checkpoint_blocks.CheckpointError, match=r"every checkpoint in .* is corrupt "
                      r"\(steps \[1\]"):
     checkpoint.Checkpointer(str(tmp_path), keep=3, fingerprint=FP).restore(
         template, pipe.devices)
@@ -102,7 +103,7 @@ def test_checkpoint_of_another_run_is_refused(tmp_path):
   ckpt.wait()
   other = checkpoint.Checkpointer(str(tmp_path), keep=1, fingerprint={"model": "revnet34",
                                                                       "width": 4})
-  with pytest.raises(checkpoint.CheckpointError, match="model: checkpoint 'revnet18' vs "
+  with pytest.raises(checkpoint_blocks.CheckpointError, match="model: checkpoint 'revnet18' vs "
                      "config 'revnet34'"):
     other.restore(state, pipe.devices)
 

@@ -19,7 +19,7 @@ from petra_jax.engine import placement
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import checkpoint, validation
 from helpers import random_batch
-from test_train import tiny_config
+from helpers import tiny_config
 
 NUM_MICRO_BATCHES = 8
 RTOL = 1e-5  # float32: the sharded batch sums in another order

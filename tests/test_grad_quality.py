@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.training import validation
 from petra_jax import models, train
 
 from petra_jax.engine import diagnostics
@@ -22,9 +23,8 @@ from petra_jax.engine import observers
 from petra_jax.engine import pipeline
 from petra_jax.engine.stage import Stage
 from helpers import random_batch
-from test_train import tiny_config
+from helpers import REPO, tiny_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _small_revnet():
@@ -136,8 +136,8 @@ def test_plots_without_metrics_is_one_clear_error(tmp_path):
 
 def test_grad_quality_needs_a_pipelined_method():
   c = tiny_config("unused", method="backprop", grad_quality_every=5)
-  with pytest.raises(train.ConfigError, match="grad_quality_every"):
-    train.validate_config(c, len(jax.local_devices()))
+  with pytest.raises(validation.ConfigError, match="grad_quality_every"):
+    validation.validate_config(c, len(jax.local_devices()))
 
 
 @pytest.mark.long

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from petra_jax.training import validation
 from petra_jax import models
 
 from petra_jax.models import invertible, summary
@@ -211,12 +212,16 @@ def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   the reconstruction error recorded for each of them."""
   from petra_jax import train
   from petra_jax.training import metrics as metrics_lib
-  from test_train import tiny_config
+  from helpers import restored_test_metrics, tiny_config
   c = tiny_config(cifar10_dir, **{"model.name": name, "steps_per_epoch": 6, "eval_batch_size": 500,
-                                  "reconstruction_error_every": 2, **extra})
+                                  "reconstruction_error_every": 2, "checkpoint_every": 6,
+                                  **extra})
   c.max_steps = 6
   result = train.train_and_evaluate(c, str(tmp_path))
-  assert 0.0 <= result["test_accuracy"] <= 1.0
+  blocks = models.build_model(name, width=4, depth=extra.get("model.depth"))
+  loss, accuracy = restored_test_metrics(c, tmp_path, blocks)  # independent eval forward
+  assert result["test_accuracy"] == accuracy
+  np.testing.assert_allclose(result["test_loss"], loss, rtol=1e-5)
   records = metrics_lib.read_metrics(str(tmp_path))
   assert all(np.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
   stages = models.build_model(name, width=4, depth=extra.get("model.depth"))
@@ -227,8 +232,8 @@ def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
 
 
 def test_depth_for_a_fixed_block_model_is_one_config_error():
-  from petra_jax import config as config_lib, train
+  from petra_jax import config as config_lib
   c = config_lib.get_config()
   c.model.depth = 4
-  with pytest.raises(train.ConfigError, match="model.depth applies to"):
-    train.validate_config(c, 1)
+  with pytest.raises(validation.ConfigError, match="model.depth applies to"):
+    validation.validate_config(c, 1)

@@ -23,10 +23,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from helpers import REPO
 from petra_jax.engine import diagnostics
 
-LAUNCH = str(REPO_ROOT / "launch" / "local.sh")
+LAUNCH = os.path.join(REPO, "launch", "local.sh")
 TIMEOUT_S = 240  # per run; a hang fails the test instead of blocking the suite
 
 
@@ -46,7 +46,7 @@ def worker_env(tmp_path_factory):
 
 def _run(cmd, env, timeout=TIMEOUT_S):
   """``(returncode, output)``; kills the whole process group on timeout."""
-  proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
   try:
     out, _ = proc.communicate(timeout=timeout)

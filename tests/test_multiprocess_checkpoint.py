@@ -11,7 +11,7 @@ of 1 and 2 processes are bit-identical, tests/test_multiprocess.py):
   2 processes with 4 stages and trains on, with the losses of the same
   resharded resume in one process.
 
-Select them with ``-k multiprocess``.
+Select them with ``-k multiprocess``; the SIGTERM one is in the default run.
 """
 
 import os
@@ -20,15 +20,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
 
-from petra_jax.training import metrics
-from conftest import REPO_ROOT
+from helpers import REPO, train_losses, wait_for
 
-LAUNCH = str(REPO_ROOT / "launch" / "local.sh")
+LAUNCH = os.path.join(REPO, "launch", "local.sh")
 TIMEOUT_S = 300
 STEPS = 8
 
@@ -55,7 +53,7 @@ def env(tmp_path_factory):
 
 def _start(cmd, env, log: pathlib.Path):
   """Starts ``cmd`` in its own session, output to ``log`` (a pipe could fill)."""
-  return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log.open("w"),
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"),
                           stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -72,18 +70,6 @@ def _finish(proc, log: pathlib.Path):
 
 def _run(cmd, env, log):
   return _finish(_start(cmd, env, log), log)
-
-
-def _losses(workdir):
-  return {r["step"]: r["train_loss"] for r in metrics.read_metrics(str(workdir))
-          if "train_loss" in r}
-
-
-def _wait_for(condition, proc, what):
-  deadline = time.time() + TIMEOUT_S
-  while time.time() < deadline and proc.poll() is None and not condition():
-    time.sleep(0.1)
-  assert condition(), f"{what} never happened"
 
 
 def _pid_of_process(tag: str, process: int) -> int:
@@ -107,7 +93,7 @@ def reference(env, cifar10_dir, tmp_path_factory):
   rc, out = _run([sys.executable, "-m", "petra_jax.train", *_args(cifar10_dir, wd)], env,
                  wd.parent / "reference.log")
   assert rc == 0, out[-3000:]
-  assert sorted(_losses(wd)) == list(range(1, STEPS + 1))
+  assert sorted(train_losses(wd)) == list(range(1, STEPS + 1))
   return wd
 
 
@@ -118,19 +104,18 @@ def test_multiprocess_sigkill_restart_resumes_with_the_same_losses(env, cifar10_
   wd, log = tmp_path / "w", tmp_path / "log"
   proc = _start([LAUNCH, "2", *_args(cifar10_dir, wd)],
                 dict(env, LOCAL_RESTARTS="1", PETRA_TEST_TAG=tag), log)
-  _wait_for(lambda: all((d / "2").exists() for d in (wd / "checkpoints",
-                                                        wd / "checkpoints" / "process_1")),
-            proc, "checkpoint 2 (both processes)")
+  wait_for(lambda: all((d / "2").exists() for d in (wd / "checkpoints",
+                                                       wd / "checkpoints" / "process_1")),
+           proc, "checkpoint 2 (both processes)", TIMEOUT_S)
   os.kill(_pid_of_process(tag, 1), signal.SIGKILL)
   rc, out = _finish(proc, log)
   assert rc == 0, out[-3000:]
   assert "launch/local.sh: process 1 was killed by signal 9" in out, out[-3000:]
   assert "launch/local.sh: restarting the job (1 of 1)" in out, out[-3000:]
   assert "resumed from" in out and "checkpoints/2" in out, out[-3000:]
-  assert _losses(wd) == _losses(reference)
+  assert train_losses(wd) == train_losses(reference)
 
 
-@pytest.mark.long
 def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10_dir,
                                                                     reference, tmp_path):
   wd, log = tmp_path / "w", tmp_path / "log"
@@ -138,8 +123,7 @@ def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10
   proc = _start(cmd, env, log)
   # (step 1's line is written J - 1 ticks after its last micro-batch, at the
   # next log flush: by then the run is several updates on, of 8)
-  _wait_for(lambda: (wd / "metrics.jsonl").exists() and max(_losses(wd), default=0) >= 1,
-            proc, "step 1 logged")
+  wait_for(lambda: train_losses(wd), proc, "step 1 logged", TIMEOUT_S)
   proc.send_signal(signal.SIGTERM)  # the launcher passes it on
   rc, out = _finish(proc, log)
   assert rc == 75, out[-3000:]
@@ -153,7 +137,7 @@ def test_multiprocess_sigterm_checkpoints_every_process_and_resumes(env, cifar10
   assert "Traceback" not in out
   rc, out = _run(cmd, env, tmp_path / "log2")
   assert rc == 0, out[-3000:]
-  assert _losses(wd) == _losses(reference)
+  assert train_losses(wd) == train_losses(reference)
 
 
 @pytest.mark.long
@@ -171,7 +155,7 @@ def test_multiprocess_resumes_a_drained_checkpoint_with_four_stages(env, cifar10
   rc, out = _run([LAUNCH, "2", *_args(cifar10_dir, two, *more)], env, tmp_path / "log2")
   assert rc == 0, out[-3000:]
   assert "resharding checkpoint 8: stages of [1, 1, 1, 1, 1, 1, 1, 1, 1, 1] blocks" in out
-  losses = _losses(two)
+  losses = train_losses(two)
   assert sorted(losses) == list(range(1, 2 * STEPS + 1))
-  assert {s: losses[s] for s in range(1, STEPS + 1)} == _losses(reference)
-  assert losses == _losses(one)
+  assert {s: losses[s] for s in range(1, STEPS + 1)} == train_losses(reference)
+  assert losses == train_losses(one)

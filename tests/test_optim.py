@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.training import validation
 from petra_jax import config as config_lib
 from petra_jax import optim
 
@@ -281,7 +282,7 @@ def load_config_file(path):
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
 def test_config_file_loads_with_trainer_fields(path):
-  from petra_jax import data, train
+  from petra_jax import data
 
   c = load_config_file(path)
   default = config_lib.get_config()
@@ -293,7 +294,7 @@ def test_config_file_loads_with_trainer_fields(path):
   assert set(want) <= set(got), set(want) - set(got)
   for key in want:
     assert isinstance(got[key], type(want[key])) or isinstance(want[key], float), key
-  train.validate_config(c, num_local_devices=max(c.num_devices, 1))
+  validation.validate_config(c, num_local_devices=max(c.num_devices, 1))
   data.get_dataset_info(c.dataset)
   optim.make_optimizer(c, 100)
   optim.learning_rate_schedule(c, 100)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.training import validation
 import helpers
 from helpers import random_batch, random_variables, run_ticks
 from petra_jax import models, train
@@ -22,7 +23,7 @@ from petra_jax.training import metrics
 from petra_jax.engine import quantize
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.pipeline import Pipeline
-from test_train import tiny_config
+from helpers import tiny_config
 
 
 def _pipeline(name, formats, method="petra", **kwargs):
@@ -210,8 +211,8 @@ def test_bfloat16_training_records_its_reconstruction_drift(cifar10_dir, tmp_pat
                                          ("quantize.buffer", "fp8")])
 def test_bad_numerics_config_names_the_flag(field, value):
   c = tiny_config("", **{field: value})
-  with pytest.raises(train.ConfigError, match=f"--config.{field}="):
-    train.validate_config(c, 1)
+  with pytest.raises(validation.ConfigError, match=f"--config.{field}="):
+    validation.validate_config(c, 1)
 
 
 def _payload_key(seed, m, j, kind):

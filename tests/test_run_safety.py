@@ -21,6 +21,7 @@ from ml_collections.config_flags import config_flags
 from tensorboardX.proto import event_pb2
 from tqdm import tqdm
 
+from petra_jax.training import checkpoint_blocks
 from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.engine import pipeline
@@ -153,7 +154,7 @@ def test_disk_full_while_checkpointing_loses_nothing_saved(tmp_path, monkeypatch
   async def no_space(*a, **k):
     raise OSError(errno.ENOSPC, "No space left on device")
   monkeypatch.setattr(orbax_local, "_write", no_space)
-  with pytest.raises(checkpoint.CheckpointError) as e:
+  with pytest.raises(checkpoint_blocks.CheckpointError) as e:
     ckpt.prune(verified_through=2)
     ckpt.save(2, state, extra={"n": 2})
     ckpt.wait()

@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
+from petra_jax.training import assembly
 from petra_jax.engine import partition
-from helpers import (batches_of, random_batch, rel_err, run_ticks,
-                     zero_delay_update_errors)
+from helpers import (batches_of, composed_loss, config_file, random_batch, rel_err, run_ticks,
+                     tiny_config, zero_delay_update_errors)
 from petra_jax import models
 from petra_jax.engine import methods
 from petra_jax.engine import pipeline
@@ -77,36 +78,73 @@ def test_zero_delay_equals_jax_grad(method):
 
 
 def _losses(stages, method, formats=None, num_micro=4):
-  pipe = pipeline.Pipeline(stages, optax.sgd(0.05), jax.devices()[:1], method=method,
+  """Per-micro-batch losses of ``num_micro`` micro-batches drained through
+  the pipeline (SGD 0.05), and the initial parameters of each stage."""
+  pipe = pipeline.Pipeline(stages, optax.sgd(LR), jax.devices()[:1], method=method,
                            formats=formats)
   state = pipe.init(0, random_batch()[0])
+  init = [jax.tree.map(np.array, s.params) for s in state.train_states]
   state, out = run_ticks(pipe, state, num_micro, batches_of())
   assert state.in_flight() == 0
-  return np.array([float(o.loss) for o in sorted(out)])
+  return np.array([float(o.loss) for o in sorted(out)]), init
+
+
+LR = 0.05
+SYNCHRONOUS = ("backprop", "revprop", "gpipe", "1f1b")  # no stale weight at k = 1
+
+
+def _reference_losses(blocks, params, num_micro=4):
+  """Sequential SGD on the composed model (helpers.composed_loss): the loss
+  of micro-batch m at the weights after micro-batches 0 .. m-1."""
+  out = []
+  step = jax.jit(jax.value_and_grad(
+      lambda p, x, y: composed_loss(blocks, p, [{}] * len(blocks), x, y)))
+  for m in range(num_micro):
+    loss, g = step(params, *batches_of()(m))
+    out.append(float(loss))
+    params = jax.tree.map(lambda p, d: p - LR * d, params, g)
+  return np.array(out)
 
 
 @pytest.mark.parametrize("method", list(methods.METHODS))
-def test_every_method_runs_with_real_delays(method):
-  """3 balanced stages (stem+attn | mlp+attn | mlp+head), 4 micro-batches:
-  every method (backprop on the vit_ twin) drains with finite losses."""
+def test_every_method_with_real_delays_against_sgd_on_the_composed_model(method):
+  """3 stages of 2 blocks (stem+attn | mlp+attn | mlp+head), 4 micro-batches
+  (backprop on the vit_ twin). The synchronous methods are sequential SGD
+  on the composed model. In the stream, micro-batch 1 reaches the head
+  (tick 3) after the head's update from micro-batch 0 (tick 2) and stages 0
+  and 1 before theirs (ticks 4 and 3): its loss is the composed model's with
+  only the head's two blocks stepped by micro-batch 0's gradient."""
   reversible = method != "backprop"
   blocks = tiny_revvit("revvit_tiny" if reversible else "vit_tiny", depth=2)
   stages = partition.group_stages(blocks, [2, 2, 2])
   assert [s.reversible for s in stages] == [False, reversible, False]
-  losses = _losses(stages, method)
-  assert losses.shape == (4,) and np.isfinite(losses).all()
+  losses, init = _losses(stages, method)
+  flat = [group[f"block_{i}"] for group in init for i in range(2)]
+  want = _reference_losses(blocks, flat)
+  if method in SYNCHRONOUS:
+    np.testing.assert_allclose(losses, want, rtol=1e-6)
+    return
+  x, y = batches_of()(0)
+  g = jax.grad(lambda p: composed_loss(blocks, p, [{}] * 6, x, y))(flat)
+  stale = flat[:4] + [jax.tree.map(lambda p, d: p - LR * d, a, b) for a, b in zip(flat[4:], g[4:])]
+  x1, y1 = batches_of()(1)
+  stale_loss = float(composed_loss(blocks, stale, [{}] * 6, x1, y1))
+  np.testing.assert_allclose(losses[:2], [want[0], stale_loss], rtol=1e-6)
+  assert np.all(np.abs(losses[1:] / want[1:] - 1) > 1e-3)  # staler than SGD
 
 
-def test_int8_messages_and_bfloat16_run():
+def test_int8_messages_and_bfloat16_move_losses_by_their_measured_effect():
+  # Measured on this model: int8 messages move the 4 losses by 0.01-0.11 %,
+  # bfloat16 compute by 0.05-0.21 %; 0.5 % allows that and no more.
   blocks = tiny_revvit(depth=1)
   formats = quantize.MessageFormats("int8", "int8", "int8")
-  q8 = _losses(blocks, "petra", formats)
+  q8 = _losses(blocks, "petra", formats)[0]
   bf16 = stage_lib.with_precision(blocks, stage_lib.Precision("bfloat16", "bfloat16"))
-  half = _losses(bf16, "petra")
-  ref = _losses(blocks, "petra")
+  half = _losses(bf16, "petra")[0]
+  ref = _losses(blocks, "petra")[0]
   for losses in (q8, half):
-    assert np.isfinite(losses).all()
-    np.testing.assert_allclose(losses, ref, rtol=0.05)
+    np.testing.assert_allclose(losses, ref, rtol=5e-3)
+    assert np.max(np.abs(losses / ref - 1)) > 1e-5  # the format did apply
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -142,7 +180,6 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   losses stay finite."""
   from petra_jax import train  # pylint: disable=g-import-not-at-top
   from petra_jax.training import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-  from test_train import tiny_config  # pylint: disable=g-import-not-at-top
   wd = str(tmp_path)
   base = {"model.name": "revvit_tiny", "model.width": 2, "model.depth": 1,
           "model.stage_sizes": (), "batch_size": 16, "accumulation_steps": 2,
@@ -154,7 +191,7 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   assert any("reconstruction" in str(r) for r in records)
   c2 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 2, "num_epochs": 2,
                                                  "model.reversible_backward": "pareprop"}))
-  run = train.setup(c2, wd)
+  run = assembly.setup(c2, wd)
   assert run.restored_step == 4 and run.pipe.num_stages == 2
   run.checkpointer.close()
   train.train_and_evaluate(c2, wd)
@@ -166,8 +203,7 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
 @pytest.mark.parametrize("variant", ["", "runlocal"])
 def test_cpu_recipe_validates_and_has_its_documented_size(variant):
   from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
-  from test_train import _config_file  # pylint: disable=g-import-not-at-top
-  c = _config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
+  c = config_file("configs/cifar10_vit_cpu.py", *([variant] if variant else []))
   validation.validate_config(c, 1)
   if not variant:
     s = summary.summarize(c.model.name, "cifar10", c.model.width, c.model.depth,

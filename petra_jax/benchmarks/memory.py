@@ -16,9 +16,9 @@ from typing import Callable, Optional, Sequence
 from petra_jax import data as data_lib
 from petra_jax import models
 from petra_jax.benchmarks import cli
-from petra_jax.benchmarks.memory_live import device_memory, measure_live  # noqa: F401
-from petra_jax.benchmarks.memory_model import (  # noqa: F401  (the model's names, here too)
-    GB, METHODS, MIB, PAPER_TABLE3, TABLE3_METHODS, bytes_per_tick, stage_bytes,
+from petra_jax.benchmarks.memory_live import device_memory, measure_live
+from petra_jax.benchmarks.memory_model import (
+    GB, METHODS, MIB, PAPER_TABLE3, bytes_per_tick, stage_bytes,
     stored_bytes, table3, table3_extended)
 from petra_jax.engine import quantize as quantize_lib
 

@@ -1,0 +1,57 @@
+"""``local`` and ``forward_gradient`` (both guesses) through ``python -m
+petra_jax.train``: a run stopped cleanly (SIGTERM once a step is logged, a
+checkpoint at the stop) and re-run logs every step once with the losses
+``==`` those of one uninterrupted run."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, train_losses, wait_for
+from petra_jax.training import preemption
+
+STEPS = 10  # the stop lands a few updates after step 1 is logged
+
+
+def _cmd(data_dir, workdir, method, guess):
+  fg = [f"--config.forward_gradient.guess={guess}"] if method == "forward_gradient" else []
+  return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
+          f"--config.method={method}", *fg, f"--config.steps_per_epoch={STEPS}",
+          "--config.eval_every=0", f"--config.data_dir={data_dir}", f"--workdir={workdir}"]
+
+
+def _run(cmd):
+  r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, guess", [("local", "local"), ("forward_gradient", "local"),
+                                           ("forward_gradient", "random")])
+def test_clean_stop_and_resume_give_the_uninterrupted_losses(cifar10_dir, tmp_path, method,
+                                                             guess):
+  full = tmp_path / "full"
+  _run(_cmd(cifar10_dir, full, method, guess))
+  assert sorted(train_losses(full)) == list(range(1, STEPS + 1))
+
+  wd = tmp_path / "run"
+  cmd = _cmd(cifar10_dir, wd, method, guess)
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    wait_for(lambda: train_losses(wd), proc, "step 1 logged")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  assert proc.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
+  stopped = max(train_losses(wd))
+  assert stopped < STEPS
+  out = _run(cmd)
+  assert "resumed at update" in out, out[-2000:]
+  lines = (wd / "metrics.jsonl").read_text().splitlines()
+  assert sum('"train_loss"' in line for line in lines) == STEPS  # each step once
+  assert train_losses(wd) == train_losses(full)
