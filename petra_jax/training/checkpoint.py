@@ -28,8 +28,8 @@ from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
 from petra_jax.training import orbax_local
 from petra_jax.training.console import disk_full
-from petra_jax.training.checkpoint_blocks import (  # noqa: F401  pylint: disable=unused-import
-    CheckpointError, merge_blocks, split_stage, stage_block_count)
+from petra_jax.training.checkpoint_blocks import (CheckpointError, merge_blocks, split_stage,
+                                                  stage_block_count)
 
 
 def process_dir(directory: str, process: int) -> str:
