@@ -38,6 +38,16 @@ lock.release()
 """
 
 
+
+def _holder(workdir):
+  """The JSON record in a workdir's lock file, or None (no file or no record)."""
+  path = pathlib.Path(workdir) / workdir_lib.LOCK_FILENAME
+  try:
+    record = json.loads(path.read_bytes().decode("utf-8"))
+  except (FileNotFoundError, UnicodeDecodeError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None
+
 def _child(workdir, **kwargs):
   return subprocess.Popen([sys.executable, "-c", CHILD, str(WORKDIR_PY), str(workdir)],
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -66,7 +76,7 @@ def test_second_acquire_in_same_process_is_refused(tmp_path, caplog):
   t0 = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
   with workdir_lib.WorkdirLock(run) as lock:
     assert lock.held and lock.path == str(run / "petra_jax.lock")
-    holder = workdir_lib.read_holder(run)
+    holder = _holder(run)
     assert holder["pid"] == os.getpid() and holder["host"] == HOST
     assert holder["argv"] == sys.argv
     started = datetime.datetime.fromisoformat(holder["started"])
@@ -83,7 +93,7 @@ def test_second_acquire_in_same_process_is_refused(tmp_path, caplog):
   # Released: the file is empty, the next run takes the lock without warning.
   assert not lock.held
   assert os.path.getsize(run / "petra_jax.lock") == 0
-  assert workdir_lib.read_holder(run) is None
+  assert _holder(run) is None
   with caplog.at_level(logging.WARNING):
     with workdir_lib.WorkdirLock(run):
       pass
@@ -109,10 +119,10 @@ def test_another_process_is_refused_and_a_killed_one_taken_over(tmp_path, caplog
   finally:
     child.kill()  # ... until it is killed without releasing the lock.
     child.wait(timeout=60)
-  assert workdir_lib.read_holder(run)["pid"] == child.pid  # its record stays
+  assert _holder(run)["pid"] == child.pid  # its record stays
   with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
-      assert workdir_lib.read_holder(run)["pid"] == os.getpid()
+      assert _holder(run)["pid"] == os.getpid()
   warning, = caplog.records
   assert f"pid {child.pid} on host {HOST}" in warning.getMessage()
   assert "not running" in warning.getMessage()
@@ -125,7 +135,7 @@ def test_stale_record_of_dead_process_is_taken_over(tmp_path, caplog):
                 proc_start=None, argv=["x"])
   with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
-      assert workdir_lib.read_holder(run)["pid"] == os.getpid()
+      assert _holder(run)["pid"] == os.getpid()
   warning, = caplog.records
   assert f"pid {dead} on host {HOST}, started 2020-01-01T00:00:00+00:00" in warning.getMessage()
 
@@ -171,5 +181,5 @@ def test_record_of_other_host(tmp_path, caplog, monkeypatch):
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="petra_jax.training.workdir"):
     with workdir_lib.WorkdirLock(run):
-      assert workdir_lib.read_holder(run)["pid"] == os.getpid()
+      assert _holder(run)["pid"] == os.getpid()
   assert "no flock" in caplog.records[-1].getMessage()

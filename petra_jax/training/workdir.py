@@ -64,17 +64,6 @@ def check_workdir(workdir: str | os.PathLike) -> None:
                        "directory you can write to.") from None
 
 
-def read_holder(workdir: str | os.PathLike) -> dict[str, Any] | None:
-  """The record last written in a workdir's lock file, or None (no file,
-  empty, or no record); a dead run leaves its record behind.
-  """
-  try:
-    with open(os.path.join(os.fspath(workdir), LOCK_FILENAME), "rb") as f:
-      return _parse_record(f.read(_MAX_RECORD_BYTES))
-  except FileNotFoundError:
-    return None
-
-
 class WorkdirLock:
   """An exclusive lock on ``workdir`` (a context manager, or ``acquire`` /
   ``release``); ``path`` is its lock file.
