@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import nnx_modules
 from petra_jax.engine import placement as placement_lib
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import schedule as schedule_lib
@@ -217,6 +218,7 @@ class Pipeline:
         dtype matter).
     """
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
+    nnx_modules.check_stages(self.stages, one)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):

@@ -87,6 +87,10 @@ class Stage:
   precision: Precision = FLOAT32
   reversible_backward: str = "vanilla"
 
+  def __post_init__(self):  # an NNX module converted once (nnx_modules.as_linen)
+    from petra_jax.engine import nnx_modules  # pylint: disable=g-import-not-at-top
+    object.__setattr__(self, "module", nnx_modules.as_linen(self.module, self.name))
+
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""
     if self.blocks:

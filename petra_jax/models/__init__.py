@@ -33,12 +33,13 @@ from petra_jax.models.layers import Head, Stem
 from petra_jax.models.resnet import ResNetBasicBlock, ResNetBottleneck
 from petra_jax.models.revnet import (BasicDownsample, BasicResidual, BottleneckDownsample,
                                      BottleneckResidual)
-from petra_jax.models.specs import MODEL_FAMILY, MODEL_SPECS, ModelSpec, build_model
+from petra_jax.models.specs import (MODEL_FAMILY, MODEL_SPECS, ModelSpec, build_model,
+                                    is_reversible, is_user_model, source_fingerprint)
 from petra_jax.models.vit import TOKENIZERS
 
 __all__ = [
     "BasicDownsample", "BasicResidual", "BottleneckDownsample", "BottleneckResidual",
     "Head", "MODEL_FAMILY", "MODEL_SPECS", "ModelSpec", "ResNetBasicBlock",
     "ResNetBottleneck", "Stem", "TOKENIZERS", "balanced_stage_sizes", "block_flops", "build_model",
-    "group_stages", "invertible",
+    "group_stages", "invertible", "is_reversible", "is_user_model", "source_fingerprint",
 ]

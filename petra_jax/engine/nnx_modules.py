@@ -1,0 +1,155 @@
+"""Flax NNX modules as stage modules, the stage checks, and trained variables read back.
+
+An NNX module is converted once (:func:`as_linen`) into a linen module whose
+variables are the NNX module's own ``nnx.Param`` and ``nnx.BatchStat`` values
+(``{"params": ..., "batch_stats": ...}``, keys as in ``nnx.state(m).to_pure_dict()``,
+integer keys as strings), so the engine stays pure functions with ``jax.vjp``.
+Each call rebuilds the module with ``nnx.merge``; its ``__call__(x, train)``
+takes ``train`` when its signature has it, otherwise ``train()``/``eval()``
+set it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+
+PyTree = Any
+
+
+def _str_keys(tree):
+  return {str(k): _str_keys(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def _like(tree, template):
+  """``tree`` (string keys) with ``template``'s keys (ints where it has them)."""
+  if not isinstance(template, dict):
+    return tree
+  return {k: _like(tree[str(k)], v) for k, v in template.items()}
+
+
+class FromNNX(nn.Module):
+  """A linen view of an NNX module: ``graphdef`` and its initial state.
+
+  Attributes:
+    graphdef: ``nnx.split``'s static graph.
+    initial: ``(params, batch_stats, rest)``: pure dicts of the NNX module's
+      ``nnx.Param`` and ``nnx.BatchStat`` values, and its other state (kept
+      constant).
+    takes_train: whether the module's ``__call__`` has a ``train`` argument.
+  """
+  graphdef: Any
+  initial: Any
+  takes_train: bool
+
+  __hash__ = object.__hash__  # (arrays in a field: identity, as Stage)
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+    params0, stats0, rest = self.initial
+    params = {k: self.param(k, lambda _, v=v: v) for k, v in _str_keys(params0).items()}
+    stats = {k: self.variable("batch_stats", k, lambda v=v: v)
+             for k, v in _str_keys(stats0).items()}
+    model = nnx.merge(self.graphdef, _like(params, params0),
+                      _like({k: v.value for k, v in stats.items()}, stats0), rest)
+    if self.takes_train:
+      out = model(x, train=train)
+    else:
+      (model.train if train else model.eval)()
+      out = model(x)
+    if stats and self.is_mutable_collection("batch_stats"):
+      new = _str_keys(nnx.state(model, nnx.BatchStat).to_pure_dict())
+      for k, v in stats.items():
+        v.value = new[k]
+    return out
+
+
+def is_nnx(module) -> bool:
+  """Whether ``module`` is a ``flax.nnx.Module`` (without importing NNX)."""
+  return any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
+             for c in type(module).__mro__)
+
+
+def as_linen(module, name: str = "?"):
+  """``module`` as the engine runs it: a linen module as it is, an NNX one
+  converted (:class:`FromNNX`), None (a group) as None.
+
+  Raises:
+    ValueError: ``module`` is neither a linen nor an NNX module.
+  """
+  if module is None or isinstance(module, nn.Module):
+    return module
+  if not is_nnx(module):
+    raise ValueError(f"stage {name!r}: module is a {type(module).__name__}, neither a "
+                     "flax.linen nor a flax.nnx Module; pass a Flax module.")
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+  takes_train = "train" in inspect.signature(type(module).__call__).parameters
+  return FromNNX(graphdef, (params.to_pure_dict(), stats.to_pure_dict(), rest), takes_train)
+
+
+def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
+                 num_classes: Optional[int] = None) -> None:
+  """Checks a model before a pipeline runs it (shapes traced, nothing computed).
+
+  Args:
+    stages: the model's :class:`~petra_jax.engine.stage.Stage` list.
+    sample_input: stage 0's input, e.g. ``float32[B, H, W, C]`` (arrays or
+      ``jax.ShapeDtypeStruct``); None checks only the list.
+    num_classes: ``K`` of the last stage's ``[B, K]`` logits; None: any ``K``.
+
+  Raises:
+    ValueError: fewer than 2 stages; a stage module neither linen nor NNX; a
+      reversible ``F`` whose output shape differs from its input's; a last
+      stage not giving ``[B, num_classes]``.
+  """
+  from petra_jax.engine import stage as stage_lib  # pylint: disable=g-import-not-at-top
+  if len(stages) < 2:
+    raise ValueError(f"a pipeline needs at least 2 stages (the last gives the logits), got "
+                     f"{len(stages)}; split the model into more petra_jax.Stage's.")
+  for s in stages:
+    for b in s.blocks or (s,):
+      as_linen(b.module, b.name)
+  if sample_input is None:
+    return
+  x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample_input)
+  for s in stages:
+    for b in s.blocks or (s,):
+      if b.reversible:
+        v = jax.eval_shape(lambda x, b=b: b.init(jax.random.key(0), x), x)
+        x1 = (b.pre.apply(x) if b.pre is not None else x)[0]
+        f = jax.eval_shape(lambda v, x1, b=b: stage_lib._apply(b, v["params"], v["batch_stats"],
+                                                                x1, True)[0], v, x1)
+        if getattr(f, "shape", None) != x1.shape:
+          raise ValueError(f"reversible stage {b.name!r}: F maps {x1.shape} to "
+                           f"{getattr(f, 'shape', f)}; F must keep its input's shape (or make "
+                           "the stage reversible=False).")
+      x = stage_lib.trace([b], x)[0][1]
+  batch = jax.tree.leaves(sample_input)[0].shape[0]
+  want = (batch, num_classes if num_classes else getattr(x, "shape", (0, 0))[-1])
+  if getattr(x, "shape", None) != want or len(want) != 2:
+    raise ValueError(f"the last stage {stages[-1].name!r} gives {getattr(x, 'shape', x)}; it "
+                     f"must give logits [B, num_classes] = {list(want)}.")
+
+
+def trained_variables(state) -> list[dict]:
+  """Per stage, ``{"params": ..., "batch_stats": ...}`` of a pipeline state
+  (host copies; a group's blocks under ``"block_i"``): what ``module.apply``
+  of a linen stage takes, or :func:`update_nnx` puts back into an NNX one."""
+  return [None if s is None else jax.device_get({"params": s.params,
+                                                 "batch_stats": s.batch_stats})
+          for s in state.train_states]
+
+
+def update_nnx(module, variables: dict) -> None:
+  """Writes a stage's trained ``variables`` into its NNX ``module`` in place."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  for kind, collection in ((nnx.Param, "params"), (nnx.BatchStat, "batch_stats")):
+    state = nnx.state(module, kind)
+    if variables.get(collection):
+      state.replace_by_pure_dict(_like(variables[collection], state.to_pure_dict()))
+      nnx.update(module, state)
