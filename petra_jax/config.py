@@ -24,7 +24,7 @@ PLATFORMS = ("", "cpu", "gpu", "tpu")  # config.platform
 def _model_config() -> ml_collections.ConfigDict:
   """``config.model``: the network and its split into stages."""
   c = ml_collections.ConfigDict()
-  c.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS
+  c.name = "revnet18"   # a name in petra_jax.models.MODEL_SPECS, or MODULE:FUNCTION (docs/api.md)
   c.width = 64          # channels per stream after the stem (paper: 64); ViTs: dimension per head
   c.depth = 0           # revnet_fixed only: reversible blocks at constant width; 0 = its default (20)
                         # (ViTs: transformer layers, default 12)

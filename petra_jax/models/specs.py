@@ -8,6 +8,9 @@ import importlib
 import inspect
 from typing import Callable, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
+
 from petra_jax.engine.stage import Stage, has_reversible
 from petra_jax.models.layers import Head, Stem
 from petra_jax.models.resnet import resnet_blocks
@@ -135,7 +138,7 @@ def _build_user_model(name: str, width: int, num_classes: int, depth: Optional[i
   if not isinstance(stages, (list, tuple)) or not all(isinstance(s, Stage) for s in stages):
     raise ValueError(f"model {name!r} returned {type(stages).__name__}; return a list of "
                      "petra_jax.Stage.")
-  sample = None if image_shape is None else (2, *image_shape)
+  sample = None if image_shape is None else jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
   nnx_modules.check_stages(stages, sample, num_classes if image_shape else None)
   return list(stages)
 
