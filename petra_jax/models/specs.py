@@ -81,7 +81,7 @@ MODEL_FAMILY = {name: spec.family for name, spec in MODEL_SPECS.items()}
 
 
 def unknown_model_message(name: str) -> str:
-  return f"Unknown model {name!r}; choose one of {sorted(MODEL_SPECS)} or MODULE:FUNCTION."
+  return f"Unknown model {name!r}; choose one of {sorted(MODEL_SPECS)}."
 
 
 def default_patch_size(imagenet_stem: bool) -> int:
@@ -198,7 +198,8 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
   if is_user_model(name):
     return _build_user_model(name, width, num_classes, depth, image_shape)
   if name not in MODEL_SPECS:
-    raise ValueError(f"{unknown_model_message(name)} (--config.model.name=...)")
+    raise ValueError(f"{unknown_model_message(name)[:-1]} or MODULE:FUNCTION "
+                     "(--config.model.name=...).")
   if width < 1:
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = _resolve_spec(name, depth)
