@@ -132,7 +132,7 @@ def test_user_model_trains_with_every_method(user_module, cifar10_dir, tmp_path)
     assert len(losses[method]) == 3 and np.all(np.isfinite(losses[method])), method
   # Exact gradients both: equal up to float32 round-off of the reconstruction.
   np.testing.assert_allclose(losses["revprop"], losses["backprop"], rtol=1e-5)
-  assert losses["petra"][0] == pytest.approx(losses["backprop"][0], rel=1e-5)
+  assert losses["delayed"] != losses["backprop"]  # stale weights: another trajectory
 
 
 def test_user_model_zero_delay_petra_update_is_jax_grad(user_module):
