@@ -137,7 +137,7 @@ def test_user_model_trains_with_every_method(user_module, cifar10_dir, tmp_path)
 
 def test_user_model_zero_delay_petra_update_is_jax_grad(user_module):
   stages = models.build_model("user_mod:tiny", width=2, num_classes=10)
-  # float32 round-off of the reconstruction, amplified by BatchNorm over 2 channels: 1.2e-5 measured.
+  # float32 round-off of the reconstruction, amplified by 2-channel BatchNorm: 1.2e-5 measured.
   assert max(zero_delay_update_errors(stages, "petra")) < 1e-4
 
 

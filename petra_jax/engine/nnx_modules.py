@@ -1,12 +1,7 @@
-"""Flax NNX modules as stage modules, the stage checks, and trained variables read back.
+"""NNX modules as stage modules (``nnx.split``/``nnx.merge``), the stage checks, trained variables.
 
-An NNX module is converted once (:func:`as_linen`) into a linen module whose
-variables are the NNX module's own ``nnx.Param`` and ``nnx.BatchStat`` values
-(``{"params": ..., "batch_stats": ...}``, keys as in ``nnx.state(m).to_pure_dict()``,
-integer keys as strings), so the engine stays pure functions with ``jax.vjp``.
-Each call rebuilds the module with ``nnx.merge``; its ``__call__(x, train)``
-takes ``train`` when its signature has it, otherwise ``train()``/``eval()``
-set it.
+A converted module's variables are its ``nnx.Param``/``nnx.BatchStat`` values as pure dicts
+(integer keys as strings); its call takes ``train``, or ``train()``/``eval()`` set the mode.
 """
 
 from __future__ import annotations
@@ -25,27 +20,19 @@ def _str_keys(tree):
 
 
 def _like(tree, template):
-  """``tree`` (string keys) with ``template``'s keys (ints where it has them)."""
+  """``tree`` (string keys) with ``template``'s keys."""
   if not isinstance(template, dict):
     return tree
   return {k: _like(tree[str(k)], v) for k, v in template.items()}
 
 
 class FromNNX(nn.Module):
-  """A linen view of an NNX module: ``graphdef`` and its initial state.
-
-  Attributes:
-    graphdef: ``nnx.split``'s static graph.
-    initial: ``(params, batch_stats, rest)``: pure dicts of the NNX module's
-      ``nnx.Param`` and ``nnx.BatchStat`` values, and its other state (kept
-      constant).
-    takes_train: whether the module's ``__call__`` has a ``train`` argument.
-  """
+  """A linen view of an NNX module: ``graphdef``, ``initial = (params, batch_stats, rest)``."""
   graphdef: Any
   initial: Any
   takes_train: bool
 
-  __hash__ = object.__hash__  # (arrays in a field: identity, as Stage)
+  __hash__ = object.__hash__  # arrays in a field
 
   @nn.compact
   def __call__(self, x, train: bool = True):
@@ -69,18 +56,13 @@ class FromNNX(nn.Module):
 
 
 def is_nnx(module) -> bool:
-  """Whether ``module`` is a ``flax.nnx.Module`` (without importing NNX)."""
+  """Whether ``module`` is a ``flax.nnx.Module`` (NNX not imported)."""
   return any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
              for c in type(module).__mro__)
 
 
 def as_linen(module, name: str = "?"):
-  """``module`` as the engine runs it: a linen module as it is, an NNX one
-  converted (:class:`FromNNX`), None (a group) as None.
-
-  Raises:
-    ValueError: ``module`` is neither a linen nor an NNX module.
-  """
+  """``module`` as linen: an NNX one converted once; ValueError if neither linen nor NNX."""
   if module is None or isinstance(module, nn.Module):
     return module
   if not is_nnx(module):
@@ -94,18 +76,16 @@ def as_linen(module, name: str = "?"):
 
 def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
                  num_classes: Optional[int] = None) -> None:
-  """Checks a model before a pipeline runs it (shapes traced, nothing computed).
+  """Checks a model (shapes traced, nothing computed).
 
   Args:
-    stages: the model's :class:`~petra_jax.engine.stage.Stage` list.
-    sample_input: stage 0's input, e.g. ``float32[B, H, W, C]`` (arrays or
-      ``jax.ShapeDtypeStruct``); None checks only the list.
+    stages: the model's ``Stage`` list.
+    sample_input: stage 0's input, e.g. ``float32[B, H, W, C]``; None checks only the list.
     num_classes: ``K`` of the last stage's ``[B, K]`` logits; None: any ``K``.
 
   Raises:
-    ValueError: fewer than 2 stages; a stage module neither linen nor NNX; a
-      reversible ``F`` whose output shape differs from its input's; a last
-      stage not giving ``[B, num_classes]``.
+    ValueError: fewer than 2 stages; a module neither linen nor NNX; a reversible
+      ``F`` changing its input's shape; a last stage not giving ``[B, num_classes]``.
   """
   from petra_jax.engine import stage as stage_lib  # pylint: disable=g-import-not-at-top
   if len(stages) < 2:
@@ -137,9 +117,8 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
 
 
 def trained_variables(state) -> list[dict]:
-  """Per stage, ``{"params": ..., "batch_stats": ...}`` of a pipeline state
-  (host copies; a group's blocks under ``"block_i"``): what ``module.apply``
-  of a linen stage takes, or :func:`update_nnx` puts back into an NNX one."""
+  """Per stage the host's ``{"params", "batch_stats"}``: a Flax variables dict (groups:
+  ``"block_i"``), for ``module.apply`` or :func:`update_nnx`."""
   return [None if s is None else jax.device_get({"params": s.params,
                                                  "batch_stats": s.batch_stats})
           for s in state.train_states]

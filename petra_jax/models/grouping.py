@@ -1,11 +1,4 @@
-"""Grouping a model's blocks into pipeline stages (stage balancing).
-
-A model from :func:`petra_jax.models.build_model` has one block per stage;
-these group consecutive blocks into ``J' <= J`` stages. The balancing rule
-(the contiguous split minimising the slowest stage) lives in
-:mod:`petra_jax.engine.partition`; here are the model-side pieces: each
-block's cost (forward FLOPs) and the grouped stages.
-"""
+"""Consecutive blocks grouped into pipeline stages (stage balancing), and each block's cost."""
 
 from __future__ import annotations
 
@@ -20,18 +13,11 @@ from petra_jax.engine.stage import Stage
 
 
 def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
-  """Groups consecutive blocks into stages: stage ``g`` runs ``sizes[g]`` blocks.
-
-  Args:
-    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
-    sizes: blocks per stage, each >= 1, summing to ``len(blocks)``.
-
-  Returns:
-    ``len(sizes)`` stages (:func:`petra_jax.engine.stage.group`).
+  """Stage ``g`` runs ``sizes[g]`` consecutive blocks (each >= 1, summing to ``len(blocks)``).
 
   Raises:
-    ValueError: sizes that do not cover the blocks exactly, fewer than 2
-      stages, or more stages than blocks.
+    ValueError: sizes that do not cover the blocks, fewer than 2 stages, or
+      more stages than blocks.
   """
   sizes = [int(n) for n in sizes]
   if len(sizes) > len(blocks):
@@ -48,13 +34,7 @@ def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
 
 
 def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[float]:
-  """Forward FLOPs of each block on a ``float32[input_shape]`` batch.
-
-  From XLA's cost analysis of the lowered forward (nothing is compiled or
-  run). A block's backward (recompute or reconstruct, then vjp) costs about
-  three forwards whatever its kind, so forward FLOPs rank the blocks' tick
-  costs.
-  """
+  """Forward FLOPs of each block on ``float32[input_shape]`` (XLA's cost analysis, nothing run)."""
   x = jax.ShapeDtypeStruct(tuple(input_shape), jnp.float32)
   flops = []
   for s, (variables, y) in zip(blocks, stage_lib.trace(blocks, x)):
@@ -69,23 +49,10 @@ def block_flops(blocks: Sequence[Stage], input_shape: Sequence[int]) -> list[flo
 def balanced_stage_sizes(blocks: Sequence[Stage], num_stages: int,
                          input_shape: Sequence[int],
                          costs: Optional[Sequence[float]] = None) -> list[int]:
-  """Blocks per stage that minimise the slowest stage's cost.
-
-  Args:
-    blocks: a model from :func:`petra_jax.models.build_model` (one block per stage).
-    num_stages: ``J'``, the stages to group the blocks into.
-    input_shape: a micro-batch's shape ``[B, H, W, C]`` (for the FLOPs).
-    costs: per-block cost, e.g. measured ms per tick
-      (:func:`petra_jax.engine.timing.measure_stage_costs`); default: forward FLOPs
-      (:func:`block_flops`).
-
-  Returns:
-    ``num_stages`` block counts (each >= 1, summing to ``len(blocks)``) for
-    :func:`group_stages`, from :func:`petra_jax.engine.partition.balanced_partition`.
+  """Blocks per stage minimising the slowest stage's cost (``costs``, default :func:`block_flops`).
 
   Raises:
-    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of
-      the wrong length.
+    ValueError: ``num_stages`` outside ``[2, len(blocks)]``, or ``costs`` of the wrong length.
   """
   if not 2 <= num_stages <= len(blocks):
     raise ValueError(f"num_stages={num_stages} must be in [2, {len(blocks)}] (the model has "

@@ -1,4 +1,4 @@
-"""The model registry (:data:`MODEL_SPECS`), user models (``MODULE:FUNCTION``) and :func:`build_model`."""
+"""The model registry (:data:`MODEL_SPECS`), user models ``MODULE:FUNCTION``, ``build_model``."""
 
 from __future__ import annotations
 
@@ -23,17 +23,8 @@ REVERSIBLE_FAMILIES = ("revnet", "revvit")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """How to build a zoo model.
-
-  Attributes:
-    family: ``"revnet"``, ``"resnet"``, ``"revvit"`` or ``"vit"``.
-    blocks_per_group: residual blocks per resolution group.
-    bottleneck: bottleneck blocks (channel expansion 4).
-    invertible_downsampling: reversible downsampling blocks (i-RevNet's ``psi``).
-    fixed_size: one group, no downsampling, ``depth`` blocks (ViT: layers).
-    heads: attention heads of a ViT (0 otherwise).
-    mlp_ratio: a ViT's MLP hidden width over its embedding width.
-  """
+  """A zoo model: family, blocks per group, bottleneck (x4), reversible (``psi``) downsampling,
+  ``fixed_size`` (one group of ``depth`` blocks; ViT: layers), ViT heads and MLP ratio."""
   family: str
   blocks_per_group: Sequence[int]
   bottleneck: bool = False
@@ -55,8 +46,7 @@ class ModelSpec:
     return 4 if self.bottleneck else 1
 
 
-# Stages = stem + sum(blocks_per_group) + head; a RevNet group's first block
-# (all groups with bottlenecks) downsamples, non-reversibly unless "_inv".
+# Stages: stem + sum(blocks_per_group) + head.
 MODEL_SPECS = {
     "resnet18": ModelSpec("resnet", (2, 2, 2, 2)),
     "resnet34": ModelSpec("resnet", (3, 4, 6, 3)),
@@ -85,21 +75,15 @@ def unknown_model_message(name: str) -> str:
 
 
 def default_patch_size(imagenet_stem: bool) -> int:
-  """A ViT's patch: 16 on ImageNet-size images, 4 on 32 x 32 ones."""
   return 16 if imagenet_stem else 4
 
 
 def is_user_model(name: str) -> bool:
-  """Whether ``name`` is ``MODULE:FUNCTION`` rather than a zoo key."""
   return ":" in name
 
 
 def user_model_function(name: str) -> Callable:
-  """The function ``FUNCTION`` of ``name = "MODULE:FUNCTION"``, its module imported.
-
-  Raises:
-    ValueError: the module does not import, or has no such function.
-  """
+  """``FUNCTION`` of ``"MODULE:FUNCTION"``; ValueError if it does not import or exist."""
   module_name, _, fn_name = name.partition(":")
   fix = "fix --config.model.name=MODULE:FUNCTION"
   try:
@@ -116,7 +100,7 @@ def user_model_function(name: str) -> Callable:
 
 
 def source_fingerprint(name: str) -> dict:
-  """``{"model_source": sha256}`` of a user model's module source; ``{}`` for the zoo."""
+  """``{"model_source": sha256 of the module}`` for a user model; ``{}`` for the zoo."""
   if not is_user_model(name):
     return {}
   module = inspect.getmodule(user_model_function(name))
@@ -125,8 +109,6 @@ def source_fingerprint(name: str) -> dict:
 
 def _build_user_model(name: str, width: int, num_classes: int, depth: Optional[int],
                       image_shape: Optional[Sequence[int]]) -> list[Stage]:
-  """``FUNCTION(num_classes=, width=, depth=)`` with the keywords it accepts
-  (``depth`` only when set), its stages checked."""
   from petra_jax.engine import nnx_modules  # pylint: disable=g-import-not-at-top
   fn = user_model_function(name)
   kwargs = {"num_classes": num_classes, "width": width, "depth": depth}
@@ -151,11 +133,7 @@ def is_reversible(name: str, width: int = 8, depth: Optional[int] = None) -> boo
 
 
 def _resolve_spec(name: str, depth: Optional[int]) -> ModelSpec:
-  """``MODEL_SPECS[name]``, with ``depth`` blocks for a fixed-size model.
-
-  Raises:
-    ValueError: a ``depth`` for a model with fixed block counts, or ``depth < 1``.
-  """
+  """``MODEL_SPECS[name]``, with ``depth`` blocks for a fixed-size model (else ValueError)."""
   spec = MODEL_SPECS[name]
   if depth is None:
     return spec
@@ -174,22 +152,12 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
   """The stages of a model, one residual block per stage (paper Sec. 4).
 
   Args:
-    name: a key of :data:`MODEL_SPECS`, or ``"MODULE:FUNCTION"``: a user's
-      function called as ``FUNCTION(num_classes=, width=, depth=)`` (only the
-      keywords it accepts; ``depth`` only when not None) that returns a list
-      of :class:`~petra_jax.engine.stage.Stage`.
-    width: base channels (the paper's 64); group ``g`` has ``width * 2**g``
-      (x4 at bottleneck outputs). ViTs: dimension per head.
-    num_classes: classes of the head.
-    imagenet_stem: 7x7/2 conv + max-pool stem instead of the CIFAR 3x3 one.
+    name: a key of :data:`MODEL_SPECS`, or ``"MODULE:FUNCTION"``: called as
+      ``FUNCTION(num_classes=, width=, depth=)`` (the keywords it accepts;
+      ``depth`` when not None), returning a list of ``Stage``.
+    width: base channels (paper: 64); group ``g`` has ``width 2**g``. ViTs: per head.
     depth: blocks of a fixed-size model (ViT: layers); None for its default.
-    patch_size, tokenizer: a ViT's stem (others ignore them).
-    image_shape: ``[H, W, C]``; with it a user model's stages are traced and
-      checked (:func:`petra_jax.engine.nnx_modules.check_stages`).
-
-  Returns:
-    ``[stem, block, ..., head]``: 10 stages for 18 layers, 18 for 34/50, 35
-    for 101, ``depth + 2`` for ``revnet_fixed``, ``2 depth + 2`` for the ViTs.
+    image_shape: ``[H, W, C]``: a user model's stages are traced and checked.
 
   Raises:
     ValueError: an unknown ``name``, ``width < 1``, a bad ``depth`` or
