@@ -100,6 +100,7 @@ def test_nnx_and_linen_twins_give_equal_petra_losses():
   # The NNX modules start from their own (nnx.Rngs) parameters.
   model = NNXStem(2, nnx.Rngs(0))
   np.testing.assert_array_equal(nnx_start[0]["params"]["conv"]["kernel"], model.conv.kernel[...])
+  np.testing.assert_array_equal(nnx_start[0]["batch_stats"]["bn"]["var"], model.bn.var[...])
   linen_losses, linen_start, linen_end = _losses(_linen_stages(), copy_from=nnx_start)
   assert jax.tree.structure(linen_start) == jax.tree.structure(nnx_start)
   assert len(nnx_losses) == 8 and np.all(np.isfinite(nnx_losses))
@@ -160,3 +161,27 @@ def test_pipeline_init_checks_the_stages():
   pipe = petra_jax.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1])
   with pytest.raises(ValueError, match="F must keep"):
     pipe.init(0, random_batch()[0])
+
+
+class Nested(nnx.Module):  # submodules in a list: integer keys
+  def __init__(self, width, rngs):
+    self.blocks = nnx.List([NNXF(width, rngs) for _ in range(2)])
+
+  def __call__(self, x, train: bool = True):
+    for b in self.blocks:
+      (b.train if train else b.eval)()
+      x = b(x)
+    return x
+
+
+def test_nested_nnx_variables_are_plain_dicts_of_one_structure():
+  stage = petra_jax.Stage("f", Nested(2, nnx.Rngs(0)), reversible=True)
+  x = jnp.ones((2, 4, 4, 2))
+  v = stage.module.init(jax.random.key(0), x)
+  assert set(v["params"]["blocks"]) == {"0", "1"}
+  assert type(v["params"]["blocks"]["0"]["conv"]) is dict
+  _, new = stage.module.apply(v, x, train=True, mutable=["batch_stats"])
+  assert jax.tree.structure(new["batch_stats"]) == jax.tree.structure(v["batch_stats"])
+  model = Nested(2, nnx.Rngs(0))
+  np.testing.assert_array_equal(v["params"]["blocks"]["1"]["conv"]["kernel"],
+                                model.blocks[1].conv.kernel[...])

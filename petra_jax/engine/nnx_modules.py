@@ -7,16 +7,14 @@ A converted module's variables are its ``nnx.Param``/``nnx.BatchStat`` values as
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import Any, Optional, Sequence
 
+from flax.core import unfreeze
 import flax.linen as nn
 import jax
 
 PyTree = Any
-
-
-def _str_keys(tree):
-  return {str(k): _str_keys(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _like(tree, template):
@@ -24,6 +22,35 @@ def _like(tree, template):
   if not isinstance(template, dict):
     return tree
   return {k: _like(tree[str(k)], v) for k, v in template.items()}
+
+
+def _declare(scope, params0: Mapping, stats0: Mapping):
+  """Nested linen variables (string names) from initial values: ``(params, stat handles)``."""
+  params, stats = {}, {}
+  for k in {**params0, **stats0}:
+    p, s = params0.get(k), stats0.get(k)
+    if isinstance(p, Mapping) or isinstance(s, Mapping):  # (linen freezes dict fields)
+      sub_params, sub_stats = _declare(scope.push(str(k)), p or {}, s or {})
+      params.update({k: sub_params} if sub_params else {})
+      stats.update({k: sub_stats} if sub_stats else {})
+      continue
+    if k in params0:
+      params[k] = scope.param(str(k), lambda _, v=p: v)
+    if k in stats0:
+      stats[k] = scope.variable("batch_stats", str(k), lambda v=s: v)
+  return params, stats
+
+
+def _values(handles):
+  return {k: _values(h) if isinstance(h, dict) else h.value for k, h in handles.items()}
+
+
+def _assign(handles, values):
+  for k, h in handles.items():
+    if isinstance(h, dict):
+      _assign(h, values[k])
+    else:
+      h.value = values[k]
 
 
 class FromNNX(nn.Module):
@@ -38,20 +65,15 @@ class FromNNX(nn.Module):
   def __call__(self, x, train: bool = True):
     from flax import nnx  # pylint: disable=g-import-not-at-top
     params0, stats0, rest = self.initial
-    params = {k: self.param(k, lambda _, v=v: v) for k, v in _str_keys(params0).items()}
-    stats = {k: self.variable("batch_stats", k, lambda v=v: v)
-             for k, v in _str_keys(stats0).items()}
-    model = nnx.merge(self.graphdef, _like(params, params0),
-                      _like({k: v.value for k, v in stats.items()}, stats0), rest)
+    params, stats = _declare(self.scope, params0, stats0)
+    model = nnx.merge(self.graphdef, params, _values(stats), rest)
     if self.takes_train:
       out = model(x, train=train)
     else:
       (model.train if train else model.eval)()
       out = model(x)
-    if stats and self.is_mutable_collection("batch_stats"):
-      new = _str_keys(nnx.state(model, nnx.BatchStat).to_pure_dict())
-      for k, v in stats.items():
-        v.value = new[k]
+    if stats and self.is_mutable_collection("batch_stats") and not self.is_initializing():
+      _assign(stats, nnx.state(model, nnx.BatchStat).to_pure_dict())
     return out
 
 
@@ -119,9 +141,8 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
 def trained_variables(state) -> list[dict]:
   """Per stage the host's ``{"params", "batch_stats"}``: a Flax variables dict (groups:
   ``"block_i"``), for ``module.apply`` or :func:`update_nnx`."""
-  return [None if s is None else jax.device_get({"params": s.params,
-                                                 "batch_stats": s.batch_stats})
-          for s in state.train_states]
+  return [None if s is None else unfreeze(jax.device_get(
+      {"params": s.params, "batch_stats": s.batch_stats})) for s in state.train_states]
 
 
 def update_nnx(module, variables: dict) -> None:
