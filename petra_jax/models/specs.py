@@ -116,7 +116,11 @@ def _build_user_model(name: str, width: int, num_classes: int, depth: Optional[i
   params = inspect.signature(fn).parameters
   if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
     kwargs = {k: v for k, v in kwargs.items() if k in params}
-  stages = fn(**kwargs)
+  try:
+    stages = fn(**kwargs)
+  except TypeError as e:  # e.g. a required argument the CLI does not pass
+    raise ValueError(f"model {name!r}: {fn.__name__}({', '.join(kwargs)}=...) raised TypeError: "
+                     f"{e}; let it take num_classes, width (and depth) as keywords.") from None
   if not isinstance(stages, (list, tuple)) or not all(isinstance(s, Stage) for s in stages):
     raise ValueError(f"model {name!r} returned {type(stages).__name__}; return a list of "
                      "petra_jax.Stage.")
