@@ -13,7 +13,7 @@ PLATFORMS = ("", "cpu", "gpu", "tpu")
 def _model_config() -> ml_collections.ConfigDict:
   """``config.model``: the network and its split into stages."""
   c = ml_collections.ConfigDict()
-  c.name = "revnet18"
+  c.name = "revnet18"   # a name in MODEL_SPECS, or MODULE:FUNCTION (docs/api.md)
   c.width = 64
   c.depth = 0           # 0 = the model's default
   c.num_stages = 0      # 0 = one residual block per stage (paper)

@@ -122,9 +122,9 @@ def test_resnet50_forward_gives_logits():
 
 def test_build_model_unknown_name_names_the_choices_and_the_flag():
   with pytest.raises(ValueError) as e:
-    models.build_model("revnet101")
+    models.build_model("revnet152")
   msg = str(e.value)
-  assert "'revnet101'" in msg and "--config.model.name" in msg
+  assert "'revnet152'" in msg and "--config.model.name" in msg and "MODULE:FUNCTION" in msg
   assert all(name in msg for name in REVNETS + ("resnet18", "resnet34", "resnet50"))
 
 
@@ -190,9 +190,70 @@ def test_cli_json_gives_stage_params_and_shapes_by_hand():
 
 
 def test_cli_unknown_model():
-  out = _cli("revnet101", "--dataset=cifar10")
+  out = _cli("revnet152", "--dataset=cifar10")
   assert out.returncode == 2
   assert "Traceback" not in out.stderr
   lines = out.stderr.strip().splitlines()
-  assert len(lines) == 1 and "revnet101" in lines[0]
+  assert len(lines) == 1 and "revnet152" in lines[0]
   assert all(name in lines[0] for name in models.MODEL_SPECS)
+
+
+def test_resnet101_matches_torchvision():
+  # torchvision.models.resnet101(): 44,549,160 parameters (1000-class head).
+  assert _summarize("resnet101", "imagenet", 64)["total_params"] == 44_549_160
+
+
+def bottleneck_revnet_imagenet_params_by_hand(blocks, w=64, classes=1000):
+  """Trainable parameters of each stage of a bottleneck RevNet on 224x224, by hand.
+
+  Convs have no bias; each is followed by a BN (2 per channel). Stem: conv7x7
+  3 -> 2w. Group g (hidden h = w 2**g, streams of c = 4h channels, c_in the
+  previous group's, w for g = 0): a downsampling block, F = conv1x1 c_in -> h,
+  conv3x3 h -> h, conv1x1 h -> c, plus a conv1x1 c_in -> c on each stream; then
+  blocks[g] - 1 reversible F's (conv1x1 c -> h, conv3x3 h -> h, conv1x1 h -> c).
+  Head: Dense 2 * 32w -> classes.
+  """
+  def conv_bn(k, c_in, c_out):
+    return k * k * c_in * c_out + 2 * c_out
+
+  f = lambda c_in, h, c: conv_bn(1, c_in, h) + conv_bn(3, h, h) + conv_bn(1, h, c)  # noqa: E731
+  counts, c_in = [conv_bn(7, 3, 2 * w)], w
+  for g, n in enumerate(blocks):
+    h = w * 2**g
+    c = 4 * h
+    counts += [f(c_in, h, c) + 2 * conv_bn(1, c_in, c)] + [f(c, h, c)] * (n - 1)
+    c_in = c
+  return counts + [2 * c_in * classes + classes]
+
+
+def test_revnet101_imagenet_params_by_hand():
+  # At w = 64: stem 7*7*3*128 + 256 = 19,072. Group 0 (h 64, c 256, c_in 64):
+  # down (4,096 + 128) + (36,864 + 128) + (16,384 + 512) + 2 (16,384 + 512) = 91,904,
+  # rev F (16,384 + 128) + (36,864 + 128) + (16,384 + 512) = 70,400, twice.
+  # Group 1 (h 128, c 512): down 511,488, rev 280,064 x 3. Group 2 (h 256,
+  # c 1024): down 2,038,784, rev 1,117,184 x 22. Group 3 (h 512, c 2048): down
+  # 8,140,800, rev 4,462,592 x 2. Head 4096 * 1000 + 1000 = 4,097,000.
+  # Total 19,072 + 91,904 + 140,800 + 511,488 + 840,192 + 2,038,784 + 24,578,048
+  # + 8,140,800 + 8,925,184 + 4,097,000 = 49,383,272.
+  got = _summarize("revnet101", "imagenet", 64)
+  want = bottleneck_revnet_imagenet_params_by_hand((3, 4, 23, 3))
+  assert want[:5] == [19_072, 91_904, 70_400, 70_400, 511_488]
+  assert [r["params"] for r in got["stages"]] == want
+  assert got["total_params"] == sum(want) == 49_383_272
+  assert len(got["stages"]) == 35
+  # The same arithmetic gives RevNet50's count (30.4 M in Table 2).
+  assert _summarize("revnet50", "imagenet", 64)["total_params"] == sum(
+      bottleneck_revnet_imagenet_params_by_hand((3, 4, 6, 3)))
+
+
+@pytest.mark.parametrize("name", ["revnet101", "resnet101"])
+def test_101_layer_models_on_cifar(name):
+  stages = models.build_model(name, width=2)
+  assert len(stages) == 35 and stages[0].module.imagenet is False
+  assert sum(s.reversible for s in stages) == (29 if name == "revnet101" else 0)
+
+
+def test_cli_prints_revnet101_stages():
+  out = _cli("revnet101", "--dataset=imagenet")
+  assert out.returncode == 0, out.stderr
+  assert "group2_rev22" in out.stdout and "49,383,272" in out.stdout.replace(" ", "")

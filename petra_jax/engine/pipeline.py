@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import forward_gradient_tasks, local, tasks, transport
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import stage_checks
 from petra_jax.engine import placement as placement_lib
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import schedule as schedule_lib
@@ -147,6 +148,7 @@ class Pipeline:
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
+    stage_checks.check_stages(self.stages, one)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):

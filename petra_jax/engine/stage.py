@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import optax
 
+from petra_jax.engine import nnx_modules
 from petra_jax.engine.precision import FLOAT32, Precision, cast
 
 PyTree = Any
@@ -58,6 +59,9 @@ class Stage:
   pre: "Reshuffle | None" = None
   precision: Precision = FLOAT32
   reversible_backward: str = "vanilla"
+
+  def __post_init__(self):  # an NNX module converted once (nnx_modules.as_linen)
+    object.__setattr__(self, "module", nnx_modules.as_linen(self.module, self.name))
 
   def init(self, key: jax.Array, x: PyTree) -> dict:
     """Initialises ``{"params": ..., "batch_stats": ...}`` for input ``x``."""

@@ -1,10 +1,4 @@
-"""Layers shared by the model zoo: PyTorch-initialised conv + BN, stem and head.
-
-Convolutions have no bias (a BatchNorm follows each one) and use PyTorch's
-default initialisation, as the authors' code; BatchNorm has PyTorch's
-momentum 0.1 and eps 1e-5. The stem and the head serve both families: RevNets
-(two streams) and ResNets (one tensor).
-"""
+"""Conv + BN as PyTorch initialises them (no conv bias; BN momentum 0.1, eps 1e-5); stem, head."""
 
 from __future__ import annotations
 
@@ -16,8 +10,7 @@ import jax.numpy as jnp
 
 from petra_jax.models import batchnorm
 
-# PyTorch's default initialisation (kaiming-uniform, a=sqrt(5)), as in the
-# authors' code: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+# PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as the authors' code.
 torch_default_init = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
 
 
@@ -30,31 +23,21 @@ def torch_bias_init(fan_in: int):
 
 Conv = functools.partial(
     nn.Conv, use_bias=False, kernel_init=torch_default_init, padding="SAME")
-# BN momentum 0.1 in PyTorch terms is 0.9 in Flax terms; eps as PyTorch. Flax's
-# BatchNorm with a closed-form backward (petra_jax.models.batchnorm): same
-# variables, same values, about 3x faster on XLA-CPU.
+# PyTorch's momentum 0.1 is Flax's 0.9; petra_jax.models.batchnorm has a closed-form backward.
 BatchNorm = functools.partial(batchnorm.BatchNorm, momentum=0.9, epsilon=1e-5)
 
 
 def conv_bn(x, features: int, kernel: int, stride: int, train: bool, relu: bool = False):
-  """``BN(conv_kxk stride s (x))``: ``[B, H, W, C_in] -> [B, H/s, W/s, features]``.
-
-  Called inside an ``nn.compact`` method: creates one ``Conv`` and one
-  ``BatchNorm`` submodule of the caller. With ``relu``, ``ReLU(BN(...))``, the
-  ReLU fused into the BatchNorm's pass (same values as ``nn.relu`` after it).
-  """
+  """``BN(conv_kxk_s(x))``, ReLU fused if ``relu``: ``[B, H, W, C] -> [B, H/s, W/s, features]``."""
   x = Conv(features, (kernel, kernel), strides=(stride, stride))(x)
   return BatchNorm(use_running_average=not train, relu=relu)(x)
 
 
 class Stem(nn.Module):
-  """Input stage: image ``[B, H, W, 3]`` -> activation of the first group.
+  """Image ``[B, H, W, 3]`` -> conv3x3 (ImageNet: conv7x7/2) -> BN -> ReLU (ImageNet: max-pool).
 
-  CIFAR stem: conv3x3 stride 1 -> BN -> ReLU. ImageNet stem: conv7x7 stride 2
-  -> BN -> ReLU -> max-pool. With ``two_streams`` (RevNets) the conv has
-  ``2 * width`` channels, split into streams ``2 x [B, H', W', width]``, and
-  the pool is the authors' 2x2 stride 2. Otherwise (ResNets) the output is
-  ``[B, H', W', width]`` and the pool is torchvision's 3x3 stride 2 padding 1.
+  ``two_streams`` (RevNets): ``2 width`` channels split into ``2 x [B, H', W', width]``,
+  2x2/2 pool; else (ResNets) ``[B, H', W', width]``, torchvision's 3x3/2 pool.
   """
   width: int
   imagenet: bool = False
@@ -79,14 +62,7 @@ class Stem(nn.Module):
 
 
 class Head(nn.Module):
-  """Last stage: (concat streams) -> global average pool -> Dense -> logits.
-
-  Takes streams ``(x1, x2)`` (RevNets) or one ``[B, H, W, C]`` tensor
-  (ResNets); arrays carried after the streams (invertible downsampling, any
-  resolution) are average-pooled too and their features appended. Returns
-  ``float32[B, num_classes]``; the softmax cross-entropy is applied by the
-  engine (:func:`petra_jax.engine.stage.cross_entropy`).
-  """
+  """Streams (and carried arrays) or ``[B, H, W, C]`` -> average pool -> logits ``[B, K]``."""
   num_classes: int
 
   @nn.compact

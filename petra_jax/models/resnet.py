@@ -1,10 +1,4 @@
-"""ResNets (``resnet18/34/50``): the paper's backprop baselines.
-
-The torchvision models (v1.5 bottleneck, stride on the 3x3 conv) on a single
-``[B, H, W, C]`` tensor, one residual block per stage; every stage is
-non-reversible, so PETRA cannot reconstruct their inputs (only backprop and
-delayed-gradient methods train them).
-"""
+"""torchvision's ResNets (``resnet18/34/50/101``, v1.5) on one tensor: the backprop baselines."""
 
 from __future__ import annotations
 
@@ -20,11 +14,7 @@ if TYPE_CHECKING:
 
 
 class ResNetBasicBlock(nn.Module):
-  """torchvision's BasicBlock: ``ReLU(BN(conv3x3(ReLU(BN(conv3x3_s(x))))) + sc)``.
-
-  ``[B, H, W, C_in] -> [B, H/s, W/s, C]`` with ``C = features``; the shortcut
-  ``sc`` is ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
-  """
+  """``ReLU(BN(conv3x3(ReLU(BN(conv3x3_s(x))))) + sc)``, ``sc = BN(conv1x1_s(x))`` or ``x``."""
   features: int
   stride: int = 1
 
@@ -38,12 +28,7 @@ class ResNetBasicBlock(nn.Module):
 
 
 class ResNetBottleneck(nn.Module):
-  """torchvision's Bottleneck (v1.5, stride on the 3x3 conv).
-
-  ``ReLU(BN(conv1x1(ReLU(BN(conv3x3_s(ReLU(BN(conv1x1(x))))))))) + sc)``:
-  ``[B, H, W, C_in] -> [B, H/s, W/s, 4 * features]``; the shortcut is
-  ``BN(conv1x1_s(x))`` when the shape changes, else ``x``.
-  """
+  """conv1x1, conv3x3_s, conv1x1 (x4), each BN (ReLU but the last), ``+ sc``, ReLU."""
   features: int
   stride: int = 1
   expansion: int = 4
@@ -60,11 +45,7 @@ class ResNetBottleneck(nn.Module):
 
 
 def resnet_blocks(spec: ModelSpec, width: int) -> list[Stage]:
-  """The ResNet block stages (between stem and head), all non-reversible.
-
-  Group ``g`` has ``spec.blocks_per_group[g]`` blocks of base width
-  ``width * 2**g``; the first block of groups 1.. has stride 2.
-  """
+  """The ResNet stages between stem and head; groups 1.. start with stride 2."""
   block = ResNetBottleneck if spec.bottleneck else ResNetBasicBlock
   stages = []
   for g, n in enumerate(spec.blocks_per_group):

@@ -1,17 +1,18 @@
-"""The model registry: each model's spec, its family, and :func:`build_model`.
-
-A model is a list of :class:`~petra_jax.engine.stage.Stage` objects, one
-residual block per stage, as in the paper (Sec. 4, "Model adaptations"): 10
-stages for the 18-layer models (stem, 8 blocks, head), 18 for the 34- and
-50-layer ones (stem, 16 blocks, head).
-"""
+"""The model registry (:data:`MODEL_SPECS`), user models ``MODULE:FUNCTION``, ``build_model``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import hashlib
+import importlib
+import inspect
+from typing import Callable, Optional, Sequence
 
-from petra_jax.engine.stage import Stage
+import jax
+import jax.numpy as jnp
+
+from petra_jax.engine import stage_checks
+from petra_jax.engine.stage import Stage, has_reversible
 from petra_jax.models.layers import Head, Stem
 from petra_jax.models.resnet import resnet_blocks
 from petra_jax.models.revnet import revnet_blocks
@@ -23,23 +24,8 @@ REVERSIBLE_FAMILIES = ("revnet", "revvit")
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-  """How to build a model.
-
-  Attributes:
-    family: ``"revnet"`` (two streams, reversible blocks), ``"resnet"``
-      (one tensor, every stage non-reversible), ``"revvit"`` (two token
-      streams, reversible attention and MLP blocks) or ``"vit"`` (its
-      non-reversible twin); :mod:`petra_jax.models.vit`.
-    blocks_per_group: residual blocks per resolution group.
-    bottleneck: bottleneck blocks (channel expansion 4) instead of basic ones.
-    invertible_downsampling: downsampling blocks are reversible (i-RevNet's
-      ``psi``, :mod:`petra_jax.models.invertible`) instead of buffered.
-    fixed_size: one group, no downsampling, its block count set by
-      ``build_model``'s ``depth`` (``blocks_per_group`` holds the default;
-      transformer layers for the ViTs).
-    heads: attention heads of a ViT (0 for convolutional models).
-    mlp_ratio: a ViT's MLP hidden width over its embedding width.
-  """
+  """A zoo model: family, blocks per group, bottleneck (x4), reversible (``psi``) downsampling,
+  ``fixed_size`` (one group of ``depth`` blocks; ViT: layers), ViT heads and MLP ratio."""
   family: str
   blocks_per_group: Sequence[int]
   bottleneck: bool = False
@@ -50,73 +36,107 @@ class ModelSpec:
 
   @property
   def reversible(self) -> bool:
-    """Whether the model has reversible stages."""
     return self.family in REVERSIBLE_FAMILIES
 
   @property
   def transformer(self) -> bool:
-    """Whether the model is a (Rev)ViT (:mod:`petra_jax.models.vit`)."""
     return self.family in ("revvit", "vit")
 
   @property
   def expansion(self) -> int:
-    """Output channels of a block over its base width."""
     return 4 if self.bottleneck else 1
 
 
-# Blocks per group, stages = stem + sum(blocks) + head. RevNets: the first
-# block of groups 2.. (and of group 1 with bottlenecks) is a non-reversible
-# downsampling block, counted in the group. Reference notes: RevNet18 = stem +
-# [2 rev] + [ds + rev] x 3 + head; RevNet34 = stem + [3 rev] + [ds + 3 rev] +
-# [ds + 5 rev] + [ds + 2 rev] + head; RevNet50 = stem + [ds(stride 1) + 2] +
-# [ds + 3] + [ds + 5] + [ds + 2] + head.
+# Stages: stem + sum(blocks_per_group) + head.
 MODEL_SPECS = {
     "resnet18": ModelSpec("resnet", (2, 2, 2, 2)),
     "resnet34": ModelSpec("resnet", (3, 4, 6, 3)),
     "resnet50": ModelSpec("resnet", (3, 4, 6, 3), bottleneck=True),
+    "resnet101": ModelSpec("resnet", (3, 4, 23, 3), bottleneck=True),
     "revnet18": ModelSpec("revnet", (2, 2, 2, 2)),
     "revnet34": ModelSpec("revnet", (3, 4, 6, 3)),
     "revnet50": ModelSpec("revnet", (3, 4, 6, 3), bottleneck=True),
-    # The same with reversible (invertible) downsampling blocks.
+    "revnet101": ModelSpec("revnet", (3, 4, 23, 3), bottleneck=True),
     "revnet18_inv": ModelSpec("revnet", (2, 2, 2, 2), invertible_downsampling=True),
     "revnet34_inv": ModelSpec("revnet", (3, 4, 6, 3), invertible_downsampling=True),
     "revnet50_inv": ModelSpec("revnet", (3, 4, 6, 3), bottleneck=True,
                               invertible_downsampling=True),
-    # Stem + depth reversible blocks + head; default depth 20 (the authors'
-    # main_fixed_size.py --n-layers).
-    "revnet_fixed": ModelSpec("revnet", (20,), fixed_size=True),
-    # Vision transformers (petra_jax.models.vit): depth = transformer layers
-    # (default 12, two blocks each), width = dimension per head.
+    "revnet_fixed": ModelSpec("revnet", (20,), fixed_size=True),  # authors' --n-layers 20
     "revvit_tiny": ModelSpec("revvit", (12,), fixed_size=True, heads=3),
     "revvit_small": ModelSpec("revvit", (12,), fixed_size=True, heads=6),
     "vit_tiny": ModelSpec("vit", (12,), fixed_size=True, heads=3),
     "vit_small": ModelSpec("vit", (12,), fixed_size=True, heads=6),
 }
 
-# Model name -> "revnet" | "resnet" | "revvit" | "vit"; reversible models
-# (PETRA can reconstruct) are those of REVERSIBLE_FAMILIES, the others run
-# backprop / delayed-gradient methods only.
-MODEL_FAMILY = {name: spec.family for name, spec in MODEL_SPECS.items()}
 
 
 def unknown_model_message(name: str) -> str:
-  """The error text for a model name not in :data:`MODEL_SPECS`."""
   return f"Unknown model {name!r}; choose one of {sorted(MODEL_SPECS)}."
 
 
 def default_patch_size(imagenet_stem: bool) -> int:
-  """A ViT's patch when none is configured: 16 on ImageNet-size images (the
-  ViT paper's), 4 on 32 x 32 ones (64 tokens)."""
   return 16 if imagenet_stem else 4
 
 
-def _resolve_spec(name: str, depth: Optional[int]) -> ModelSpec:
-  """``MODEL_SPECS[name]``, with ``depth`` blocks if a fixed-size model.
+def is_user_model(name: str) -> bool:
+  return ":" in name
 
-  Raises:
-    ValueError: a ``depth`` for a model with fixed block counts, or
-      ``depth < 1``.
-  """
+
+def user_model_function(name: str) -> Callable:
+  """``FUNCTION`` of ``"MODULE:FUNCTION"``; ValueError if it does not import or exist."""
+  module_name, _, fn_name = name.partition(":")
+  fix = "fix --config.model.name=MODULE:FUNCTION"
+  try:
+    module = importlib.import_module(module_name)
+  except Exception as e:  # pylint: disable=broad-except  (the user's module: any error)
+    why = (str(e).splitlines() or [""])[0]
+    raise ValueError(f"model {name!r}: cannot import {module_name!r} ({type(e).__name__}: "
+                     f"{why}); put its directory on PYTHONPATH or {fix}.") from None
+  fn = getattr(module, fn_name, None)
+  if not callable(fn):
+    raise ValueError(f"model {name!r}: module {module_name!r} has no function {fn_name!r}; "
+                     f"define it or {fix}.")
+  return fn
+
+
+def source_fingerprint(name: str) -> dict:
+  """``{"model_source": sha256 of the module}`` for a user model; ``{}`` for the zoo."""
+  if not is_user_model(name):
+    return {}
+  module = inspect.getmodule(user_model_function(name))
+  return {"model_source": hashlib.sha256(inspect.getsource(module).encode()).hexdigest()}
+
+
+def _build_user_model(name: str, width: int, num_classes: int, depth: Optional[int],
+                      image_shape: Optional[Sequence[int]]) -> list[Stage]:
+  fn = user_model_function(name)
+  kwargs = {"num_classes": num_classes, "width": width, "depth": depth}
+  kwargs = {k: v for k, v in kwargs.items() if v is not None}
+  params = inspect.signature(fn).parameters
+  if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    kwargs = {k: v for k, v in kwargs.items() if k in params}
+  try:
+    stages = fn(**kwargs)
+  except TypeError as e:  # e.g. a required argument the CLI does not pass
+    raise ValueError(f"model {name!r}: {fn.__name__}({', '.join(kwargs)}=...) raised TypeError: "
+                     f"{e}; let it take num_classes, width (and depth) as keywords.") from None
+  if not isinstance(stages, (list, tuple)) or not all(isinstance(s, Stage) for s in stages):
+    raise ValueError(f"model {name!r} returned {type(stages).__name__}; return a list of "
+                     "petra_jax.Stage.")
+  sample = None if image_shape is None else jax.ShapeDtypeStruct((2, *image_shape), jnp.float32)
+  stage_checks.check_stages(stages, sample, num_classes if image_shape else None)
+  return list(stages)
+
+
+def is_reversible(name: str, width: int = 8, depth: Optional[int] = None) -> bool:
+  """Whether the model has reversible stages (PETRA and RevProp need them)."""
+  if not is_user_model(name):
+    return MODEL_SPECS[name].reversible
+  return has_reversible(_build_user_model(name, width, 10, depth, None))
+
+
+def _resolve_spec(name: str, depth: Optional[int]) -> ModelSpec:
+  """``MODEL_SPECS[name]``, with ``depth`` blocks for a fixed-size model (else ValueError)."""
   spec = MODEL_SPECS[name]
   if depth is None:
     return spec
@@ -130,41 +150,27 @@ def _resolve_spec(name: str, depth: Optional[int]) -> ModelSpec:
 
 def build_model(name: str, *, width: int = 64, num_classes: int = 10,
                 imagenet_stem: bool = False, depth: Optional[int] = None,
-                patch_size: Optional[int] = None, tokenizer: str = "patch") -> list[Stage]:
-  """Builds the stage list of a model, one residual block per stage.
+                patch_size: Optional[int] = None, tokenizer: str = "patch",
+                image_shape: Optional[Sequence[int]] = None) -> list[Stage]:
+  """The stages of a model, one residual block per stage (paper Sec. 4).
 
   Args:
-    name: one of ``MODEL_SPECS`` (``resnet18/34/50``, ``revnet18/34/50``,
-      ``revnet18_inv/34_inv/50_inv``, ``revnet_fixed``, ``revvit_tiny/small``,
-      ``vit_tiny/small``).
-    width: base channels (the paper's 64): per stream after the stem for
-      RevNets, of the stem's output for ResNets; group ``g`` has base width
-      ``width * 2**g`` (times 4 at block outputs for the 50-layer models).
-      ``revnet_fixed`` keeps ``width`` throughout; the ``_inv`` models need
-      an even width (checked when traced). For the ViTs, the dimension per
-      attention head (embedding ``heads * width``).
-    num_classes: classes of the head.
-    imagenet_stem: 7x7/2 conv + max-pool stem instead of the CIFAR 3x3 one.
-    depth: reversible blocks of ``revnet_fixed`` (``config.model.depth``);
-      None for the model's default (20). Only fixed-size models take it;
-      for the ViTs it counts transformer layers (default 12).
-    patch_size: a ViT's patch size (``config.model.patch_size``); None for
-      the default (:func:`default_patch_size`). Other models ignore it.
-    tokenizer: a ViT's stem, ``patch`` or ``conv`` (``config.model.tokenizer``,
-      :data:`petra_jax.models.vit.TOKENIZERS`). Other models ignore it.
-
-  Returns:
-    ``[stem, block, ..., head]``: 10 stages for the 18-layer models, 18 for
-    the 34- and 50-layer ones, ``depth + 2`` for ``revnet_fixed``,
-    ``2 depth + 2`` for the ViTs.
+    name: a key of :data:`MODEL_SPECS`, or ``"MODULE:FUNCTION"``: called as
+      ``FUNCTION(num_classes=, width=, depth=)`` (the keywords it accepts;
+      ``depth`` when not None), returning a list of ``Stage``.
+    width: base channels (paper: 64); group ``g`` has ``width 2**g``. ViTs: per head.
+    depth: blocks of a fixed-size model (ViT: layers); None for its default.
+    image_shape: ``[H, W, C]``: a user model's stages are traced and checked.
 
   Raises:
-    ValueError: unknown ``name``, ``width < 1``, ``depth < 1``, a
-      ``depth`` for a model whose block counts are fixed, or an unknown
-      ``tokenizer``.
+    ValueError: an unknown ``name``, ``width < 1``, a bad ``depth`` or
+      ``tokenizer``, a user model that does not import or whose stages are wrong.
   """
+  if is_user_model(name):
+    return _build_user_model(name, width, num_classes, depth, image_shape)
   if name not in MODEL_SPECS:
-    raise ValueError(f"{unknown_model_message(name)} (--config.model.name=...)")
+    raise ValueError(f"{unknown_model_message(name)[:-1]} or MODULE:FUNCTION "
+                     "(--config.model.name=...).")
   if width < 1:
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = _resolve_spec(name, depth)

@@ -1,10 +1,6 @@
-"""Per-stage shapes and parameter counts of a model, and the models CLI.
+"""Per-stage shapes and parameter counts (paper Table 2); ``python -m petra_jax.models``.
 
-``python -m petra_jax.models NAME --dataset=cifar10 [--width=W] [--depth=N] [--json]``
-prints the stages, their output shapes and parameter counts (paper Table 2).
-This is the one module of :mod:`petra_jax.models` that reads the data
-registry (for the input shape, stem and classes), so importing the model zoo
-alone does not import the data pipeline.
+The one module of :mod:`petra_jax.models` that reads the data registry.
 """
 
 from __future__ import annotations
@@ -21,27 +17,12 @@ import jax.numpy as jnp
 from petra_jax.data import DATASETS
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.stage import Stage
-from petra_jax.models.specs import MODEL_FAMILY, MODEL_SPECS, build_model, unknown_model_message
+from petra_jax.models.specs import MODEL_SPECS, build_model, unknown_model_message
 
 
 def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list[dict]:
-  """Per-stage output shape and parameter count, without allocating weights.
-
-  Shapes are traced with :func:`jax.eval_shape` on a batch of one, so this is
-  fast even for ImageNet-size models.
-
-  Args:
-    stages: a model from :func:`petra_jax.models.build_model`.
-    image_shape: ``(H, W, C)`` of the input image.
-
-  Returns:
-    One dict per stage: ``index``, ``name``, ``kind`` (``"reversible"`` or
-    ``"non-reversible"``), ``output_shape`` (per stream, without the batch:
-    ``[H, W, C]``, or ``[num_classes]`` for the head) and ``params`` (number of
-    trainable parameters; BatchNorm statistics excluded). Where the output
-    carries arrays after the streams (invertible downsampling), also
-    ``carried_shapes``: their ``[H, W, C]``s.
-  """
+  """Per stage (traced): ``index``, ``name``, ``kind``, ``output_shape`` (per stream,
+  ``[H, W, C]``, or ``[K]``), ``params`` (trainable), ``carried_shapes`` if any."""
   x = jax.ShapeDtypeStruct((1, *image_shape), jnp.float32)
   rows = []
   for i, (s, (variables, y)) in enumerate(zip(stages, stage_lib.trace(stages, x))):
@@ -60,11 +41,7 @@ def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list
 
 def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = None,
               tokenizer: str = "patch", patch_size: Optional[int] = None) -> dict:
-  """The CLI's JSON: ``{"total_params": int, "stages": [...]}``.
-
-  The dataset fixes the input size, the stem and the classes (``DATASETS``);
-  stages are as in :func:`stage_summaries`; ``depth`` as in
-  :func:`petra_jax.models.build_model`.
+  """``{"total_params": int, "stages": [...]}`` on ``dataset``'s input size, stem and classes.
 
   Raises:
     ValueError: unknown ``name`` or ``dataset``.
@@ -99,8 +76,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
-  """The human-readable table: one row per stage, then the total."""
-  family = MODEL_FAMILY[name]
+  family = MODEL_SPECS[name].family
   print(f"{name} ({family}) on {dataset}, width {width}: {len(summary['stages'])} stages")
   shapes = []
   for r in summary["stages"]:
@@ -120,12 +96,7 @@ def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """``python -m petra_jax.models NAME --dataset=D [--width=W] [--depth=N] [--json]``.
-
-  Returns:
-    The exit status: 0, or 2 after printing one error line to stderr (unknown
-    model, ``--width < 1``, a bad ``--depth``).
-  """
+  """The CLI; returns 0, or 2 after one error line (unknown model, bad width or depth)."""
   args = _parser().parse_args(argv)
   if args.name not in MODEL_SPECS:
     print(f"error: {unknown_model_message(args.name)}", file=sys.stderr)

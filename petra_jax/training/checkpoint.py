@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from petra_jax import models
 from petra_jax.engine.pipeline_state import PipelineState
 from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
@@ -97,7 +98,7 @@ class Checkpointer:
   def __init__(self, directory: str, keep: int, fingerprint: dict,
                block_counts: Optional[Sequence[int]] = None):
     self.directory = os.path.abspath(directory)
-    self.fingerprint = fingerprint
+    self.fingerprint = {**fingerprint, **models.source_fingerprint(fingerprint.get("model", ""))}
     self.keep = keep
     self.block_counts = None if block_counts is None else [int(n) for n in block_counts]
     own = process_dir(self.directory, jax.process_index())

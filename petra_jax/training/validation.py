@@ -191,7 +191,8 @@ def _check_choices(config) -> None:
   """Names that must be in a registry; methods the model supports."""
   for what, value, choices, flag in (
       ("method", config.method, tuple(methods_lib.ALL_METHODS), "method"),
-      ("model", config.model.name, sorted(models.MODEL_SPECS), "model.name"),
+      ("model", config.model.name, sorted(models.MODEL_SPECS) + [config.model.name] * (
+          ":" in config.model.name), "model.name"),
       ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
       ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
       ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule"),
@@ -204,8 +205,11 @@ def _check_choices(config) -> None:
     if value not in choices:
       raise ConfigError(f"Unknown {what} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
-  if (methods_lib.get(config.method).reconstructs
-      and not models.MODEL_SPECS[config.model.name].reversible):
+  try:  # a MODULE:FUNCTION model is imported and built here
+    reversible = models.is_reversible(config.model.name, config.model.width, depth(config))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  if methods_lib.get(config.method).reconstructs and not reversible:
     supported = [n for n, m in methods_lib.ALL_METHODS.items() if not m.reconstructs]
     raise ConfigError(
         f"method {config.method!r} needs a reversible model, and {config.model.name!r} is not; "
@@ -331,7 +335,10 @@ def _check_stages(config) -> None:
         f"--config.model.stage_sizes='()' to group by num_stages, or "
         f"--config.model.num_stages=0 to keep stage_sizes.")
   try:
-    num_blocks = len(models.build_model(m.name, width=1, depth=depth(config)))
+    info = data_lib.get_dataset_info(config.dataset)
+    num_blocks = len(models.build_model(  # a user model built and traced at its width
+        m.name, width=m.width if ":" in m.name else 1, depth=depth(config),
+        num_classes=info.num_classes, image_shape=info.image_shape))
   except ValueError as e:  # e.g. a depth for a model whose block counts are fixed
     raise ConfigError(str(e)) from None
   num_stages = len(m.stage_sizes) or m.num_stages
