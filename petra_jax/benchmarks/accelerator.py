@@ -22,7 +22,6 @@ from typing import Optional, Sequence
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax import models
 from petra_jax.benchmarks import cli
 from petra_jax.engine import diagnostics
 from petra_jax.engine import schedule as schedule_lib
@@ -211,7 +210,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   """The flags of the module docstring; a bad one exits with status 2."""
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.accelerator",
                               description=__doc__.splitlines()[0])
-  p.add_argument("--model", default="revnet18", choices=sorted(models.MODEL_SPECS))
+  p.add_argument("--model", default="revnet18", type=cli.model_name,
+                 help="a zoo name or MODULE:FUNCTION (docs/api.md)")
   p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
   p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
   p.add_argument("--micro-batches", type=_csv(int), default=[64, 256])

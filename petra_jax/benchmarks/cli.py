@@ -10,6 +10,14 @@ from petra_jax import data as data_lib
 from petra_jax import models
 
 
+def model_name(text: str) -> str:
+  """An argparse type: a zoo name (``models.MODEL_SPECS``) or a user's ``MODULE:FUNCTION``."""
+  if text in models.MODEL_SPECS or models.is_user_model(text):
+    return text
+  raise argparse.ArgumentTypeError(f"unknown model {text!r}: choose one of "
+                                   f"{sorted(models.MODEL_SPECS)} or pass MODULE:FUNCTION")
+
+
 def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
            batch_size: int, width_help: Optional[str] = None,
            batch_help: Optional[str] = None) -> argparse.ArgumentParser:
@@ -18,7 +26,8 @@ def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
   ``doc``'s first line is the description; the other arguments are the flags' defaults and help.
   """
   p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
-  p.add_argument("--model", default=model, choices=sorted(models.MODEL_SPECS))
+  p.add_argument("--model", default=model, type=model_name,
+                 help="a zoo name or MODULE:FUNCTION (docs/api.md)")
   p.add_argument("--dataset", default=dataset, choices=sorted(data_lib.DATASETS))
   p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
   p.add_argument("--width", type=int, default=width, help=width_help)
