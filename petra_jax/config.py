@@ -78,7 +78,7 @@ def _quantize_config() -> ml_collections.ConfigDict:
 def _optim_config() -> ml_collections.ConfigDict:
   """``config.optim``: optimizer and learning-rate schedule."""
   c = ml_collections.ConfigDict()
-  c.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC) or "adam" (AdamW)
+  c.name = "sgd"         # "sgd" (paper), "lars" (clipped, LARC), "adam" (AdamW) or "muon" (+ AdamW)
   c.learning_rate = 0.0  # 0 -> 0.1 * batch_size / 256 (Goyal et al.; paper Sec. 4)
   c.momentum = 0.9       # sgd, lars
   c.nesterov = True      # sgd, lars
@@ -94,6 +94,8 @@ def _optim_config() -> ml_collections.ConfigDict:
   c.adam_b1 = 0.9
   c.adam_b2 = 0.999
   c.adam_eps = 1e-8
+  c.muon_learning_rate = 0.02  # muon: peak rate of the matrices (the schedule's shape); the rest adam's
+  c.muon_momentum = 0.95       # muon: beta of the matrices' momentum
   return c
 
 
@@ -156,7 +158,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Delay compensation of the delayed methods (petra, dsp, delayed,
   # approximate_input), per stage from its delay tau_j (petra_jax.optim.compensation):
   # name = "none", "lr_scale", "pipemare", "spike", "weight_prediction",
-  # "nesterov_lookahead", or several joined with "+". Its fields (name,
+  # "nesterov_lookahead", "adam_prediction", "adam_lookahead", "adam_momentum",
+  # "error_feedback", or several joined with "+". Its fields (name,
   # lr_power, pipemare_warmup_epochs, prediction_scale, lookahead_momentum,
   # lookahead_delay_ref) are documented in compensation.DEFAULTS.
   c.compensation = compensation.defaults()

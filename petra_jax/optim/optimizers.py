@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from petra_jax.optim.schedules import learning_rate_schedule
+from petra_jax.optim.schedules import base_learning_rate, learning_rate_schedule
 
-OPTIMIZERS = ("sgd", "lars", "adam")
+OPTIMIZERS = ("sgd", "lars", "adam", "muon")
 
 
 def _check_name(name: str) -> None:
@@ -157,6 +157,11 @@ def base_optimizer(config: ml_collections.ConfigDict,
   _check_name(o.name)
   if o.name in ("sgd", "lars"):
     return momentum_chain(o, schedule)
+  if o.name == "muon":
+    from petra_jax.optim.muon import muon  # pylint: disable=g-import-not-at-top
+    ratio = o.muon_learning_rate / base_learning_rate(config)
+    return muon(schedule, lambda n: schedule(n) * ratio, momentum=o.muon_momentum,
+                weight_decay=o.weight_decay, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps)
   return optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                      weight_decay=o.weight_decay, mask=kernel_mask)
 

@@ -99,6 +99,8 @@ RANGES = (
     Range("optim.adam_b1", 0, 1, why="a moving average's decay"),
     Range("optim.adam_b2", 0, 1, why="a moving average's decay"),
     Range("optim.adam_eps", 0, why="added to a root mean square"),
+    Range("optim.muon_learning_rate", 0, low_open=True, why="muon's rate"),
+    Range("optim.muon_momentum", 0, 1, why="a moving average's decay"),
     Range("compensation.lr_power", 0, why="a negative power raises the rate with the delay"),
     Range("compensation.pipemare_warmup_epochs", 0, why="pipemare's warm-up"),
     Range("compensation.prediction_scale", 0, why="a negative horizon predicts backwards"),
