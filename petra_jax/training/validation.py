@@ -212,7 +212,7 @@ def _check_choices(config) -> None:
         f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, spec in models.MODEL_SPECS.items() if spec.reversible)}).")
   try:
-    compensation.parse_name(config.compensation.name)
+    compensation.check_optimizer(config.optim, compensation.parse_name(config.compensation.name))
   except ValueError as e:
     raise ConfigError(f"{e} (--config.compensation.name=...)") from None
 
