@@ -220,6 +220,7 @@ def test_petra_trains_a_revvit_with_them(opt, name):
   """The training assembly on a 4-stage RevViT (delays 6, 4, 2, 0 ticks, k = 2):
   the config validates, the predictors are the delayed stages', losses are finite."""
   from helpers import batches_of, run_ticks  # pylint: disable=g-import-not-at-top
+
   from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from petra_jax.training import assembly, validation  # pylint: disable=g-import-not-at-top
   c = config_lib.get_config()

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from helpers import composed_loss, random_batch
-from petra_jax import config as config_lib, models
+
+from petra_jax import config as config_lib
+from petra_jax import models
 from petra_jax.engine import pipeline
 from petra_jax.optim import compensation
 
@@ -47,10 +48,10 @@ def _engine_losses(stages, params0_seed, num_micro):
 def _reference_losses(blocks, params0, num_micro):
   J = len(SIZES)
   owner = [j for j, n in enumerate(SIZES) for _ in range(n)]
-  split = lambda p, j: [p[f"block_{i}"] for i in range(SIZES[j])] if SIZES[j] > 1 else [p]  # noqa: E731
+  split = lambda p, j: [p[f"block_{i}"] for i in range(SIZES[j])] if SIZES[j] > 1 else [p]
   versions = [[split(p, j)] for j, p in enumerate(params0)]  # versions[j][n]: after n grads
   sched = optax.linear_schedule(0.0, LR, WARMUP)
-  mask = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
+  mask = lambda tree: jax.tree_util.tree_map_with_path(
       lambda path, _: path[-1].key == "kernel", tree)
   txs = [optax.adamw(sched, 0.9, 0.999, 1e-8, weight_decay=WD, mask=mask) for _ in range(J)]
   opt = [tx.init(v[0]) for tx, v in zip(txs, versions)]

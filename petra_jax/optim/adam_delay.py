@@ -1,8 +1,4 @@
-"""Delay compensations for Adam(W): weight prediction, Nesterov look-ahead, error feedback.
-
-``D`` is the stage's delay in updates (``tau_j / k``); each returns the plain
-optimizer (or no prediction) at ``D = 0``.
-"""
+"""Delay compensations for AdamW (and, error feedback, any optimizer); plain at ``D = 0``."""
 
 from __future__ import annotations
 
@@ -18,15 +14,9 @@ from petra_jax.optim.prediction import _find_one, current_learning_rate
 
 def adam_predict_params(params, opt_state, delay_updates, learning_rate=None, *, b1: float,
                         b2: float, eps: float, weight_decay: float, scale: float = 1.0):
-  """PipeOptim's prediction (Guan et al., arXiv:2312.00839, Sec. 3) for AdamW::
-
-    w_hat = w - eta (scale D) (m_t / (1 - b1^t) / (sqrt(v_t / (1 - b2^t)) + eps) + wd w)
-
-  with ``m_t, v_t, t`` the state's current moments and count (``t >= 1``;
-  ``wd`` on kernels only) and ``eta`` the next update's rate.
-
-  Raises:
-    ValueError: no (or several) ``ScaleByAdamState`` in ``opt_state``.
+  """PipeOptim (Guan et al., arXiv:2312.00839, Sec. 3) for AdamW: the current moments'
+  step ``s D`` updates ahead, ``w - eta s D (m_t / (1 - b1^t) / (sqrt(v_t / (1 - b2^t)) + eps)
+  + wd w)`` (``wd`` on kernels, ``t >= 1``; ValueError without one ``ScaleByAdamState``).
   """
   if isinstance(delay_updates, (int, float)) and delay_updates * scale == 0:
     return params
@@ -47,7 +37,7 @@ def adam_predict_params(params, opt_state, delay_updates, learning_rate=None, *,
 
 def lookahead_adamw(schedule, b1: float, b2: float, eps: float, weight_decay: float,
                     nesterov: bool) -> optax.GradientTransformation:
-  """AdamW (NAdamW if ``nesterov``; Dozat, 2016) of first-moment decay ``b1``, kernels decayed."""
+  """AdamW, NAdamW (Dozat, 2016) if ``nesterov``, of first-moment decay ``b1``."""
   return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      mask=kernel_mask, nesterov=nesterov)
 
@@ -59,12 +49,11 @@ class ErrorFeedbackState(NamedTuple):
 
 
 def error_feedback(horizon: float) -> optax.GradientTransformation:
-  """``u_t + h (u_t - u_{t-1})`` (``u_{-1} = u_0``): chain it after the optimizer.
+  """``u_t + h (u_t - u_{t-1})`` (none at ``t = 0``), after the optimizer.
 
-  Error feedback on the stale update (Zmushko et al., arXiv:2606.30634, Sec. 3,
-  after Seide et al., 2014): the update ``u_{t-D}`` applied ``D`` steps ago
-  was computed from the gradient now arriving, whose update is ``u_t``; the
-  error ``u_t - u_{t-D} ~ D (u_t - u_{t-1})`` is fed back now (``h = D``).
+  Error feedback on the stale update (Zmushko et al., arXiv:2606.30634, Sec. 3):
+  the update ``u_{t-D}`` applied ``D`` steps ago lacked ``u_t - u_{t-D} ~ D (u_t -
+  u_{t-1})``, fed back now (``h = D``).
   """
 
   def init_fn(params):

@@ -1,18 +1,9 @@
-"""Per-stage delay compensations (``compensation.name``, several joined by ``"+"``).
+"""Per-stage delay compensations (``compensation.name``, joined by ``"+"``); plain at ``D = 0``.
 
-Stage ``j`` applies its gradients ``tau_j`` ticks late, ``D_j = tau_j / k``
-updates (:mod:`petra_jax.optim.delays`). At ``D = 0`` each is the plain
-optimizer, bit for bit.
-
-* ``lr_scale``, ``pipemare``: ``eta_j = eta max(D_j, 1)^-p`` (PipeMare, Yang et
-  al., 2021, Sec. 3, T1; :mod:`~petra_jax.optim.lr_scaling`). Any optimizer.
-* ``spike``, ``weight_prediction``, ``nesterov_lookahead``: momentum SGD/LARS
-  (Kosson et al., 2021, Sec. 4.1-4.2; Ajanthan et al., ICML 2025, Sec. 3;
-  :mod:`~petra_jax.optim.momentum`, :mod:`~petra_jax.optim.prediction`).
-* ``adam_prediction`` (PipeOptim), ``adam_lookahead`` (NAdamW with
-  ``b1 = gamma(D)``), ``adam_momentum`` (AdamW with ``b1 = gamma(D)``): AdamW
-  (:mod:`~petra_jax.optim.adam_delay`).
-* ``error_feedback``: ``u_t + D (u_t - u_{t-1})`` (Zmushko et al., 2026). Any.
+``lr_scale``, ``pipemare`` (PipeMare), ``error_feedback`` (Zmushko et al., 2026):
+any optimizer. ``spike``, ``weight_prediction`` (Kosson et al., 2021),
+``nesterov_lookahead`` (Ajanthan et al., 2025): momentum SGD/LARS.
+``adam_prediction`` (PipeOptim), ``adam_lookahead``, ``adam_momentum``: AdamW.
 """
 
 from __future__ import annotations
@@ -57,9 +48,8 @@ def parse_name(name: str) -> tuple:
   """``"spike+weight_prediction"`` -> ``("spike", "weight_prediction")``.
 
   Raises:
-    ValueError: an unknown name, one twice, ``none`` with another, or two of
-      ``lr_scale|pipemare``, ``weight_prediction|adam_prediction``,
-      ``adam_lookahead|adam_momentum``.
+    ValueError: an unknown name, one twice, ``none`` with another, or both of a
+      pair in ``_EXCLUSIVE``.
   """
   parts = tuple(p.strip() for p in str(name).split("+") if p.strip()) or ("none",)
   for p in parts:
@@ -101,8 +91,7 @@ def check_optimizer(o: ml_collections.ConfigDict, parts: tuple) -> None:
 
 def _momentum_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tuple,
                    d: float, d_ref: float, lookahead_max: float) -> optax.GradientTransformation:
-  """The sgd/lars chain, its trace spike-compensated (``spike``) and/or of decay
-  ``gamma(d)`` fed ``(1 - gamma) / (1 - m)`` times the gradient (``nesterov_lookahead``)."""
+  """The sgd/lars chain with a spike-compensated and/or look-ahead (``gamma(d)``) trace."""
   momentum, grad_scale = o.momentum, 1.0
   if "nesterov_lookahead" in parts:
     momentum = lookahead_momentum(o.momentum, lookahead_max, d, d_ref)
@@ -122,11 +111,7 @@ def _adam_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tu
 
 def _lr_part(p: dict, parts: tuple, d: float, steps_per_epoch: int
              ) -> optax.GradientTransformation:
-  """``scale_by_delay`` of ``lr_scale`` or ``pipemare``.
-
-  Raises:
-    ValueError: ``pipemare`` annealed over less than one update.
-  """
+  """``scale_by_delay`` of ``lr_scale`` or ``pipemare`` (ValueError: ``K < 1`` update)."""
   anneal = (int(round(p["pipemare_warmup_epochs"] * steps_per_epoch))
             if "pipemare" in parts else 0)
   if "pipemare" in parts and anneal <= 0:
@@ -140,25 +125,13 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
                                max_delay_ticks: Optional[float] = None,
                                schedule: Optional[optax.Schedule] = None,
                                **params) -> optax.GradientTransformation:
-  """One stage's optimizer, compensated for ``D = delay_ticks / k`` updates.
-
-  Args:
-    config: the run config (``optim.*``, ``accumulation_steps``, ``compensation.*``).
-    steps_per_epoch: optimizer updates per epoch.
-    name: compensations joined by ``"+"``; default ``config.compensation.name``.
-    delay_ticks: the stage's ``tau_j``.
-    accumulation_steps: ``k`` (default ``config.accumulation_steps``).
-    max_delay_ticks: the largest ``tau`` (the look-aheads' default ``D_ref``).
-    schedule: the run's learning-rate schedule (default: built from ``config``).
-    **params: overrides of ``config.compensation`` fields.
-
-  Returns:
-    ``optim.make_optimizer``'s chain, modified, in ``optax.MultiSteps`` when
-    ``k > 1``; ``update`` needs ``params``.
+  """One stage's optimizer for ``D = delay_ticks / k``: ``optim.make_optimizer``'s,
+  modified. ``name`` defaults to ``config.compensation.name``, ``k`` to
+  ``config.accumulation_steps``, ``max_delay_ticks`` (the look-aheads' ``D_ref``)
+  to ``delay_ticks``; ``**params`` override ``config.compensation``.
 
   Raises:
-    ValueError: unknown names or parameters; a compensation that does not fit
-      ``optim.name`` (:func:`check_optimizer`).
+    ValueError: unknown names or parameters; one that does not fit ``optim.name``.
   """
   p = _params(config, params)
   parts = parse_name(p["name"] if name is None else name)
@@ -189,12 +162,8 @@ def make_predictor(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
                    accumulation_steps: Optional[int] = None,
                    schedule: Optional[optax.Schedule] = None,
                    **params) -> Optional[Callable]:
-  """The stage's ``(params, opt_state) -> params`` for its forward, or None.
-
-  ``weight_prediction`` (:func:`predict_params`) or ``adam_prediction``
-  (:func:`adam_delay.adam_predict_params`) over ``prediction_scale * D``
-  updates; None without them or at ``D = 0``. Arguments as
-  :func:`make_compensated_optimizer`.
+  """The stage's ``(params, opt_state) -> params`` for its forward (``weight_prediction``
+  or ``adam_prediction`` over ``prediction_scale * D`` updates), None without.
 
   Raises:
     ValueError: as :func:`make_compensated_optimizer`.
