@@ -94,7 +94,7 @@ def _optim_config() -> ml_collections.ConfigDict:
   c.adam_b1 = 0.9
   c.adam_b2 = 0.999
   c.adam_eps = 1e-8
-  c.muon_learning_rate = 0.02  # muon: peak rate of the matrices (the schedule's shape); the rest adam's
+  c.muon_learning_rate = 0.02  # muon: the matrices' peak rate (schedule's shape); rest: adam's
   c.muon_momentum = 0.95       # muon: beta of the matrices' momentum
   return c
 

@@ -1,8 +1,4 @@
-"""Optimizers, learning-rate schedules and per-stage delay compensations (optax).
-
-Paper recipe (Sec. 4): SGD-Nesterov 0.9, weight decay on kernels, 5 warm-up
-epochs, rate ``0.1 B / 256`` with step decays; ``k`` micro-batches averaged per update.
-"""
+"""Optimizers, learning-rate schedules and per-stage delay compensations (optax)."""
 
 from petra_jax.optim.optimizers import (OPTIMIZERS, LarcState, accumulate, base_optimizer,
                                         kernel_mask, make_optimizer, momentum_chain,

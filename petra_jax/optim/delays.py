@@ -8,7 +8,11 @@ from petra_jax.engine import schedule
 
 
 def delay_in_updates(delay_ticks: float, accumulation_steps: int = 1) -> float:
-  """``D = tau / k``, the mean delay in updates of an update's micro-batches (ValueError: ``k < 1``, ``tau < 0``)."""
+  """``D = tau / k``: an update's micro-batches' mean delay in updates.
+
+  Raises:
+    ValueError: ``k < 1`` or ``tau < 0``.
+  """
   if accumulation_steps < 1:
     raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}.")
   if delay_ticks < 0:

@@ -1,4 +1,4 @@
-"""PipeMare's learning-rate rescheduling (Yang et al., 2021, Sec. 3, T1): ``lr_scale``, ``pipemare``."""
+"""PipeMare's rate rescheduling (Yang et al., 2021, Sec. 3, T1): ``lr_scale``, ``pipemare``."""
 
 from __future__ import annotations
 

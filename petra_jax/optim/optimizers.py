@@ -113,7 +113,11 @@ def base_optimizer(config: ml_collections.ConfigDict,
 
 
 def accumulate(tx: optax.GradientTransformation, k: int) -> optax.GradientTransformation:
-  """``optax.MultiSteps(tx, k)`` (mean of ``k`` gradients per update), ``tx`` at ``k = 1``; ValueError: ``k < 1``."""
+  """``optax.MultiSteps(tx, k)`` (mean of ``k`` gradients per update), ``tx`` at ``k = 1``.
+
+  Raises:
+    ValueError: ``k < 1``.
+  """
   if k < 1:
     raise ValueError(f"accumulation_steps must be >= 1, got {k}.")
   return optax.MultiSteps(tx, every_k_schedule=k) if k > 1 else tx
