@@ -236,3 +236,16 @@ def test_petra_trains_a_revvit_with_them(opt, name):
   state = pipe.init(0, batches_of()(0)[0])
   state, out = run_ticks(pipe, state, 12, batches_of())
   assert len(out) == 12 and np.isfinite([float(o.loss) for o in out]).all()
+
+
+def test_config_check_names_the_optimizer_a_compensation_needs():
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  c = config_lib.get_config()
+  c.compensation.name = "adam_prediction"
+  with pytest.raises(validation.ConfigError, match="optim.name='adam'.*compensation.name"):
+    validation.validate_config(c, 1)
+  c.optim.name, c.optim.muon_momentum = "muon", 1.0
+  c.compensation.name = "error_feedback"
+  with pytest.raises(validation.ConfigError, match="optim.muon_momentum"):
+    validation.validate_config(c, 1)
