@@ -43,7 +43,7 @@ def _distributed_config() -> ml_collections.ConfigDict:
 def _compensation_config() -> ml_collections.ConfigDict:
   """``config.compensation``: delay compensation (petra_jax.optim.compensation)."""
   c = ml_collections.ConfigDict()
-  c.name = "none"
+  c.name = "none"  # or adam_prediction, adam_lookahead, error_feedback, ... joined with "+"
   c.lr_power = 1.0
   c.pipemare_warmup_epochs = 5.0
   c.prediction_scale = 1.0
@@ -66,7 +66,7 @@ def _quantize_config() -> ml_collections.ConfigDict:
 def _optim_config() -> ml_collections.ConfigDict:
   """``config.optim``: optimizer and learning-rate schedule."""
   c = ml_collections.ConfigDict()
-  c.name = "sgd"
+  c.name = "sgd"         # "sgd", "lars", "adam" (AdamW) or "muon" (+ AdamW)
   c.learning_rate = 0.0  # 0 = 0.1 * batch_size / 256 (paper Sec. 4)
   c.momentum = 0.9
   c.nesterov = True
@@ -82,6 +82,8 @@ def _optim_config() -> ml_collections.ConfigDict:
   c.adam_b1 = 0.9
   c.adam_b2 = 0.999
   c.adam_eps = 1e-8
+  c.muon_learning_rate = 0.02  # muon: the matrices' peak rate (schedule's shape); rest: adam's
+  c.muon_momentum = 0.95       # muon: beta of the matrices' momentum
   return c
 
 

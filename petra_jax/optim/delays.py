@@ -1,12 +1,4 @@
-"""How stale a stage's gradients are, in ticks and in optimizer updates.
-
-In PETRA (and every ``stream`` method) stage ``j`` of ``J`` applies the
-gradient of a micro-batch ``tau_j = 2 (J - 1 - j)`` ticks after its forward
-(:func:`petra_jax.engine.schedule.delay`). With ``k``-step accumulation
-(``optax.MultiSteps``) the weights change once per ``k`` ticks, so the
-forward's weights are on average ``D_j = tau_j / k`` *updates* older than the
-ones the gradient is applied to (:func:`delay_in_updates`).
-"""
+"""How stale a stage's gradients are: ``tau_j`` ticks, ``D_j = tau_j / k`` updates."""
 
 from __future__ import annotations
 
@@ -16,11 +8,10 @@ from petra_jax.engine import schedule
 
 
 def delay_in_updates(delay_ticks: float, accumulation_steps: int = 1) -> float:
-  """``D = tau / k``: the delay in optimizer updates.
+  """``D = tau / k``: an update's micro-batches' mean delay in updates.
 
-  With ``k``-step accumulation, micro-batch ``i`` (0-based) of an update's
-  ``k`` is applied ``floor((tau + k - 1 - i) / k)`` updates after its forward;
-  the mean over ``i`` is exactly ``tau / k``.
+  Raises:
+    ValueError: ``k < 1`` or ``tau < 0``.
   """
   if accumulation_steps < 1:
     raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}.")
@@ -30,16 +21,7 @@ def delay_in_updates(delay_ticks: float, accumulation_steps: int = 1) -> float:
 
 
 def stage_delays(num_stages: int, delays_ticks: Optional[Sequence[float]] = None) -> list:
-  """Each stage's ``tau_j`` in ticks: ``delays_ticks``, or PETRA's by default.
-
-  Args:
-    num_stages: ``J``.
-    delays_ticks: one delay per stage; None for
-      :func:`petra_jax.engine.schedule.delay` (``tau_j = 2 (J - 1 - j)``).
-
-  Raises:
-    ValueError: ``delays_ticks`` not of length ``num_stages``.
-  """
+  """``delays_ticks`` (ValueError: not ``num_stages``), or PETRA's ``tau_j = 2 (J - 1 - j)``."""
   ticks = ([schedule.delay(j, num_stages) for j in range(num_stages)]
            if delays_ticks is None else list(delays_ticks))
   if len(ticks) != num_stages:

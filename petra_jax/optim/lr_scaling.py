@@ -1,13 +1,4 @@
-"""Learning-rate scaling by delay: PipeMare's T1 (``lr_scale``, ``pipemare``).
-
-Yang et al., 2021, "PipeMare: Asynchronous Pipeline Parallel DNN Training",
-MLSys, Sec. 3, technique T1 "learning-rate rescheduling": stage ``j`` with
-delay ``D_j`` (in updates, :func:`petra_jax.optim.delays.delay_in_updates`)
-gets the rate ``eta_j = eta * max(D_j, 1) ** -p`` (``lr_scale``), or, with
-the delay-dependent warm-up (``pipemare``), an exponent annealed to 0 over
-the first ``K`` updates. At ``D <= 1`` the updates are the plain optimizer's,
-bit for bit.
-"""
+"""PipeMare's rate rescheduling (Yang et al., 2021, Sec. 3, T1): ``lr_scale``, ``pipemare``."""
 
 from __future__ import annotations
 
@@ -19,25 +10,15 @@ import optax
 
 
 class ScaleByDelayState(NamedTuple):
-  """State of :func:`scale_by_delay`: the updates done so far."""
+  """State of :func:`scale_by_delay`."""
   count: jax.Array  # int32 []
 
 
 def delay_lr_factor(delay_updates: float, power: float = 1.0, anneal_steps: int = 0,
                     count=None):
-  """The factor ``max(D, 1) ** -(p q_t)`` of the learning rate.
+  """``max(D, 1) ** -(p q_t)``, ``q_t = 1 - min(t / K, 1)`` (``K = anneal_steps > 0``) or 1.
 
-  PipeMare (Yang et al., 2021, Sec. 3, T1) gives stage ``i`` with delay
-  ``tau_i`` the step size ``alpha_k tau_i ** -p_k`` with
-  ``p_k = 1 - min(k / K, 1)`` at iteration ``k``: divided by the delay at the
-  start, the base rate after ``K`` iterations. Here ``q_t = 1 - min(t / K, 1)``
-  when ``anneal_steps = K > 0`` (``pipemare``) and ``q_t = 1`` otherwise
-  (``lr_scale``). Delays below one update are not compensated (``max(D, 1)``):
-  dividing by ``D < 1`` would *raise* the rate, and ``D = 0`` must give 1.
-
-  Returns:
-    A Python float when it does not depend on ``count`` (``1.0`` exactly for
-    ``D <= 1``), else a float32 scalar.
+  A Python ``1.0`` at ``D <= 1`` (never raised above the base rate), else float32.
   """
   base = max(float(delay_updates), 1.0)
   if base == 1.0 or power == 0:
@@ -50,12 +31,7 @@ def delay_lr_factor(delay_updates: float, power: float = 1.0, anneal_steps: int 
 
 def scale_by_delay(delay_updates: float, power: float = 1.0,
                    anneal_steps: int = 0) -> optax.GradientTransformation:
-  """Multiplies the updates by :func:`delay_lr_factor` (chain it last).
-
-  Placed after ``scale_by_learning_rate`` it scales the learning rate of the
-  stage: ``theta -= eta(t) * factor(t) * d``. Its counter counts the updates
-  it sees (inside ``optax.MultiSteps``: optimizer updates, not micro-batches).
-  """
+  """The updates times :func:`delay_lr_factor` at its own update count (chain it last)."""
 
   def init_fn(params):
     del params

@@ -101,6 +101,8 @@ RANGES = (
     Range("optim.adam_b1", 0, 1, why="a moving average's decay"),
     Range("optim.adam_b2", 0, 1, why="a moving average's decay"),
     Range("optim.adam_eps", 0, why="added to a root mean square"),
+    Range("optim.muon_learning_rate", 0, low_open=True, why="muon's rate"),
+    Range("optim.muon_momentum", 0, 1, why="a moving average's decay"),
     Range("compensation.lr_power", 0, why="a negative power raises the rate with the delay"),
     Range("compensation.pipemare_warmup_epochs", 0, why="pipemare's warm-up"),
     Range("compensation.prediction_scale", 0, why="a negative horizon predicts backwards"),
@@ -216,7 +218,7 @@ def _check_choices(config) -> None:
         f"{config.model.name} supports {supported}, or use a RevNet "
         f"({sorted(n for n, spec in models.MODEL_SPECS.items() if spec.reversible)}).")
   try:
-    compensation.parse_name(config.compensation.name)
+    compensation.check_optimizer(config.optim, compensation.parse_name(config.compensation.name))
   except ValueError as e:
     raise ConfigError(f"{e} (--config.compensation.name=...)") from None
 
