@@ -163,13 +163,18 @@ def tiny_config(data_dir, **overrides):
   c.optim.learning_rate = 0.05
   c.optim.schedule = "constant"
   c.optim.warmup_epochs = 0
+  return override(c, **overrides)
+
+
+def override(config, **overrides):
+  """``config`` with dotted fields (``"optim.name"``) set to the given values."""
   for k, v in overrides.items():
-    target = c
+    target = config
     *path, last = k.split(".")
     for p in path:
       target = target[p]
     target[last] = v
-  return c
+  return config
 
 
 def config_file(path, *variant):

@@ -14,19 +14,14 @@ from petra_jax.training import validation
 from petra_jax import config as config_lib
 from petra_jax import optim
 
+from helpers import override
+
 SPE = 10  # optimizer updates per epoch in these tests
 
 
 def make_config(**overrides):
   """The default config, with ``"optim.x"``-style keys overridden."""
-  c = config_lib.get_config()
-  for key, value in overrides.items():
-    node = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return override(config_lib.get_config(), **overrides)
 
 
 def tiny_params():
