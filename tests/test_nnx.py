@@ -88,7 +88,7 @@ def _losses(stages, copy_from=None):
   x, _ = random_batch()
   state = pipe.init(0, x)
   if copy_from is not None:
-    state.train_states = [StageState.create(v["params"], v["batch_stats"], pipe.txs[j])
+    state.stage_states = [StageState.create(v["params"], v["batch_stats"], pipe.txs[j])
                           for j, v in enumerate(copy_from)]
   start = petra_jax.trained_variables(state)
   state, outs = run_ticks(pipe, state, 8, batches_of())

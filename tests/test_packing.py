@@ -126,8 +126,8 @@ def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch
   read: the stored states stay packed) midway in the packed run."""
   x, _ = random_batch()
   results, tx = {}, _tx()  # one optimizer: it is part of the states' structure
+  real = pipeline_lib.regime
   for packs in (True, False):
-    real = pipeline_lib.regime
     monkeypatch.setattr(pipeline_lib, "regime",
                         lambda *a, p=packs: dataclasses.replace(real(*a), pack=p))
     pipe = Pipeline(tiny_revnet(), tx, jax.devices()[:1], method=method)

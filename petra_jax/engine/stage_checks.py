@@ -39,7 +39,7 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
     for b in s.blocks or (s,):
       if b.reversible:
         v = jax.eval_shape(lambda x, b=b: b.init(jax.random.key(0), x), x)
-        x1 = (b.pre.apply(x) if b.pre is not None else x)[0]
+        x1 = jax.eval_shape(lambda x, b=b: (b.pre.apply(x) if b.pre is not None else x)[0], x)
         f = jax.eval_shape(lambda v, x1, b=b: stage_lib._apply(b, v["params"], v["batch_stats"],
                                                                 x1, True)[0], v, x1)
         if getattr(f, "shape", None) != x1.shape:
