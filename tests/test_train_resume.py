@@ -29,8 +29,9 @@ def _run(cmd):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, guess", [("local", "local"), ("forward_gradient", "local"),
-                                           ("forward_gradient", "random")])
+@pytest.mark.parametrize("method, guess", [
+    ("local", "local"), ("forward_gradient", "local"),
+    pytest.param("forward_gradient", "random", marks=pytest.mark.long)])  # same path as "local"
 def test_clean_stop_and_resume_give_the_uninterrupted_losses(cifar10_dir, tmp_path, method,
                                                              guess):
   full = tmp_path / "full"
