@@ -338,6 +338,7 @@ app.run(train.main, flags_parser=train._parse_flags)
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the in-process disk-full test covers the logic; this one the CLI's stderr
 def test_cli_disk_full_is_one_line_and_keeps_the_saved_checkpoint(cifar10_dir, tmp_path):
   r = subprocess.run([sys.executable, "-c", DISK_FULL, *_train(cifar10_dir, tmp_path)[3:],
                       "--config.steps_per_epoch=2"], cwd=REPO, capture_output=True, text=True,

@@ -173,6 +173,7 @@ def test_patch_size_must_divide_the_image():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # test_reshard's in-process regrouped restore covers the values
 def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   """The training CLI on a RevViT: 4 stages (one block each), a drained
   checkpoint at update 2, resumed regrouped into 2 stages with PaReprop's
