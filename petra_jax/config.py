@@ -142,3 +142,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.auxiliary = _auxiliary_config()
   c.forward_gradient = _forward_gradient_config()
   return c
+
+
+def override(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:
+  """Sets each dotted field of ``fields`` (``{"optim.name": "muon"}``) in ``config``; returns it.
+
+  Raises:
+    KeyError: a field that ``config`` does not have.
+  """
+  for key, value in fields.items():
+    *path, last = key.split(".")
+    target = config
+    for part in path:
+      target = target[part]
+    if last not in target:
+      raise KeyError(f"config has no field {key!r}")
+    target[last] = value
+  return config

@@ -6,6 +6,7 @@ Commands::
   python -m petra_jax.studies ksweep [--ks=1,2,4,8] [--width=8] [--epochs=1] [--out=docs]
   python -m petra_jax.studies compensation [--stages=10,4] [--compensations=none,spike,...]
   python -m petra_jax.studies local [--stages=4,10] [--seeds=0] (petra_jax.study_local)
+  python -m petra_jax.studies transformers [--rows=...] [--seeds=0,1] (petra_jax.study_transformers)
 
 ``table4`` trains Table 4's five rows (backprop, ``delayed``, ``dsp``, ``approximate_input``,
 ``petra``) with k = 1; ``ksweep`` trains ``petra`` with k in ``--ks`` against ``backprop``
@@ -87,12 +88,7 @@ def run(args, name: str, method: str, k: int, **overrides) -> dict:
   config = study_config(args, method, k)
   if method in methods_lib.DELAYED and getattr(args, "compensation", "none") != "none":
     config.compensation.name = args.compensation
-  for key, value in overrides.items():
-    *path, last = key.split(".")
-    target = config
-    for part in path:
-      target = target[part]
-    target[last] = value
+  config_lib.override(config, overrides)
   result = train.train_and_evaluate(config, workdir)
   records = metrics_lib.read_metrics(workdir)
   losses = [r["train_loss"] for r in records if "train_loss" in r]
@@ -128,19 +124,24 @@ def _plot(rows: Sequence[dict], path: str, title: str):
   plt.close(fig)
 
 
+def _setting(args, seeds) -> str:
+  """The RevNet18 studies' recipe in one sentence."""
+  return (f"Model: RevNet18 width {args.width}, batch {args.batch_size} images per update, "
+          f"{args.epochs} epoch(s), SGD-Nesterov lr {args.learning_rate} with "
+          f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, "
+          f"seed(s) {', '.join(map(str, seeds))}.")
+
+
 def _write(args, study: str, header: str, table: list[str], rows, notes: str):
   """Writes ``OUT/<study>.md`` and ``OUT/<study>.png``."""
   os.makedirs(args.out, exist_ok=True)
   png = os.path.join(args.out, f"{study}.png")
   _plot(rows, png, header)
   seeds = sorted({r.get("seed", args.seed) for r in rows}) if rows else [args.seed]
+  setting = "" if args.study == "transformers" else _setting(args, seeds)
   lines = [f"# {header}", "", "Command:", "", "```",
            "python -m petra_jax.studies " + " ".join(args.argv), "```", "",
-           f"Machine: {_machine()}. Date: {datetime.date.today().isoformat()}. "
-           f"Model: RevNet18 width {args.width}, batch {args.batch_size} images per update, "
-           f"{args.epochs} epoch(s), SGD-Nesterov lr {args.learning_rate} with "
-           f"{args.warmup_epochs} warm-up epoch(s) then cosine, wd 5e-4, "
-           f"seed(s) {', '.join(map(str, seeds))}.", "",
+           f"Machine: {_machine()}. Date: {datetime.date.today().isoformat()}. {setting}", "",
            *table, "", notes, "", f"![{study}]({study}.png)", ""]
   path = os.path.join(args.out, f"{study}.md")
   with open(path, "w", encoding="utf-8") as f:
@@ -252,12 +253,18 @@ def _local(args):
   study_local.local_study(args, run, _write, _plot_accuracy, _at_wall_time, STAGE_SPLITS)
 
 
+def _transformers(args):
+  """PETRA on the RevViT recipe with delay-robust optimizers (:mod:`petra_jax.study_transformers`)."""
+  from petra_jax import study_transformers  # pylint: disable=g-import-not-at-top
+  study_transformers.transformers_study(args, _write, _plot_accuracy, _at_wall_time)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m petra_jax.studies", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("study", choices=("table4", "ksweep", "compensation", "local"))
+  p.add_argument("study", choices=("table4", "ksweep", "compensation", "local", "transformers"))
   p.add_argument("--width", type=int, default=8)
-  p.add_argument("--epochs", type=int, default=1)
+  p.add_argument("--epochs", type=int, default=None, help="default 1; transformers: 6")
   p.add_argument("--steps-per-epoch", type=int, default=0, help="0 = the full split")
   p.add_argument("--batch-size", type=int, default=128, help="images per update")
   p.add_argument("--learning-rate", type=float, default=0.05)
@@ -276,10 +283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                  help="updates between reconstruction-error probes (0: off)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                 help="local study: seeds")
+                 help="local and transformers studies: seeds")
   p.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=None,
-                 help="local study: which rows, by name (default all; "
-                 "petra_jax.study_local.ROWS)")
+                 help="local and transformers studies: which rows, by name (default all; "
+                 "ROWS of petra_jax.study_local / study_transformers)")
+  p.add_argument("--recipe", default="configs/cifar10_vit_cpu.py",
+                 help="transformers study: the recipe every row changes")
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--data-dir", default="")
   p.add_argument("--workdir", default="", help="default: runs/<study>")
@@ -288,12 +297,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = p.parse_args(argv)
   args.argv = argv
   args.workdir = args.workdir or os.path.join("runs", args.study)
+  if args.epochs is None:
+    args.epochs = 6 if args.study == "transformers" else 1
   if args.ks is None:
     args.ks = [1] if args.study == "local" else [1, 2, 4, 8]
   try:
     {"table4": table4, "ksweep": ksweep, "compensation": compensation_study,
-     "local": _local}[args.study](args)
-  except (validation.ConfigError, data_lib.DataError, ValueError) as e:
+     "local": _local, "transformers": _transformers}[args.study](args)
+  except (validation.ConfigError, data_lib.DataError, ValueError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0

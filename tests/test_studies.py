@@ -198,3 +198,42 @@ def test_local_rows_selected_by_name(monkeypatch, tmp_path):
   out = _run(monkeypatch, tmp_path, fake, ["local", "--stages=5", "--rows=local", "--ks=4"])
   assert [r[0] for r in _table_rows((out / "local.md").read_text())] == ["`local_J5_s0_k4`"]
   assert [c.accumulation_steps for c in fake.configs] == [4]
+
+
+def test_transformers_means_gaps_and_equal_wall_time_by_hand(monkeypatch, tmp_path):
+  """Per row: accuracy per seed and their mean; the gap to backprop's mean over the same
+  seeds; backprop's accuracy at the row's wall time, same seed (NaN before its first eval)."""
+  runs = {("backprop", 0): [(10.0, 0.5), (20.0, 0.6), (30.0, 0.7)],
+          ("backprop", 1): [(10.0, 0.4), (20.0, 0.5), (30.0, 0.6)],
+          ("none", 0): [(25.0, 0.55)], ("none", 1): [(15.0, 0.45)],
+          ("adam_lookahead", 0): [(35.0, 0.65)], ("adam_lookahead", 1): [(5.0, 0.60)]}
+
+  def records(config):
+    row = "backprop" if config.method == "backprop" else config.compensation.name
+    return _records([2.0, 1.0], runs[(row, config.seed)])
+  fake = FakeTrainer(records)
+  out = _run(monkeypatch, tmp_path, fake, ["transformers", "--seeds=0,1",
+                                           "--rows=backprop,petra,petra_lookahead"])
+  rows = _table_rows((out / "transformers_study.md").read_text())
+  assert rows == [
+      ["`backprop`", "0, 1", "70.0, 60.0", "65.0", "+0.0", "65.0", "30, 30"],
+      ["`petra`", "0, 1", "55.0, 45.0", "50.0", "+15.0", "50.0", "25, 15"],
+      ["`petra_lookahead`", "0, 1", "65.0, 60.0", "62.5", "+2.5", "nan", "35, 5"]]
+  # The recipe (configs/cifar10_vit_cpu.py) with each row's fields, 6 epochs by default.
+  assert [(c.method, c.model.name, tuple(c.model.stage_sizes), c.seed, c.num_epochs)
+          for c in fake.configs[::2]] == [("backprop", "vit_tiny", (), 0, 6),
+                                          ("petra", "revvit_tiny", (3, 2, 2, 3), 0, 6),
+                                          ("petra", "revvit_tiny", (3, 2, 2, 3), 0, 6)]
+  assert all(c.optim.name == "adam" and c.optim.learning_rate == 1e-3 for c in fake.configs)
+  assert (out / "transformers_study_accuracy.png").stat().st_size > 1000
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["transformers", "--rows=petra_magic", f"--out={tmp_path}"]) == 1
+  assert studies.main(["transformers", "--recipe=no/such.py", f"--out={tmp_path}"]) == 1
+
+
+def test_config_override_sets_dotted_fields_and_rejects_unknown_ones():
+  from petra_jax import config as config_lib
+  c = config_lib.override(config_lib.get_config(), {"optim.name": "muon", "seed": 3})
+  assert (c.optim.name, c.seed) == ("muon", 3)
+  with pytest.raises(KeyError, match="optim.nme"):
+    config_lib.override(c, {"optim.nme": "adam"})

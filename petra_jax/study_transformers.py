@@ -1,0 +1,116 @@
+"""The ``transformers`` study: PETRA on the RevViT recipe with delay-robust optimizers.
+
+``python -m petra_jax.studies transformers [--rows=backprop,petra_lookahead,...] [--seeds=0,1]
+[--epochs=6] [--recipe=configs/cifar10_vit_cpu.py]``: each row is the recipe with the fields of
+:data:`ROWS` changed; ``backprop`` rows train the non-reversible twin ``vit_tiny``. A run
+finished in ``WORKDIR/<row>_s<seed>`` is read back, an interrupted one resumes. Writes
+``OUT/transformers_study.md``: test accuracy per seed and mean at equal epochs, the gap to
+backprop (AdamW), and backprop's accuracy at the row's wall time (same seed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from petra_jax import config as config_lib
+from petra_jax import train
+from petra_jax.training import metrics as metrics_lib
+
+_BACKPROP = {"method": "backprop", "model.name": "vit_tiny", "model.stage_sizes": ()}
+_EIGHT = {"model.stage_sizes": (2, 1, 1, 1, 1, 1, 1, 2)}  # delays 14, 12, ..., 0 ticks
+# row -> the recipe's fields it changes (backprop first: the reference of the gaps).
+ROWS = {
+    "backprop": dict(_BACKPROP, **{"compensation.name": "none"}),
+    "backprop_muon": dict(_BACKPROP, **{"compensation.name": "none", "optim.name": "muon"}),
+    "petra": {"compensation.name": "none"},
+    "petra_lookahead": {"compensation.name": "adam_lookahead"},
+    "petra_prediction_lookahead": {"compensation.name": "adam_prediction+adam_lookahead"},
+    "petra_muon_error_feedback": {"optim.name": "muon", "compensation.name": "error_feedback"},
+    "petra_8stages": dict(_EIGHT, **{"compensation.name": "none"}),
+    "petra_8stages_lookahead": dict(_EIGHT, **{"compensation.name": "adam_lookahead"}),
+}
+
+
+def recipe(path: str):
+  """The config of the recipe ``FILE[:VARIANT]``; ValueError naming the fix if absent."""
+  file, _, variant = path.partition(":")
+  if not os.path.isfile(file):
+    raise ValueError(f"no recipe at {file}: run from the repository root or pass "
+                     "--recipe=PATH/cifar10_vit_cpu.py.")
+  spec = importlib.util.spec_from_file_location("petra_recipe", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def row_config(args, row: str, seed: int):
+  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
+  if row not in ROWS:
+    raise ValueError(f"unknown transformers-study row {row!r}; choose from {list(ROWS)} "
+                     "(--rows=a,b).")
+  config = recipe(args.recipe)
+  config_lib.override(config, ROWS[row])
+  config.seed = seed
+  config.num_epochs = args.epochs
+  if args.steps_per_epoch:
+    config.steps_per_epoch = args.steps_per_epoch
+  if args.data_dir:
+    config.data_dir = args.data_dir
+  return config
+
+
+def run_row(args, row: str, seed: int) -> dict:
+  """Trains (or resumes, or reads back) one row and seed; returns its result and records."""
+  name = f"{row}_s{seed}"
+  workdir = os.path.join(args.workdir, name)
+  result = train.train_and_evaluate(row_config(args, row, seed), workdir)
+  records = metrics_lib.read_metrics(workdir)
+  evals = [r for r in records if "test_accuracy" in r]
+  print(f"{name}: test_accuracy {result['test_accuracy']:.4f}", flush=True)
+  return dict(name=name, row=row, seed=seed, records=records,
+              method=ROWS[row].get("method", "petra"),
+              test_accuracy=evals[-1]["test_accuracy"], wall_time=evals[-1]["wall_time"])
+
+
+def _mean(values) -> float:
+  values = list(values)
+  return sum(values) / len(values) if values else float("nan")
+
+
+def table(results: list[dict], at_wall_time) -> list[str]:
+  """Markdown rows: accuracy per seed and mean, gap to backprop, backprop at the same time."""
+  base = {r["seed"]: r for r in results if r["row"] == "backprop"}
+  lines = ["| row | seeds | test acc. per seed (%) | mean (%) | gap to backprop AdamW, same "
+           "epochs (points) | backprop AdamW at the same wall time (%) | wall (s) |",
+           "|---|---|---|---|---|---|---|"]
+  for row in dict.fromkeys(r["row"] for r in results):
+    runs = [r for r in results if r["row"] == row]
+    mean = _mean(100 * r["test_accuracy"] for r in runs)
+    paired = [r for r in runs if r["seed"] in base]
+    gap = _mean(100 * base[r["seed"]]["test_accuracy"] for r in paired) - _mean(
+        100 * r["test_accuracy"] for r in paired)
+    same_time = _mean(100 * at_wall_time(base[r["seed"]]["records"], r["wall_time"])
+                      for r in paired)
+    per_seed = ", ".join(f"{100 * r['test_accuracy']:.1f}" for r in runs)
+    walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
+    lines.append(f"| `{row}` | {', '.join(str(r['seed']) for r in runs)} | {per_seed} | "
+                 f"{mean:.1f} | {gap:+.1f} | {same_time:.1f} | {walls} |")
+  return lines
+
+
+def transformers_study(args, write_page, plot_accuracy, at_wall_time) -> list[dict]:
+  """Runs every selected row and seed; writes ``OUT/transformers_study.md`` and its plot."""
+  rows = args.rows or list(ROWS)
+  unknown = [r for r in rows if r not in ROWS]
+  if unknown:
+    raise ValueError(f"unknown transformers-study rows {unknown}; choose from {list(ROWS)}.")
+  results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
+  write_page(args, "transformers_study", "PETRA on the RevViT recipe: delay-robust optimizers",
+             table(results, at_wall_time), results,
+             f"Recipe {args.recipe}, {args.epochs} epoch(s), rows changed as in "
+             "petra_jax/study_transformers.py:ROWS. Wall times are those of the runs as "
+             "scheduled: compare them only between runs that shared the machine alike.")
+  plot_accuracy(results, os.path.join(args.out, "transformers_study_accuracy.png"),
+                "RevViT recipe: test accuracy")
+  return results
