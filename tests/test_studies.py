@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from helpers import REPO
 from petra_jax import studies
 
 
@@ -237,3 +238,24 @@ def test_config_override_sets_dotted_fields_and_rejects_unknown_ones():
   assert (c.optim.name, c.seed) == ("muon", 3)
   with pytest.raises(KeyError, match="optim.nme"):
     config_lib.override(c, {"optim.nme": "adam"})
+
+
+@pytest.mark.long
+def test_transformers_study_reads_back_finished_runs(cifar10_dir, tmp_path, capsys):
+  """Real tiny runs (the recipe's :runlocal variant): the table shows the accuracy each run
+  logged, and a second call reads the finished runs back instead of training them again."""
+  argv = ["transformers", "--rows=backprop,petra_lookahead", "--seeds=0", "--epochs=1",
+          "--steps-per-epoch=2", f"--recipe={REPO}/configs/cifar10_vit_cpu.py:runlocal",
+          f"--data-dir={cifar10_dir}", f"--out={tmp_path / 'docs'}",
+          f"--workdir={tmp_path / 'runs'}"]
+  assert studies.main(argv) == 0
+  first = (tmp_path / "docs" / "transformers_study.md").read_text()
+  for row in _table_rows(first):
+    name = row[0].strip("`") + "_s0"
+    with open(tmp_path / "runs" / name / "metrics.jsonl", encoding="utf-8") as f:
+      last = [json.loads(line) for line in f if "test_accuracy" in line][-1]
+    assert row[2] == f"{100 * last['test_accuracy']:.1f}"
+  capsys.readouterr()
+  assert studies.main(argv) == 0
+  assert capsys.readouterr().out.count("already finished") == 2
+  assert (tmp_path / "docs" / "transformers_study.md").read_text() == first
