@@ -25,6 +25,7 @@ ROWS = {
     "backprop_muon": dict(_BACKPROP, **{"compensation.name": "none", "optim.name": "muon"}),
     "petra": {"compensation.name": "none"},
     "petra_lookahead": {"compensation.name": "adam_lookahead"},
+    "petra_lookahead_k8": {"compensation.name": "adam_lookahead", "accumulation_steps": 8},
     "petra_prediction_lookahead": {"compensation.name": "adam_prediction+adam_lookahead"},
     "petra_muon_error_feedback": {"optim.name": "muon", "compensation.name": "error_feedback"},
     "petra_8stages": dict(_EIGHT, **{"compensation.name": "none"}),
