@@ -2,7 +2,9 @@
 
   python -m petra_jax.train --config=configs/cifar10_vit_cpu.py --workdir=runs/vit_petra
 
-Results and the backprop baseline: docs/recipes.md. ``:runlocal``: a smoke test.
+AdamW with Nesterov look-ahead grown with each stage's delay (``adam_lookahead``), the best of the
+delay-robust optimizers in docs/transformers.md. Results and the backprop baseline: docs/recipes.md.
+``:runlocal``: a smoke test.
 """
 
 from petra_jax import config as default
@@ -28,6 +30,7 @@ def get_config(variant: str = ""):
   c.optim.weight_decay = 0.05
   c.optim.schedule = "cosine"
   c.optim.warmup_epochs = 0.5
+  c.compensation.name = "adam_lookahead"
   if variant == "runlocal":
     c.model.width = 8
     c.model.depth = 1
