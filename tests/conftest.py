@@ -10,9 +10,18 @@ os.environ["XLA_FLAGS"] = (
 # One persistent XLA compilation cache for the whole test session, inherited by
 # the CLI subprocesses: the tests build the same tiny stages many times, and
 # compiling them dominates the suite's time on CPU.
+# Likewise the decoded CIFAR-10 splits (petra_jax.training.assembly's
+# test-support hook): each CLI run would otherwise decode 60,000 PNGs again.
+# The process that makes the directory (pytest, or xdist's controller: its
+# workers inherit the variables) removes it at exit.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit  # noqa: E402
+  import shutil  # noqa: E402
   import tempfile  # noqa: E402
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="petra_jax_test_cache_")
+  _session_dir = tempfile.mkdtemp(prefix="petra_jax_test_cache_")
+  atexit.register(shutil.rmtree, _session_dir, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_session_dir, "xla")
+  os.environ.setdefault("PETRA_JAX_TEST_SPLIT_CACHE", _session_dir)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -43,3 +52,13 @@ def cifar10_dir():
                   pytrace=False)
     pytest.skip(message)
   return d
+
+
+def pytest_collection_modifyitems(config, items):
+  """Modules with tests on the real data (``slow`` ones, CLI runs: the longest
+  tests) first, each module's tests kept together and in order: with ``-n 2``
+  a long test then does not start last while the other worker idles."""
+  del config
+  slow = {item.module.__name__ for item in items
+          if item.get_closest_marker("slow") or "cifar10_dir" in getattr(item, "fixturenames", ())}
+  items.sort(key=lambda item: item.module.__name__ not in slow)

@@ -12,7 +12,8 @@ EXAMPLES = REPO / "docs" / "examples"
 
 
 def _run(script, *args, tmp_path):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+             TMPDIR=str(tmp_path))  # custom_linen.py's tempfile.mkdtemp workdir: removed with tmp_path
   env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine
   r = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, env=env,
                      capture_output=True, text=True, timeout=600)

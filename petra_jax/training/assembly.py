@@ -15,6 +15,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from petra_jax import data as data_lib
@@ -132,11 +133,40 @@ def _open_data(config):
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
   open_fn = (data_lib.open_split if transport.is_local(distributed.devices(config)[0])
              else data_lib.open_labels)
-  train = open_fn(config.dataset, info.train_split, config.data_dir or None, download=False)
-  test = open_fn(config.dataset, info.test_split, config.data_dir or None, download=False)
+  train, test = (_open_split_test_cached(open_fn, config.dataset, split, config.data_dir or None)
+                 for split in (info.train_split, info.test_split))
   logging.info("data: %d train / %d test images, %.1f s", len(train), len(test),
                time.time() - start)
   return info, train, test
+
+
+TEST_SPLIT_CACHE = "PETRA_JAX_TEST_SPLIT_CACHE"  # set by tests/conftest.py only
+_OPEN_SPLIT = data_lib.open_split  # the hook leaves a replaced open_split alone
+
+
+def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optional[str]):
+  """``open_fn(dataset, split, data_dir, download=False)``. Test-support hook:
+  with the environment variable ``PETRA_JAX_TEST_SPLIT_CACHE`` set to a
+  directory, a decoded in-memory split is saved there as ``.npy`` once and
+  read back by later processes (the test session's CLI runs), byte for byte
+  the decoded arrays, instead of decoding the PNGs again in each process."""
+  cache = os.environ.get(TEST_SPLIT_CACHE)
+  if (not cache or open_fn is not _OPEN_SPLIT
+      or data_lib.get_dataset_info(dataset).lazy):
+    return open_fn(dataset, split, data_dir, download=False)
+  key = "-".join(s.replace("/", "_") for s in (
+      os.path.realpath(data_dir or "default"), dataset, split)).lstrip("-")
+  path = os.path.join(cache, key + ".npz")
+  if os.path.exists(path):
+    with np.load(path) as z:
+      images, labels = z["images"], z["labels"]
+    images.flags.writeable = labels.flags.writeable = False
+    return data_lib.Split(images=images, labels=labels)
+  opened = open_fn(dataset, split, data_dir, download=False)
+  tmp = f"{path}.{os.getpid()}.tmp.npz"
+  np.savez(tmp, images=opened.images, labels=opened.labels)
+  os.replace(tmp, path)  # atomic: concurrent test processes read whole files only
+  return opened
 
 
 def _prepare_data(config) -> None:
