@@ -17,17 +17,20 @@ from petra_jax import config as config_lib
 from petra_jax import train
 from petra_jax.training import metrics as metrics_lib
 
-_BACKPROP = {"method": "backprop", "model.name": "vit_tiny", "model.stage_sizes": ()}
-_EIGHT = {"model.stage_sizes": (2, 1, 1, 1, 1, 1, 1, 2)}  # delays 14, 12, ..., 0 ticks
+_K2 = {"accumulation_steps": 2}
+_BACKPROP = dict(_K2, **{"method": "backprop", "model.name": "vit_tiny", "model.stage_sizes": ()})
+_EIGHT = dict(_K2, **{"model.stage_sizes": (2, 1, 1, 1, 1, 1, 1, 2)})  # delays 14, ..., 0 ticks
 # row -> the recipe's fields it changes (backprop first: the reference of the gaps).
 ROWS = {
     "backprop": dict(_BACKPROP, **{"compensation.name": "none"}),
     "backprop_muon": dict(_BACKPROP, **{"compensation.name": "none", "optim.name": "muon"}),
-    "petra": {"compensation.name": "none"},
-    "petra_lookahead": {"compensation.name": "adam_lookahead"},
+    "petra": dict(_K2, **{"compensation.name": "none"}),
+    "petra_lookahead": dict(_K2, **{"compensation.name": "adam_lookahead"}),
     "petra_lookahead_k8": {"compensation.name": "adam_lookahead", "accumulation_steps": 8},
-    "petra_prediction_lookahead": {"compensation.name": "adam_prediction+adam_lookahead"},
-    "petra_muon_error_feedback": {"optim.name": "muon", "compensation.name": "error_feedback"},
+    "petra_prediction_lookahead": dict(_K2, **{
+        "compensation.name": "adam_prediction+adam_lookahead"}),
+    "petra_muon_error_feedback": dict(_K2, **{"optim.name": "muon",
+                                              "compensation.name": "error_feedback"}),
     "petra_8stages": dict(_EIGHT, **{"compensation.name": "none"}),
     "petra_8stages_lookahead": dict(_EIGHT, **{"compensation.name": "adam_lookahead"}),
 }
