@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 
@@ -18,10 +18,8 @@ from petra_jax.engine import local
 from petra_jax.engine.pipeline_state import PipelineState, take
 from petra_jax.engine.stage import forward
 from petra_jax.engine.stage_state import StageState
+from petra_jax.engine.context import StageContext
 from petra_jax.engine.tasks import NOTHING, TaskResult
-
-if TYPE_CHECKING:
-  from petra_jax.engine.pipeline import Pipeline
 
 
 def fg_forward(stage, guess_kind, perturb, emulate, state: StageState, x, labels, tangents, key):
@@ -64,18 +62,15 @@ def last_scalars(stage, state: StageState, x, labels, tangents):
   return fg.loss_scalars(stage, state.params, state.batch_stats, x, labels, tangents)
 
 
-def forward_task(pipe: "Pipeline", j: int) -> Callable:
+def forward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s guess and forward; ``(y, labels, tangents)`` to ``j+1``."""
-  if j == 0:
-    local.check_setup(pipe)
-  o, stage = pipe.forward_gradient, pipe.stages[j]
-  step = jax.jit(functools.partial(fg_forward, stage, o.guess, o.perturb, o.emulate),
+  j, o, send, keeps_input = ctx.j, ctx.options, ctx.send, ctx.keeps.input
+  step = jax.jit(functools.partial(fg_forward, ctx.stage, o.guess, o.perturb, o.emulate),
                  donate_argnums=0)
-  send, keeps_input = pipe.messages.route("forward", j, j + 1), pipe.keeps[j].input
   base = jax.random.key(o.seed + 3)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    x, labels, *rest = local.inputs_with_labels(pipe, state, j, m, batches)
+    x, labels, *rest = local.inputs_with_labels(ctx, state, m, batches)
     tangents = rest[0] if rest else None
     key = jax.random.fold_in(jax.random.fold_in(base, m), j)
     if keeps_input:
@@ -88,33 +83,30 @@ def forward_task(pipe: "Pipeline", j: int) -> Callable:
   return task
 
 
-def loss_task(pipe: "Pipeline", j: int) -> Callable:
+def loss_task(ctx: StageContext) -> Callable:
   """The last stage's update; its scalars (or ``dL/dx``) to ``j-1``."""
-  emulate = pipe.forward_gradient.emulate
-  scalars = jax.jit(functools.partial(last_scalars, pipe.stages[j]))
-  send = pipe.messages.route("backward", j, j - 1)
+  j, steps, send, emulate = ctx.j, ctx.steps, ctx.send_back, ctx.options.emulate
+  scalars = jax.jit(functools.partial(last_scalars, ctx.stage))
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, _, tangents = take(state.inbox[j], m, "input", j)
     labels = take(state.labels, m, "labels", j)
     back = None if emulate else scalars(state.stage_states[j], x, labels, tangents)
-    state.stage_states[j], dx, loss = pipe.steps.backward(j, state.stage_states[j], x, labels)
-    state.grad_inbox[j - 1][m] = send(dx if emulate else back, m)
+    state.stage_states[j], dx, loss = steps.backward(state.stage_states[j], x, labels)
+    state.grad_inbox[j - 1][m] = send(None, dx if emulate else back, m)
     return TaskResult(loss=loss)
   return task
 
 
-def backward_task(pipe: "Pipeline", j: int) -> Callable:
+def backward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s update from its row of scalars; the earlier rows to ``j-1``."""
-  o = pipe.forward_gradient
+  j, o, send, keeps_input = ctx.j, ctx.options, ctx.send_back, ctx.keeps.input
   update = fg_emulated_update if o.emulate else fg_update
-  step = jax.jit(functools.partial(update, pipe.stages[j], o.perturb, o.eps, o.projection),
+  step = jax.jit(functools.partial(update, ctx.stage, o.perturb, o.eps, o.projection),
                  donate_argnums=0)
-  send = None if j == 0 else pipe.messages.route("backward", j, j - 1)
-  keeps_input = pipe.keeps[j].input
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    message = take(state.grad_inbox[j], m, "scalars", j)
+    _, message = take(state.grad_inbox[j], m, "scalars", j)
     guess, head = take(state.weight_stash[j], m, "guess", j)
     x = take(state.buffers[j], m, "buffered input", j) if keeps_input else None
     st = state.stage_states[j]
@@ -124,6 +116,6 @@ def backward_task(pipe: "Pipeline", j: int) -> Callable:
       state.stage_states[j] = step(st, message[j], guess, head, x)
       back = message[:j]
     if send is not None:
-      state.grad_inbox[j - 1][m] = send(back, m)
+      state.grad_inbox[j - 1][m] = send(None, back, m)
     return NOTHING
   return task

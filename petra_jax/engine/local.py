@@ -8,7 +8,7 @@ loss. Nothing travels backward.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 import jax
 
@@ -17,10 +17,8 @@ from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.pipeline_state import PipelineState, take
 from petra_jax.engine.stage import forward
 from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.tasks import NOTHING, TaskResult, feed
-
-if TYPE_CHECKING:
-  from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.context import StageContext
+from petra_jax.engine.tasks import NOTHING, TaskResult
 
 
 def local_grads(stage, state: StageState, x, labels):
@@ -45,56 +43,61 @@ def local_step(stage, state: StageState, x, labels):
   return state.apply_gradients(grads, stats), y, loss
 
 
-def check_setup(pipe: "Pipeline") -> None:
-  """Raises ValueError for quantised messages, several processes, or a missing head."""
-  name = pipe.method.name
-  if pipe.formats.active:
+def check_setup(method, stages: Sequence, quantized: bool, multiprocess: bool,
+                guess: str) -> None:
+  """Raises ValueError for quantised messages, several processes, or a missing head.
+
+  ``method``: a :class:`petra_jax.engine.methods.Method` row that sends no
+  cotangent; ``guess``: the forward-gradient guess (its heads are needed for ``"local"``).
+  """
+  name = method.name
+  if quantized:
     raise ValueError(f"method {name!r} sends labels with its forward messages and does not "
                      "quantise them: use --config.quantize.*=none.")
-  if pipe.multiprocess:
+  if multiprocess:
     raise ValueError(f"method {name!r} runs in one process: launch it without "
                      "jax.distributed.")
-  if name == "forward_gradient":
-    if pipe.forward_gradient.guess == "local" and not all(
-        auxiliary.has_head(s) for s in pipe.stages[:-1]):
+  if method.updates == "forward_gradient":
+    if guess == "local" and not all(auxiliary.has_head(s) for s in stages[:-1]):
       raise ValueError("forward_gradient.guess='local' needs an auxiliary head on every stage "
                        "but the last: build the stages with petra_jax.models.auxiliary.with_heads.")
     return
-  for s in pipe.stages[:-1]:
+  for s in stages[:-1]:
     if not auxiliary.has_head(s):
       raise ValueError(f"method {name!r}: stage {s.name!r} has no auxiliary head; build the "
                        "stages with petra_jax.models.auxiliary.with_heads.")
 
 
-def inputs_with_labels(pipe: "Pipeline", state: PipelineState, j: int, m: int, batches):
+def inputs_with_labels(ctx: StageContext, state: PipelineState, m: int, batches):
   """Stage ``j``'s forward message ``(x, labels, *rest)``; stage 0 feeds it."""
-  if j == 0:
-    feed(pipe, state, m, batches)
-    labels = jax.device_put(state.labels[m], pipe.devices[0])
+  j = ctx.j
+  if ctx.feed is not None:
+    ctx.feed(state, m, batches)
+    labels = jax.device_put(state.labels[m], ctx.device)
     return (take(state.inbox[0], m, "input", 0), labels)
   return take(state.inbox[j], m, "input", j)
 
 
-def forward_task(pipe: "Pipeline", j: int) -> Callable:
+def forward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s forward, auxiliary loss and update; ``(y, labels)`` to ``j+1``."""
-  if j == 0:
-    check_setup(pipe)
-  step = jax.jit(functools.partial(local_step, pipe.stages[j]), donate_argnums=0)
-  send = pipe.messages.route("forward", j, j + 1)
+  j, send = ctx.j, ctx.send
+  step = jax.jit(functools.partial(local_step, ctx.stage), donate_argnums=0)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    x, labels = inputs_with_labels(pipe, state, j, m, batches)
+    x, labels = inputs_with_labels(ctx, state, m, batches)
     state.stage_states[j], y, _ = step(state.stage_states[j], x, labels)
     state.inbox[j + 1][m] = send((y, labels), m)
     return NOTHING
   return task
 
 
-def loss_task(pipe: "Pipeline", j: int) -> Callable:
+def loss_task(ctx: StageContext) -> Callable:
   """The last stage's forward, loss and update; nothing is sent back."""
+  j, steps = ctx.j, ctx.steps
+
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, _ = take(state.inbox[j], m, "input", j)
     labels = take(state.labels, m, "labels", j)
-    state.stage_states[j], _, loss = pipe.steps.backward(j, state.stage_states[j], x, labels)
+    state.stage_states[j], _, loss = steps.backward(state.stage_states[j], x, labels)
     return TaskResult(loss=loss)
   return task

@@ -10,13 +10,7 @@ flushed every update. :data:`LOCAL_METHODS` send no gradient back.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
-
-class Keeps(NamedTuple):
-  """What a stage holds between a micro-batch's forward and its backward."""
-  input: bool
-  weights: bool
+from petra_jax.engine.context import Keeps
 
 
 @dataclasses.dataclass(frozen=True)

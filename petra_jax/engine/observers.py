@@ -19,7 +19,18 @@ from petra_jax.engine import transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
 from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.tasks import Observer, TaskResult, copy_tree
+from petra_jax.engine.tasks import TaskResult, copy_tree
+
+
+class Observer:
+  """Diagnostics called around every task; hooks may read ``state``, never change it."""
+
+  def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
+    pass
+
+  def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
+                 result: TaskResult) -> None:
+    pass
 
 
 def _probed(m: int, every_updates: int, k: int) -> bool:

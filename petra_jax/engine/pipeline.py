@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from petra_jax.engine import context as context_lib
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import forward_gradient_tasks, local, tasks, transport
 from petra_jax.engine import methods as methods_lib
@@ -28,10 +29,11 @@ from petra_jax.engine.pipeline_state import PipelineState
 from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.steps import BN_POLICIES, StageSteps
-from petra_jax.engine.tasks import Observer, TaskResult, TickOutput
+from petra_jax.engine.steps import BN_POLICIES, OneStage, StageSteps
+from petra_jax.engine.tasks import TaskResult, TickOutput
 
 Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
+_LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
 
 PLANS = {
     "backward": {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
@@ -73,6 +75,7 @@ class Pipeline:
     method: a name in :data:`methods.ALL_METHODS`.
     accumulation_steps: ``k``, micro-batches per update.
     bn_stats: ``"backward"`` (paper Sec. 4) or ``"forward"``.
+    observers: :class:`petra_jax.engine.observers.Observer` s called around every task.
     predictors: per stage, None or ``(params, opt_state) -> params``.
     data_parallel: ``D``, devices per stage.
 
@@ -85,7 +88,7 @@ class Pipeline:
 
   def __init__(self, stages: Sequence[Stage], tx, devices: Optional[Sequence[jax.Device]] = None,
                *, method: str = "petra", accumulation_steps: int = 1,
-               bn_stats: str = "backward", observers: Sequence[Observer] = (),
+               bn_stats: str = "backward", observers: Sequence = (),
                predictors: Optional[Sequence[Optional[Callable]]] = None,
                formats: Optional[quantize_lib.MessageFormats] = None,
                send_losses: bool = True, data_parallel: int = 1,
@@ -121,9 +124,34 @@ class Pipeline:
     o = self.forward_gradient
     self.keeps = [methods_lib.keeps(self.method, s.reversible, o.perturb, o.emulate)
                   for s in stages]
+    if self.method.updates != "backward":
+      local.check_setup(self.method, self.stages, self.formats.active, self.multiprocess,
+                        self.forward_gradient.guess)
+    self.contexts = [self._context(j) for j in range(J)]
     self._tasks = self._plan()
     self._run_task = self._run_observed if self.observers else self._run_plain
-    self._pairs = [tasks.pair_task(self, j) for j in range(J - 1)] if self.regime.fuse else None
+    self._pairs = ([tasks.pair_task(c) for c in self.contexts[:-1]] if self.regime.fuse
+                   else None)
+
+  def _context(self, j: int) -> context_lib.StageContext:
+    """Stage ``j``'s :class:`StageContext` (built once)."""
+    J, p, msg = self.num_stages, self.placements, self.messages
+    send = msg.route("forward", j, j + 1) if j < J - 1 else None
+    send_back = None
+    if j > 0:
+      back = self.reconstructs[j - 1]
+      send_back = context_lib.back_route(msg.route("backward", j, j - 1, first=back), back)
+    feed = (context_lib.feeder(p[0], p[-1], self.local[0], self.local[-1]) if j == 0
+            else None)
+    loss_home = None
+    if j == J - 1 and self.multiprocess and self.send_losses:
+      loss_home = lambda loss: msg.move(loss, j, 0, _LOSS_SPEC)  # noqa: E731
+    return context_lib.StageContext(
+        j=j, last=j == J - 1, stage=self.stages[j], steps=OneStage(self.steps, j),
+        local=self.local[j], keeps=self.keeps[j], send=send, send_back=send_back,
+        encode=lambda x, m: msg.encode("buffer", x, j, m), feed=feed,
+        state_of=context_lib.state_getter(j, self.regime.pack), device=self.devices[j],
+        loss_home=loss_home, options=self.forward_gradient)
 
   @property
   def input_device(self) -> jax.Device:
@@ -236,7 +264,7 @@ class Pipeline:
       out[kind] = [None] * (1 if kind == BACKPROP else J)
       if kind in plan:
         for j in js:
-          out[kind][j] = plan[kind](self, j)
+          out[kind][j] = plan[kind](self.contexts[j])
     return out
 
   def predict(self, state: PipelineState, images) -> Optional[jax.Array]:

@@ -12,7 +12,6 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import packing
 from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
@@ -127,12 +126,13 @@ class StageSteps:
   """Every stage's jitted steps: which backward a stage runs, on which arguments, donating which.
 
   Args:
+    method: a :class:`petra_jax.engine.methods.Method` row.
     bn_stats: one of :data:`BN_POLICIES`.
     predictors: per stage, None or ``(params, opt_state) -> params``.
     wrap: applied to the steps before they are jitted.
   """
 
-  def __init__(self, stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str,
+  def __init__(self, stages: Sequence[Stage], method, bn_stats: str,
                predictors: Optional[Sequence[Optional[Callable]]] = None,
                donate_messages: bool = True, wrap: Optional[Callable] = None):
     self.stages, self.method = list(stages), method
@@ -238,3 +238,44 @@ class StageSteps:
   def backprop(self, train_states: list, images, labels):
     """``jax.grad`` of the composed model and every update: ``(new_states, loss)``."""
     return self._backprop(train_states, images, labels)
+
+
+class OneStage:
+  """Stage ``j``'s jitted steps of a :class:`StageSteps` (what its tasks call)."""
+
+  def __init__(self, steps: StageSteps, j: int):
+    self._steps, self._j = steps, j
+    self.reconstructs = steps.reconstructs[j]
+    self.stats_in_forward = steps.stats_in_forward
+
+  def forward(self, train_state, x, params=None):
+    """:meth:`StageSteps.forward`."""
+    return self._steps.forward(self._j, train_state, x, params)
+
+  def backward(self, train_state, *args):
+    """:meth:`StageSteps.backward`."""
+    return self._steps.backward(self._j, train_state, *args)
+
+  def backward_args(self, **kwargs) -> tuple:
+    """:meth:`StageSteps.backward_args`."""
+    return self._steps.backward_args(self._j, **kwargs)
+
+  def forward_backward(self, train_state, x, *args) -> tuple:
+    """:meth:`StageSteps.forward_backward`."""
+    return self._steps.forward_backward(self._j, train_state, x, *args)
+
+  def predicted_params(self, train_state):
+    """:meth:`StageSteps.predicted_params`."""
+    return self._steps.predicted_params(self._j, train_state)
+
+  def current_params(self, train_state):
+    """:meth:`StageSteps.current_params`."""
+    return self._steps.current_params(self._j, train_state)
+
+  def with_stats(self, train_state, batch_stats):
+    """:meth:`StageSteps.with_stats`."""
+    return self._steps.with_stats(self._j, train_state, batch_stats)
+
+  def backprop(self, train_states: list, images, labels):
+    """:meth:`StageSteps.backprop` (every stage's update)."""
+    return self._steps.backprop(train_states, images, labels)

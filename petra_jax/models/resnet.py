@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 
 from petra_jax.engine.stage import Stage
 from petra_jax.models.layers import conv_bn
-
-if TYPE_CHECKING:
-  from petra_jax.models.specs import ModelSpec
+from petra_jax.models.model_spec import ModelSpec
 
 
 class ResNetBasicBlock(nn.Module):

@@ -6,16 +6,12 @@ Two streams ``(x1, x2)`` of ``float32[B, H, W, C]``; reversible stages hold ``F`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 
 from petra_jax.engine.stage import Stage
 from petra_jax.models import invertible
 from petra_jax.models.layers import conv_bn
-
-if TYPE_CHECKING:
-  from petra_jax.models.specs import ModelSpec
+from petra_jax.models.model_spec import ModelSpec
 
 
 class BasicResidual(nn.Module):

@@ -14,37 +14,10 @@ import jax.numpy as jnp
 from petra_jax.engine import stage_checks
 from petra_jax.engine.stage import Stage, has_reversible
 from petra_jax.models.layers import Head, Stem
+from petra_jax.models.model_spec import REVERSIBLE_FAMILIES, ModelSpec  # noqa: F401 (public here)
 from petra_jax.models.resnet import resnet_blocks
 from petra_jax.models.revnet import revnet_blocks
 from petra_jax.models.vit import vit_stages
-
-
-REVERSIBLE_FAMILIES = ("revnet", "revvit")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-  """A zoo model: family, blocks per group, bottleneck (x4), reversible (``psi``) downsampling,
-  ``fixed_size`` (one group of ``depth`` blocks; ViT: layers), ViT heads and MLP ratio."""
-  family: str
-  blocks_per_group: Sequence[int]
-  bottleneck: bool = False
-  invertible_downsampling: bool = False
-  fixed_size: bool = False
-  heads: int = 0
-  mlp_ratio: int = 4
-
-  @property
-  def reversible(self) -> bool:
-    return self.family in REVERSIBLE_FAMILIES
-
-  @property
-  def transformer(self) -> bool:
-    return self.family in ("revvit", "vit")
-
-  @property
-  def expansion(self) -> int:
-    return 4 if self.bottleneck else 1
 
 
 # Stages: stem + sum(blocks_per_group) + head.

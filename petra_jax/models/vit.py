@@ -6,15 +6,11 @@ x1)``, attention then MLP, on tokens ``float32[B, N, heads * width]`` per stream
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 import jax.numpy as jnp
 
 from petra_jax.engine.stage import Stage
-
-if TYPE_CHECKING:
-  from petra_jax.models.specs import ModelSpec
+from petra_jax.models.model_spec import ModelSpec
 
 dense_init = nn.initializers.xavier_uniform()
 
