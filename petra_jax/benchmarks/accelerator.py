@@ -64,8 +64,7 @@ def segments(pipe, ticks: int, warmup: int):
 
   Stream: ``2(J-1) + warmup`` filling ticks then ``ticks``; periodic schedules: whole rounds.
   """
-  kind = pipe.method.schedule
-  if kind == "stream":
+  if pipe.method.delayed:
     fill = schedule_lib.drain_ticks(pipe.num_stages) + warmup
     table = list(pipe.schedule(fill + ticks))
     return table[:fill], table[fill:fill + ticks], ticks

@@ -1,22 +1,23 @@
-"""Event-driven time of a schedule with one device per stage."""
+"""Event-driven time of a schedule with one device per stage.
+
+Costs, dependencies and messages come from the schedule's family
+(:class:`petra_jax.engine.schedule.TickTable`).
+"""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule, Task
+from petra_jax.engine.schedule import Schedule, Task
 
 
-def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
-  """Cost of one task: ``F_j``, ``B_j``; the last stage's ``loss`` is its
-  ``B_{J-1}`` (which contains its forward); ``backprop`` is every stage's
-  ``F_j + B_j``."""
-  if task.kind == FORWARD:
-    return forward_ms[task.stage]
-  if task.kind == BACKPROP:
-    return float(sum(forward_ms[:-1]) + sum(backward_ms))
-  return backward_ms[task.stage]
+def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float],
+            family: type = schedule_lib.TickTable) -> float:
+  """Cost of one task (:meth:`TickTable.cost`): ``F_j``, ``B_j``; the last
+  stage's ``loss`` is its ``B_{J-1}`` (which contains its forward);
+  ``backprop`` is every stage's ``F_j + B_j``."""
+  return family.cost(task, forward_ms, backward_ms)
 
 
 def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Sequence[float],
@@ -43,31 +44,33 @@ def simulate(schedule: Schedule, forward_ms: Sequence[float], backward_ms: Seque
     ``{"makespan_ms": float, "busy_ms": [float per stage]}``: ``busy_ms``
     counts compute only (sending is idle time for the bubble).
   """
-  J = schedule.num_stages
+  J, family = schedule.num_stages, schedule.family
   fsend = send_forward_ms or [0.0] * J
   bsend = send_backward_ms or [0.0] * J
   free, busy, sent = [0.0] * J, [0.0] * J, {}
   for tick in schedule:
     for task in tick:
-      dep = None if task.kind == BACKPROP else schedule_lib.dependency(task, J)
+      dep = family.dependency(task, J) if family.pipelined else None
       start = max(free[task.stage], sent.pop(dep) if dep is not None else 0.0)
-      cost = task_ms(task, forward_ms, backward_ms)
-      send = _send_ms(task, J, fsend, bsend)
+      cost = family.cost(task, forward_ms, backward_ms)
+      send = _send_ms(task, family.sends.get(task.kind), fsend, bsend)
       free[task.stage] = sent[task] = start + cost + send
       busy[task.stage] += cost
   return {"makespan_ms": max(free), "busy_ms": busy}
 
 
-def _send_ms(task: Task, J: int, fsend: Sequence[float], bsend: Sequence[float]) -> float:
-  """Time stage ``task.stage`` spends sending what ``task`` produced."""
-  if task.kind == FORWARD:
+def _send_ms(task: Task, direction: Optional[str], fsend: Sequence[float],
+             bsend: Sequence[float]) -> float:
+  """Time stage ``task.stage`` spends sending what ``task`` produced (``direction``:
+  ``"forward"``, ``"backward"`` or None)."""
+  if direction == "forward":
     return fsend[task.stage]
-  if task.kind in (BACKWARD, LOSS) and task.stage > 0:
+  if direction == "backward" and task.stage > 0:
     return bsend[task.stage]
   return 0.0
 
 
-def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,
+def ms_per_update(kind, num_stages: int, accumulation_steps: int,
                   forward_ms: Sequence[float], backward_ms: Sequence[float],
                   send_forward_ms: Optional[Sequence[float]] = None,
                   send_backward_ms: Optional[Sequence[float]] = None,
@@ -88,6 +91,6 @@ def ms_per_update(kind: str, num_stages: int, accumulation_steps: int,
                    send_forward_ms, send_backward_ms) for u in (updates, 2 * updates)]
   time = runs[1]["makespan_ms"] - runs[0]["makespan_ms"]
   busy = sum(runs[1]["busy_ms"]) - sum(runs[0]["busy_ms"])
-  J = 1 if kind == "sequential" else num_stages
+  J = num_stages if schedule_lib.family(kind).pipelined else 1
   return {"simulated_ms_per_update": time / updates,
           "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}

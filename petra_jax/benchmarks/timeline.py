@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 Event = tuple  # (tick, stage, "F" | "B", micro_batch)
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "idle": "#EEEEEE"}
 
 
 def timeline_stats(timeline: Sequence[Event], num_stages: int,
@@ -89,7 +89,7 @@ def table_events(table, num_ticks: Optional[int] = None) -> list[Event]:
     if num_ticks is not None and t >= num_ticks:
       break
     for task in tick:
-      for kind in {"forward": "F", "backward": "B", "loss": "FB"}.get(task.kind, ""):
+      for kind in table.family.letters.get(task.kind, ""):
         events.append((t, task.stage, kind, task.micro_batch))
   return events
 

@@ -10,30 +10,46 @@ flushed every update. :data:`LOCAL_METHODS` send no gradient back.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Mapping
+
+from petra_jax.engine import forward_gradient_tasks, local, tasks
 from petra_jax.engine.context import Keeps
+from petra_jax.engine.schedule import (BACKPROP, BACKWARD, FORWARD, LOSS, Drained, ForwardOnly,
+                                       GPipe, OneFOneB, Sequential, Stream, TickTable)
+
+# Task builders ``StageContext -> task`` per task kind.
+BACKWARD_TASKS = {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
+                  LOSS: tasks.loss_task, BACKPROP: tasks.backprop_task}
+LOCAL_TASKS = {FORWARD: local.forward_task, LOSS: local.loss_task}
+FORWARD_GRADIENT_TASKS = {FORWARD: forward_gradient_tasks.forward_task,
+                          BACKWARD: forward_gradient_tasks.backward_task,
+                          LOSS: forward_gradient_tasks.loss_task}
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """One method: its ``schedule`` kind, whether it stashes weights or ``reconstructs`` (Eq. 5).
+  """One method: its ``schedule`` family, whether it stashes weights or ``reconstructs`` (Eq. 5).
 
-  ``updates``: ``"backward"``, ``"local"`` or ``"forward_gradient"``.
+  ``updates``: ``"backward"`` (cotangents travel back), ``"local"`` or
+  ``"forward_gradient"``; ``tasks``: per task kind, its builder
+  ``StageContext -> task``.
   """
   name: str
-  schedule: str
+  schedule: type[TickTable]
   stashes_weights: bool
   reconstructs: bool
   updates: str = "backward"
+  tasks: Mapping[str, Callable] = dataclasses.field(default_factory=lambda: BACKWARD_TASKS)
 
   @property
   def delayed(self) -> bool:
     """Whether gradients arrive ``tau_j > 0`` ticks after their forward."""
-    return self.schedule == "stream"
+    return self.schedule.delayed
 
   @property
   def pipelined(self) -> bool:
     """Whether the method runs stage by stage (not ``jax.grad`` of the model)."""
-    return self.schedule != "sequential"
+    return self.schedule.pipelined
 
   def reconstructs_stage(self, reversible: bool) -> bool:
     """Whether a stage rebuilds its input in the backward (Eq. 5)."""
@@ -51,20 +67,21 @@ def keeps(method: Method, reversible: bool, perturb: str = "activity",
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("backprop", "sequential", stashes_weights=False, reconstructs=False),
-    Method("revprop", "drained", stashes_weights=False, reconstructs=True),
-    Method("petra", "stream", stashes_weights=False, reconstructs=True),
-    Method("approximate_input", "stream", stashes_weights=True, reconstructs=True),
-    Method("dsp", "stream", stashes_weights=False, reconstructs=False),
-    Method("delayed", "stream", stashes_weights=True, reconstructs=False),
-    Method("gpipe", "gpipe", stashes_weights=False, reconstructs=False),
-    Method("1f1b", "1f1b", stashes_weights=False, reconstructs=False),
+    Method("backprop", Sequential, stashes_weights=False, reconstructs=False),
+    Method("revprop", Drained, stashes_weights=False, reconstructs=True),
+    Method("petra", Stream, stashes_weights=False, reconstructs=True),
+    Method("approximate_input", Stream, stashes_weights=True, reconstructs=True),
+    Method("dsp", Stream, stashes_weights=False, reconstructs=False),
+    Method("delayed", Stream, stashes_weights=True, reconstructs=False),
+    Method("gpipe", GPipe, stashes_weights=False, reconstructs=False),
+    Method("1f1b", OneFOneB, stashes_weights=False, reconstructs=False),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
 LOCAL_METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("local", "forward", stashes_weights=False, reconstructs=False, updates="local"),
-    Method("forward_gradient", "stream", stashes_weights=False, reconstructs=False,
-           updates="forward_gradient"),
+    Method("local", ForwardOnly, stashes_weights=False, reconstructs=False, updates="local",
+           tasks=LOCAL_TASKS),
+    Method("forward_gradient", Stream, stashes_weights=False, reconstructs=False,
+           updates="forward_gradient", tasks=FORWARD_GRADIENT_TASKS),
 )}
 ALL_METHODS: dict[str, Method] = {**METHODS, **LOCAL_METHODS}
 

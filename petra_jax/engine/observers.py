@@ -193,13 +193,13 @@ def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) ->
 
 
 class TimelineRecorder(Observer):
-  """Records ``(tick, stage, "F"|"B", micro_batch)`` of every task (``loss`` is both)."""
+  """Records ``(tick, stage, letter, micro_batch)`` of every task: the schedule family's
+  ``letters`` ("F", "B", a ``loss`` is both; zero bubble's weight gradient "W")."""
 
   def __init__(self):
     self.events: list[tuple[int, int, str, int]] = []
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
                  result: TaskResult) -> None:
-    kinds = {FORWARD: "F", BACKWARD: "B", LOSS: "FB"}.get(task.kind, "")
-    for kind in kinds:
+    for kind in pipe.method.schedule.letters.get(task.kind, ""):
       self.events.append((state.tick, task.stage, kind, task.micro_batch))

@@ -1,10 +1,9 @@
 """The engine: runs a schedule's tasks on stages placed on their own devices.
 
 :meth:`Pipeline.run_tick` runs one tick of a :class:`Schedule`; each task
-calls its stage's function from the method's row of :data:`PLANS`:
-``backward`` (reconstruct and vjp, paper Eq. 5; loss, Alg. 1 l. 27-30),
-``local`` or ``forward_gradient``. A tick dispatches its compute first, its
-moves after.
+calls its stage's task, built from the stage's :class:`StageContext` by the
+method row's ``tasks`` (``backward``: reconstruct and vjp, paper Eq. 5; loss,
+Alg. 1 l. 27-30). A tick dispatches its compute first, its moves after.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 
 from petra_jax.engine import context as context_lib
 from petra_jax.engine import forward_gradient as fg_lib
-from petra_jax.engine import forward_gradient_tasks, local, tasks, transport
+from petra_jax.engine import local, tasks, transport
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import stage_checks
 from petra_jax.engine import placement as placement_lib
@@ -26,7 +25,7 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.messages import Messenger, resolve
 from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Schedule
+from petra_jax.engine.schedule import BACKWARD, FORWARD, LOSS, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.stage_state import StageState
 from petra_jax.engine.steps import BN_POLICIES, OneStage, StageSteps
@@ -34,16 +33,6 @@ from petra_jax.engine.tasks import TaskResult, TickOutput
 
 Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
-
-PLANS = {
-    "backward": {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
-                 LOSS: tasks.loss_task, BACKPROP: tasks.backprop_task},
-    "local": {FORWARD: local.forward_task, LOSS: local.loss_task},
-    "forward_gradient": {FORWARD: forward_gradient_tasks.forward_task,
-                         BACKWARD: forward_gradient_tasks.backward_task,
-                         LOSS: forward_gradient_tasks.loss_task},
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Regime:
@@ -256,15 +245,13 @@ class Pipeline:
     return result
 
   def _plan(self) -> dict:
-    """``{kind: [stage j's task or None]}`` from the method's row of :data:`PLANS`."""
-    J, plan = self.num_stages, PLANS[self.method.updates]
-    stages_of = {FORWARD: range(J - 1), BACKWARD: range(J - 1), LOSS: [J - 1], BACKPROP: [0]}
+    """``{kind: [stage j's task or None]}`` from the method row's ``tasks``."""
+    J, family = self.num_stages, self.method.schedule
     out = {}
-    for kind, js in stages_of.items():
-      out[kind] = [None] * (1 if kind == BACKPROP else J)
-      if kind in plan:
-        for j in js:
-          out[kind][j] = plan[kind](self.contexts[j])
+    for kind, build in self.method.tasks.items():
+      out[kind] = [None] * J
+      for j in family.stages(kind, J):
+        out[kind][j] = build(self.contexts[j])
     return out
 
   def predict(self, state: PipelineState, images) -> Optional[jax.Array]:

@@ -1,11 +1,15 @@
 """Pipeline schedules as data: tick ``t`` holds tasks ``(stage, kind, micro_batch)``.
 
-Stages ``j = 0 .. J-1``; the last stage's task is ``loss``. Kinds: ``stream``
-(paper Alg. 1: micro-batch ``m`` forward at stage ``j`` on tick ``m + j``,
-backward on tick ``m + 2(J-1) - j``, delay ``tau_j = 2(J-1-j)``); ``forward``
-(the stream without backwards); ``drained`` (one micro-batch at a time, no
-delay); ``gpipe`` and ``1f1b`` (flushed every update of ``k``);
-``sequential`` (one ``backprop`` task per tick).
+Each schedule family is one :class:`TickTable` subclass, registered by its
+``name`` in :data:`SCHEDULES`: which stages run which task kind, its tick
+table, and the message each task consumes. Stages ``j = 0 .. J-1``; the last
+stage's task is ``loss``. :class:`Stream` (paper Alg. 1: micro-batch ``m``
+forward at stage ``j`` on tick ``m + j``, backward on tick ``m + 2(J-1) - j``,
+delay ``tau_j = 2(J-1-j)``); :class:`ForwardOnly` (the stream without
+backwards); :class:`Drained` (one micro-batch at a time, no delay);
+:class:`GPipe` and :class:`OneFOneB` (flushed every update of ``k``);
+:class:`Sequential` (one ``backprop`` task per tick). :class:`Schedule` is
+one family's table over ``M`` micro-batches.
 """
 
 from __future__ import annotations
@@ -13,14 +17,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-from typing import Iterator, NamedTuple, Optional
+from typing import ClassVar, Iterator, NamedTuple, Optional, Sequence
 
 FORWARD, BACKWARD, LOSS, BACKPROP = "forward", "backward", "loss", "backprop"
-KINDS = ("stream", "drained", "gpipe", "1f1b", "sequential", "forward")
 
 
 class Task(NamedTuple):
-  """One stage's ``"forward"``, ``"backward"``, ``"loss"`` or ``"backprop"`` on a micro-batch."""
+  """One stage's task of a given ``kind`` (``"forward"``, ``"backward"``, ``"loss"``...) on a micro-batch."""
   stage: int
   kind: str
   micro_batch: int
@@ -96,16 +99,20 @@ def _one_f_one_b_round(J: int, k: int) -> list:
       ops += [Task(j, FORWARD, warmup + i), Task(j, BACKWARD, i)]
     ops += [Task(j, BACKWARD, m) for m in range(k - warmup, k)]
     order.insert(0, ops)
+  return as_soon_as_possible(order, lambda task: dependency(task, J))
+
+
+def as_soon_as_possible(order: Sequence[Sequence[Task]], dependency) -> list:
+  """Ticks of per-stage task ``order`` s, each task on the first tick after its dependency's."""
   done: dict[Task, int] = {}
-  ticks, nxt = [], [0] * J
+  ticks, nxt = [], [0] * len(order)
   while any(n < len(o) for n, o in zip(nxt, order)):
     u, now = len(ticks), []
-    for j in range(J):
-      if nxt[j] < len(order[j]):
-        task = order[j][nxt[j]]
-        dep = dependency(task, J)
+    for j, ops in enumerate(order):
+      if nxt[j] < len(ops):
+        dep = dependency(ops[nxt[j]])
         if dep is None or done.get(dep, u) < u:
-          now.append(task)
+          now.append(ops[nxt[j]])
     for task in now:
       done[task] = u
       nxt[task.stage] += 1
@@ -113,23 +120,175 @@ def _one_f_one_b_round(J: int, k: int) -> list:
   return ticks
 
 
+class TickTable:
+  """One schedule family: its task kinds, tick table and dependencies (subclass and name it).
+
+  A subclass with a ``name`` registers itself in :data:`SCHEDULES`.
+  Class attributes: ``delayed`` (gradients arrive ``tau_j > 0`` ticks after
+  their forward), ``pipelined`` (stage by stage, not ``jax.grad`` of the
+  model), ``flushed`` (``M`` a multiple of ``k``, rounds of ``k``),
+  ``sends`` (per task kind, the message it sends: ``"forward"`` to ``j + 1``,
+  ``"backward"`` to ``j - 1``), ``frees`` (the kind after which a stage no
+  longer holds the micro-batch) and ``letters`` (per kind, its chart letters).
+  """
+  name: ClassVar[str] = ""
+  delayed: ClassVar[bool] = False
+  pipelined: ClassVar[bool] = True
+  flushed: ClassVar[bool] = False
+  sends: ClassVar[dict] = {FORWARD: "forward", BACKWARD: "backward", LOSS: "backward"}
+  frees: ClassVar[str] = BACKWARD
+  letters: ClassVar[dict] = {FORWARD: "F", BACKWARD: "B", LOSS: "FB"}
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if cls.name:
+      SCHEDULES[cls.name] = cls
+
+  @classmethod
+  def stages(cls, kind: str, num_stages: int) -> range:
+    """The stages that run tasks of ``kind`` (the loss on the last one only)."""
+    J = num_stages
+    return {LOSS: range(J - 1, J), BACKPROP: range(0, 1)}.get(kind, range(J - 1))
+
+  @staticmethod
+  def dependency(task: Task, num_stages: int) -> Optional[Task]:
+    """The task whose message ``task`` consumes (None for stage 0's forward)."""
+    return dependency(task, num_stages)
+
+  @classmethod
+  def round_size(cls, accumulation_steps: int) -> int:
+    """Micro-batches per repeated round (0: not periodic)."""
+    return accumulation_steps if cls.flushed else 0
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    """The ticks of one round (periodic families)."""
+    raise NotImplementedError
+
+  @classmethod
+  def length(cls, J: int, M: int, k: int) -> int:
+    """Ticks of the table over ``M > 0`` micro-batches."""
+    return len(_cached_round(cls, J, cls.round_size(k))) * (M // cls.round_size(k))
+
+  @classmethod
+  def tick(cls, t: int, J: int, M: int, k: int) -> Tick:
+    """Tick ``t``'s tasks (``0 <= t < length``)."""
+    size = cls.round_size(k)
+    table = _cached_round(cls, J, size)
+    r, u = divmod(t, len(table))
+    return tuple(task._replace(micro_batch=task.micro_batch + r * size) for task in table[u])
+
+  @classmethod
+  def cost(cls, task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
+    """Simulated cost of ``task``: ``F_j``, ``B_j`` (the loss's ``B`` contains its forward)."""
+    if task.kind == FORWARD:
+      return forward_ms[task.stage]
+    if task.kind == BACKPROP:
+      return float(sum(forward_ms[:-1]) + sum(backward_ms))
+    return backward_ms[task.stage]
+
+
+SCHEDULES: dict[str, type] = {}
+
+
 @functools.lru_cache(maxsize=64)
-def _round(kind: str, J: int, k: int) -> tuple:
-  if kind == "drained":
-    return tuple(_stream_tick(u, J, 1) for u in range(2 * J - 1))
-  if kind == "gpipe":
-    return tuple(_gpipe_round(J, k))
-  if kind == "1f1b":
-    return tuple(_one_f_one_b_round(J, k))
-  return ((Task(0, BACKPROP, 0),),)
+def _cached_round(family: type, J: int, k: int) -> tuple:
+  return tuple(family.round(J, k))
+
+
+class Stream(TickTable):
+  """PETRA's and the delayed methods' stream (Alg. 1): no flush, delay ``tau_j = 2(J-1-j)``."""
+  name, delayed = "stream", True
+
+  @classmethod
+  def length(cls, J: int, M: int, k: int) -> int:
+    return M + drain_ticks(J)
+
+  @classmethod
+  def tick(cls, t: int, J: int, M: int, k: int) -> Tick:
+    return _stream_tick(t, J, M)
+
+
+class ForwardOnly(TickTable):
+  """The stream's forwards only (methods that send nothing back)."""
+  name = "forward"
+
+  @classmethod
+  def length(cls, J: int, M: int, k: int) -> int:
+    return M + J - 1
+
+  @classmethod
+  def tick(cls, t: int, J: int, M: int, k: int) -> Tick:
+    return _stream_tick(t, J, M, backward=False)
+
+
+class Drained(TickTable):
+  """One micro-batch at a time through forward and backward: no delay (revprop)."""
+  name = "drained"
+
+  @classmethod
+  def round_size(cls, accumulation_steps: int) -> int:
+    return 1
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    return tuple(_stream_tick(u, num_stages, 1) for u in range(2 * num_stages - 1))
+
+
+class GPipe(TickTable):
+  """GPipe (Huang et al., 2019): forwards of ``k`` micro-batches, then backwards."""
+  name, flushed = "gpipe", True
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    return tuple(_gpipe_round(num_stages, accumulation_steps))
+
+
+class OneFOneB(TickTable):
+  """1F1B (PipeDream-Flush, Narayanan et al., 2021): at most ``J - j`` micro-batches held."""
+  name, flushed = "1f1b", True
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    return tuple(_one_f_one_b_round(num_stages, accumulation_steps))
+
+
+class Sequential(TickTable):
+  """``jax.grad`` of the composed model: one ``backprop`` task per micro-batch."""
+  name, pipelined = "sequential", False
+
+  @classmethod
+  def round_size(cls, accumulation_steps: int) -> int:
+    return 1
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    return ((Task(0, BACKPROP, 0),),)
+
+
+KINDS = tuple(SCHEDULES)  # the built-in families' names
+
+
+def family(kind) -> type:
+  """The :class:`TickTable` subclass named ``kind`` (or ``kind`` itself).
+
+  Raises:
+    ValueError: unknown name.
+  """
+  if isinstance(kind, type) and issubclass(kind, TickTable):
+    return kind
+  if kind not in SCHEDULES:
+    raise ValueError(f"Unknown schedule {kind!r}; choose one of {tuple(SCHEDULES)}.")
+  return SCHEDULES[kind]
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """The tick table of one method over ``num_micro_batches`` micro-batches, computed lazily.
+  """The tick table of one family over ``num_micro_batches`` micro-batches, computed lazily.
 
-  ``schedule[t]`` is tick ``t``'s tasks; ``M`` must be a multiple of ``k`` for
-  ``gpipe`` and ``1f1b``.
+  ``kind``: a name in :data:`SCHEDULES` or a :class:`TickTable` subclass.
+  ``schedule[t]`` is tick ``t``'s tasks; ``M`` must be a multiple of ``k``
+  for flushed families.
 
   Raises:
     ValueError: unknown kind, fewer than 2 stages, or ``M`` not a multiple of
@@ -141,47 +300,38 @@ class Schedule:
   accumulation_steps: int = 1
 
   def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"Unknown schedule {self.kind!r}; choose one of {KINDS}.")
-    if self.kind != "sequential":
+    f = family(self.kind)
+    object.__setattr__(self, "kind", f.name)
+    if f.pipelined:
       require_stages(self.num_stages)
-    if self.kind in ("gpipe", "1f1b") and self.num_micro_batches % self.accumulation_steps:
+    if f.flushed and self.num_micro_batches % self.accumulation_steps:
       raise ValueError(f"{self.kind}: {self.num_micro_batches} micro-batches do not split into "
                        f"updates of k={self.accumulation_steps}.")
 
   @property
+  def family(self) -> type:
+    """The :class:`TickTable` subclass."""
+    return SCHEDULES[self.kind]
+
+  @property
   def round_size(self) -> int:
     """Micro-batches per repeated round (0 for ``stream`` and ``forward``)."""
-    if self.kind in ("stream", "forward"):
-      return 0
-    return self.accumulation_steps if self.kind in ("gpipe", "1f1b") else 1
-
-  def _table(self) -> tuple:
-    return _round(self.kind, self.num_stages, self.round_size)
+    return self.family.round_size(self.accumulation_steps)
 
   def __len__(self) -> int:
     M = self.num_micro_batches
     if M == 0:
       return 0
-    if self.kind == "stream":
-      return M + drain_ticks(self.num_stages)
-    if self.kind == "forward":
-      return M + self.num_stages - 1
-    return len(self._table()) * (M // self.round_size)
+    return self.family.length(self.num_stages, M, self.accumulation_steps)
 
   def __getitem__(self, t: int) -> Tick:
     if not 0 <= t < len(self):
       raise IndexError(f"tick {t} outside [0, {len(self)})")
-    if self.kind in ("stream", "forward"):
-      return _stream_tick(t, self.num_stages, self.num_micro_batches,
-                          backward=self.kind == "stream")
-    table = self._table()
-    r, u = divmod(t, len(table))
-    return tuple(task._replace(micro_batch=task.micro_batch + r * self.round_size)
-                 for task in table[u])
+    return self.family.tick(t, self.num_stages, self.num_micro_batches, self.accumulation_steps)
 
   def __iter__(self) -> Iterator[Tick]:
     return (self[t] for t in range(len(self)))
+
 
 def fed(tick: Tick) -> Optional[int]:
   """The micro-batch that enters stage 0 on this tick, or None."""

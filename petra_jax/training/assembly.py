@@ -277,13 +277,14 @@ def method_setup(config, stages, num_classes: int) -> tuple:
   """``(stages, Pipeline options)`` of ``config.method``: auxiliary heads
   (``config.auxiliary``) for ``local`` and for forward gradients with a local
   guess; ``forward_gradient``'s options (``config.forward_gradient``)."""
-  if config.method not in ("local", "forward_gradient"):
+  updates = methods_lib.get(config.method).updates
+  if updates == "backward":
     return stages, {}
   fg = config.forward_gradient
-  if config.method == "local" or fg.guess == "local":
+  if updates == "local" or fg.guess == "local":
     stages = auxiliary.with_heads(stages, config.auxiliary.head, num_classes,
                                   config.auxiliary.hidden)
-  if config.method == "local":
+  if updates == "local":
     return stages, {}
   options = fg_lib.Options(guess=fg.guess, perturb=fg.perturb, emulate=fg.emulate, eps=fg.eps,
                            projection=fg.projection, seed=config.seed)

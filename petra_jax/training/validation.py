@@ -158,8 +158,8 @@ def validate_multiprocess(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError for what a multi-process run does not support."""
   if jax.process_count() == 1:
     return
-  if config.method == "backprop":
-    raise ConfigError("method 'backprop' runs on one device; run it in a single process "
+  if not methods_lib.get(config.method).pipelined:
+    raise ConfigError(f"method {config.method!r} runs on one device; run it in a single process "
                       "(without launch/*.sh or jax.distributed).")
 
 
@@ -268,9 +268,9 @@ def _check_batch(config) -> None:
     raise ConfigError(
         f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
         f"micro-batches; use a batch_size that is a multiple of {k}.")
-  if config.grad_quality_every and config.method == "backprop":
+  if config.grad_quality_every and not methods_lib.get(config.method).pipelined:
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
-                      "method 'backprop' computes only exact ones: use another method or "
+                      f"method {config.method!r} computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
 
 
@@ -313,10 +313,11 @@ def _check_unread_options(config) -> None:
   method, and ``auxiliary.*`` changed under a method without heads (all but
   ``local`` and ``forward_gradient`` with ``guess="local"``)."""
   defaults = config_lib.get_config()
-  uses_heads = config.method == "local" or (config.method == "forward_gradient"
-                                            and config.forward_gradient.guess == "local")
+  updates = methods_lib.get(config.method).updates
+  uses_heads = updates == "local" or (updates == "forward_gradient"
+                                      and config.forward_gradient.guess == "local")
   for group, used, readers in (
-      ("forward_gradient", config.method == "forward_gradient", "--config.method=forward_gradient"),
+      ("forward_gradient", updates == "forward_gradient", "--config.method=forward_gradient"),
       ("auxiliary", uses_heads, "--config.method=local or --config.method=forward_gradient with "
                                 "--config.forward_gradient.guess=local")):
     changed = [k for k in defaults[group] if config[group][k] != defaults[group][k]]
