@@ -54,18 +54,18 @@ PAPER_TABLE3 = [(44.5, 0.0), (43.6, 2.0), (21.2, 52.3), (20.3, 54.3)]  # GB, sav
 
 
 def held(table: schedule.Schedule) -> list[list[int]]:
-  """Micro-batches each stage holds after each tick: forward run, its family's ``frees`` task not.
+  """Micro-batches each stage holds after each tick: its family's ``holds`` task run (forward), its ``frees`` task (backward) not.
 
   Returns:
     ``[tick][stage]`` counts. Multiplied by what a stage keeps per micro-batch
     (its input, its weights), this is the memory the schedule costs. The
     last stage and ``backprop`` tasks keep nothing across ticks.
   """
-  J, frees = table.num_stages, table.family.frees
+  J, holds, frees = table.num_stages, table.family.holds, table.family.frees
   count, out = [0] * J, []
   for tick in table:
     for task in tick:
-      if task.kind == schedule.FORWARD:
+      if task.kind in holds:
         count[task.stage] += 1
       elif task.kind == frees:
         count[task.stage] -= 1

@@ -3,8 +3,8 @@
 Paper Table 4, between a micro-batch's forward and backward (a non-reversible
 stage always keeps its input): backprop is ``jax.grad``; revprop has no delay;
 petra reconstructs with current weights; approximate_input also stashes weights;
-dsp keeps inputs; delayed inputs and weights; gpipe and 1f1b keep inputs, exact,
-flushed every update. :data:`LOCAL_METHODS` send no gradient back.
+dsp keeps inputs; delayed inputs and weights; gpipe, 1f1b and zb_h1 (zero bubble)
+keep inputs, exact, flushed every update. :data:`LOCAL_METHODS` send no gradient back.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from petra_jax.engine import forward_gradient_tasks, local, tasks
+from petra_jax.engine import forward_gradient_tasks, local, tasks, zero_bubble
 from petra_jax.engine.context import Keeps
 from petra_jax.engine.schedule import (BACKPROP, BACKWARD, FORWARD, LOSS, Drained, ForwardOnly,
                                        GPipe, OneFOneB, Sequential, Stream, TickTable)
@@ -75,6 +75,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("delayed", Stream, stashes_weights=True, reconstructs=False),
     Method("gpipe", GPipe, stashes_weights=False, reconstructs=False),
     Method("1f1b", OneFOneB, stashes_weights=False, reconstructs=False),
+    Method("zb_h1", zero_bubble.ZeroBubbleH1, stashes_weights=False, reconstructs=False,
+           tasks=zero_bubble.TASKS),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
 LOCAL_METHODS: dict[str, Method] = {m.name: m for m in (

@@ -128,14 +128,15 @@ class TickTable:
   their forward), ``pipelined`` (stage by stage, not ``jax.grad`` of the
   model), ``flushed`` (``M`` a multiple of ``k``, rounds of ``k``),
   ``sends`` (per task kind, the message it sends: ``"forward"`` to ``j + 1``,
-  ``"backward"`` to ``j - 1``), ``frees`` (the kind after which a stage no
-  longer holds the micro-batch) and ``letters`` (per kind, its chart letters).
+  ``"backward"`` to ``j - 1``), ``holds`` and ``frees`` (the kinds from
+  which, and after which no longer, a stage holds the micro-batch) and ``letters`` (per kind, its chart letters).
   """
   name: ClassVar[str] = ""
   delayed: ClassVar[bool] = False
   pipelined: ClassVar[bool] = True
   flushed: ClassVar[bool] = False
   sends: ClassVar[dict] = {FORWARD: "forward", BACKWARD: "backward", LOSS: "backward"}
+  holds: ClassVar[tuple] = (FORWARD,)
   frees: ClassVar[str] = BACKWARD
   letters: ClassVar[dict] = {FORWARD: "F", BACKWARD: "B", LOSS: "FB"}
 

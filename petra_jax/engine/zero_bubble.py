@@ -1,0 +1,215 @@
+"""Zero bubble pipelining, ZB-H1 (Qi et al., ICLR 2024): a backward split in B and W.
+
+A non-reversible stage's backward is split in two tasks: ``input_grad`` (B)
+recomputes the forward from the kept input ``x``, sends ``dx = vjp_x(dy)``
+back, and keeps the weight-gradient vjp's residuals (and ``dy``); a later
+``weight_grad`` (W) applies ``dtheta = vjp_theta(dy)`` from those residuals,
+without recomputing. W has no consumer on another stage, so it fills the
+ticks where 1F1B waits; a stage holds at most ``min(J, k)`` micro-batches
+(1F1B's peak, on its first stage); the last stage's ``loss`` is its F and B,
+with its W later. The method row is ``zb_h1`` (:mod:`petra_jax.engine.methods`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, ClassVar, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.engine import packing
+from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine import tasks
+from petra_jax.engine.context import StageContext
+from petra_jax.engine.pipeline_state import PipelineState, take
+from petra_jax.engine.schedule import FORWARD, LOSS, Task, TickTable, as_soon_as_possible
+from petra_jax.engine.stage import Stage, cross_entropy, forward
+from petra_jax.engine.stage_state import StageState
+
+INPUT_GRAD, WEIGHT_GRAD = "input_grad", "weight_grad"
+
+
+class ZeroBubbleH1(TickTable):
+  """ZB-H1: per stage, B before F before W, every stage holding at most 1F1B's peak.
+
+  A stage holds a micro-batch from its F (the last stage: its ``loss``, F
+  and B in one) to its W, at most ``min(J, k)`` at a time: 1F1B's peak, on
+  its first stage (Qi et al., Sec. 3.1). The order is list scheduling with
+  ``T_F = T_B = T_W`` (the paper's setting); ``weight_share`` is the fraction
+  of a stage's backward cost that is W in :meth:`cost` (the simulator).
+  """
+  name, flushed = "zb_h1", True
+  sends: ClassVar[dict] = {FORWARD: "forward", INPUT_GRAD: "backward", LOSS: "backward"}
+  holds: ClassVar[tuple] = (FORWARD, LOSS)
+  frees: ClassVar[str] = WEIGHT_GRAD
+  letters: ClassVar[dict] = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W", LOSS: "FB"}
+  weight_share: ClassVar[float] = 0.5
+
+  @classmethod
+  def stages(cls, kind: str, num_stages: int) -> range:
+    """W on every stage; the others as :class:`TickTable`."""
+    return range(num_stages) if kind == WEIGHT_GRAD else TickTable.stages(kind, num_stages)
+
+  @staticmethod
+  def dependency(task: Task, num_stages: int) -> Optional[Task]:
+    """F: the previous stage's F; B: the next stage's B (or the loss); W: none (its own B)."""
+    j, kind, m = task
+    if kind == INPUT_GRAD:
+      return Task(j + 1, LOSS if j == num_stages - 2 else INPUT_GRAD, m)
+    if kind == WEIGHT_GRAD:
+      return None
+    return TickTable.dependency(task, num_stages)
+
+  @classmethod
+  def round(cls, num_stages: int, accumulation_steps: int) -> tuple:
+    """One update: per stage :func:`stage_orders`, each task as early as possible."""
+    J = num_stages
+    order = stage_orders(J, accumulation_steps, cls.dependency)
+    return tuple(as_soon_as_possible(order, lambda task: cls.dependency(task, J)))
+
+  @classmethod
+  def cost(cls, task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
+    """W: ``weight_share`` of ``B_j`` (of ``B_{J-1} - F_{J-1}`` on the last stage); B and the
+    loss: the rest; F as :class:`TickTable`."""
+    j, last = task.stage, task.stage == len(backward_ms) - 1
+    w = cls.weight_share * (backward_ms[j] - (forward_ms[j] if last else 0.0))
+    if task.kind == WEIGHT_GRAD:
+      return w
+    if task.kind in (INPUT_GRAD, LOSS):
+      return backward_ms[j] - w
+    return TickTable.cost(task, forward_ms, backward_ms)
+
+
+def stage_orders(J: int, k: int, dependency: Callable) -> list:
+  """Per stage, its tasks in order: event-driven list scheduling with unit costs (the loss F + B:
+  2). A free stage starts the first ready task of B, F (below ``min(J, k)`` held), W."""
+  free, done, order = [0] * J, {}, [[] for _ in range(J)]
+  nf, nb, nw = [0] * J, [0] * J, [0] * J
+  while nw != [k] * J:
+    start, j, task = min(_next(j, J, k, nf[j], nb[j], nw[j], free[j], done, dependency)
+                         for j in range(J) if nw[j] < k)
+    free[j] = done[task] = start + (2 if task.kind == LOSS else 1)
+    order[j].append(task)
+    counter = {INPUT_GRAD: nb, WEIGHT_GRAD: nw}.get(task.kind, nf)
+    counter[j] += 1
+  return order
+
+
+def _next(j, J, k, nf, nb, nw, free, done, dependency) -> tuple:
+  """``(start, j, task)``: stage ``j``'s next task (start ``inf`` if none is ready yet)."""
+  last, candidates = j == J - 1, []
+  if not last and nb < nf:
+    candidates.append(Task(j, INPUT_GRAD, nb))
+  if nf < k and nf - nw < min(J, k):
+    candidates.append(Task(j, LOSS if last else FORWARD, nf))
+  if nw < (nf if last else nb):
+    candidates.append(Task(j, WEIGHT_GRAD, nw))
+  best = (float("inf"), j, Task(j, WEIGHT_GRAD, nw))
+  for task in candidates:
+    dep = dependency(task, J)
+    if dep is None or dep in done:
+      start = max(free, done.get(dep, 0))
+      if start < best[0]:
+        best = (start, j, task)
+  return best
+
+
+def input_grad_step(stage: Stage, input_grad: bool, take_stats: bool, state: StageState, x, dy):
+  """B: recompute ``F_j`` at ``x``; ``(state, dx or None, residuals)``.
+
+  ``x [B, ...]`` the kept input, ``dy`` the output's cotangent; ``residuals``:
+  ``(vjp_theta, dy)``, the weight-gradient vjp (a pytree of its residuals).
+  The new BatchNorm statistics go into ``state`` here (``take_stats``).
+  """
+  x, dy = quantize_lib.dequantize((x, dy))
+  p, bs = state.params, state.batch_stats
+  _, vjp_theta, stats = jax.vjp(lambda q: forward(stage, q, bs, x), p, has_aux=True)
+  dx = None
+  if input_grad:
+    _, vjp_x, _ = jax.vjp(lambda z: forward(stage, p, bs, z), x, has_aux=True)
+    (dx,) = vjp_x(dy)
+  return state.replace(batch_stats=stats) if take_stats else state, dx, (vjp_theta, dy)
+
+
+def loss_input_grad_step(stage: Stage, state: StageState, x, labels):
+  """The last stage's F and B: ``(state, dx, loss float32, residuals)``.
+
+  ``labels int32[B]``; the loss is the mean cross-entropy (Alg. 1 l. 27-30);
+  ``residuals``: ``(vjp_theta, 1.0)``. The new BatchNorm statistics go into ``state``.
+  """
+  x = quantize_lib.dequantize(x)
+  p, bs = state.params, state.batch_stats
+
+  def loss_fn(q, z):
+    logits, stats = forward(stage, q, bs, z)
+    return cross_entropy(logits, labels), stats
+
+  loss, vjp_theta, stats = jax.vjp(lambda q: loss_fn(q, x), p, has_aux=True)
+  _, vjp_x, _ = jax.vjp(lambda z: loss_fn(p, z), x, has_aux=True)
+  one = jnp.ones_like(loss)
+  (dx,) = vjp_x(one)
+  return state.replace(batch_stats=stats), dx, loss, (vjp_theta, one)
+
+
+def weight_grad_step(state: StageState, residuals) -> StageState:
+  """W: ``dtheta = vjp_theta(dy)`` from B's residuals, and the update."""
+  vjp_theta, dy = residuals
+  (grads,) = vjp_theta(dy)
+  return state.apply_gradients(grads, state.batch_stats)
+
+
+def _jit(fn: Callable, donate_argnums) -> Callable:
+  return jax.jit(packing.on_packed(fn), donate_argnums=donate_argnums)
+
+
+def input_grad_task(ctx: StageContext) -> Callable:
+  """Stage ``j``'s B: ``(None, dx)`` to ``j - 1``; the residuals kept for its W."""
+  j, local, send, get = ctx.j, ctx.local, ctx.send_back, ctx.state_of
+  take_stats = not ctx.steps.stats_in_forward
+  step = _jit(functools.partial(input_grad_step, ctx.stage, j > 0, take_stats), 0)
+
+  def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
+    _, dy = take(state.grad_inbox[j], m, "cotangent", j)
+    dx = None
+    if local:
+      x = take(state.buffers[j], m, "buffered input", j)
+      state.stage_states[j], dx, state.weight_stash[j][m] = step(get(state), x, dy)
+    if send is not None:
+      state.grad_inbox[j - 1][m] = send(None, dx, m)
+    return tasks.NOTHING
+  return task
+
+
+def weight_grad_task(ctx: StageContext) -> Callable:
+  """Stage ``j``'s W: the update from the residuals its B kept."""
+  j, local, get = ctx.j, ctx.local, ctx.state_of
+  step = _jit(weight_grad_step, (0, 1))
+
+  def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
+    if local:
+      residuals = take(state.weight_stash[j], m, "weight-gradient residuals", j)
+      state.stage_states[j] = step(get(state), residuals)
+    return tasks.NOTHING
+  return task
+
+
+def loss_task(ctx: StageContext) -> Callable:
+  """The last stage's F and B: ``(None, dx)`` to ``J - 2``; the residuals kept for its W."""
+  j, local, send, get, loss_home = ctx.j, ctx.local, ctx.send_back, ctx.state_of, ctx.loss_home
+  step = _jit(functools.partial(loss_input_grad_step, ctx.stage), 0)
+
+  def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
+    x, loss, dx = take(state.inbox[j], m, "input", j), None, None
+    if local:
+      labels = take(state.labels, m, "labels", j)
+      state.stage_states[j], dx, loss, state.weight_stash[j][m] = step(get(state), x, labels)
+    state.grad_inbox[j - 1][m] = send(None, dx, m)
+    if loss_home is not None:
+      loss = loss_home(loss)
+    return tasks.TaskResult(loss=loss)
+  return task
+
+
+TASKS = {FORWARD: tasks.forward_task, INPUT_GRAD: input_grad_task,
+         WEIGHT_GRAD: weight_grad_task, LOSS: loss_task}
