@@ -1,7 +1,7 @@
 """A schedule as run: a Fig. 1-style chart of a recorded timeline.
 
 ``python -m petra_jax.benchmarks.timeline --model=revnet18 --width=4 --ticks=30
-[--method=petra|gpipe|1f1b|...] [--accumulation-steps=K] --out=docs/timeline.png`` records
+[--method=petra|gpipe|1f1b|zb_h1|...] [--accumulation-steps=K] --out=docs/timeline.png`` records
 the first ticks of a tiny pipeline, checks them against the schedule table, draws them and
 prints the fill ticks and idle F/B slots (bubbles).
 """
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.engine import observers
-from petra_jax.engine.methods import METHODS
+from petra_jax.engine.methods import METHODS, get
 from petra_jax.engine.pipeline import Pipeline
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-Event = tuple  # (tick, stage, "F" | "B", micro_batch)
+Event = tuple  # (tick, stage, "F" | "B" | "W", micro_batch)
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "idle": "#EEEEEE"}
 
 
@@ -49,7 +49,8 @@ def timeline_stats(timeline: Sequence[Event], num_stages: int,
 
 def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
                   title: Optional[str] = None, num_ticks: Optional[int] = None) -> str:
-  """Draws ``(tick, stage, "F" | "B", micro_batch)`` events as in paper Fig. 1 to ``path``."""
+  """Draws ``(tick, stage, "F" | "B" | "W", micro_batch)`` events as in paper Fig. 1 to ``path``
+  (F in a tick's left half, B or W in its right half)."""
   stats = timeline_stats(timeline, num_stages, num_ticks)
   ticks = stats["ticks"]
   fig, ax = plt.subplots(figsize=(max(6.0, 0.42 * ticks + 1.5), 0.45 * num_stages + 1.6))
@@ -72,9 +73,10 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
   ax.set_title(title or (f"PETRA schedule, {num_stages} stages: F then B per tick, "
                          f"labels = micro-batch; {stats['bubbles']} idle of "
                          f"{stats['slots']} slots"), fontsize=9)
-  ax.legend(handles=[Patch(color=COLORS["F"], label="forward (F)"),
-                     Patch(color=COLORS["B"], label="backward (B)"),
-                     Patch(color=COLORS["idle"], label="idle (bubble)")],
+  letters = sorted({e[2] for e in timeline}, key="FBW".index)
+  names = {"F": "forward (F)", "B": "backward (B)", "W": "weight gradient (W)"}
+  ax.legend(handles=[Patch(color=COLORS[c], label=names[c]) for c in letters]
+            + [Patch(color=COLORS["idle"], label="idle (bubble)")],
             loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -132,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     raise SystemExit("error: the engine ran other tasks than its schedule table prescribes.")
   J = len(stages)
   s = timeline_stats(timeline, J, args.ticks)
-  k = f", k = {args.accumulation_steps}" if args.method in ("gpipe", "1f1b") else ""
+  k = f", k = {args.accumulation_steps}" if get(args.method).schedule.flushed else ""
   plot_timeline(timeline, J, args.out, num_ticks=args.ticks, title=(
       f"{args.method} schedule, {J} stages{k}: labels = micro-batch; {s['bubbles']} idle "
       f"of {s['slots']} F/B slots"))

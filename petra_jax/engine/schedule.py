@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import importlib
 from typing import ClassVar, Iterator, NamedTuple, Optional, Sequence
 
 FORWARD, BACKWARD, LOSS, BACKPROP = "forward", "backward", "loss", "backprop"
@@ -278,6 +279,8 @@ def family(kind) -> type:
   """
   if isinstance(kind, type) and issubclass(kind, TickTable):
     return kind
+  if kind not in SCHEDULES:  # families outside this module register on import with their rows
+    importlib.import_module("petra_jax.engine.methods")
   if kind not in SCHEDULES:
     raise ValueError(f"Unknown schedule {kind!r}; choose one of {tuple(SCHEDULES)}.")
   return SCHEDULES[kind]

@@ -184,7 +184,7 @@ def input_grad_task(ctx: StageContext) -> Callable:
 def weight_grad_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s W: the update from the residuals its B kept."""
   j, local, get = ctx.j, ctx.local, ctx.state_of
-  step = _jit(weight_grad_step, (0, 1))
+  step = _jit(weight_grad_step, 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     if local:
