@@ -66,6 +66,15 @@ def test_half_of_1f1b_bubble_at_1f1b_peak_memory():
   assert max(peak_zb) == max(peak_1f1b) == min(J, k)
 
 
+def test_peak_device_memory_of_1f1b_on_a_revnet():
+  """The memory model on RevNet18 (J = 10 stages, k = 8): the device that holds most holds as
+  much under ZB-H1 as under 1F1B (a stage's bytes: held micro-batches x its input's bytes)."""
+  sizes = memory_model.stage_bytes(models.build_model("revnet18", width=4), (32, 32, 3), 8)
+  peaks = {m: max(memory_model.stored_bytes(sizes, m, accumulation_steps=8))
+           for m in ("1f1b", "zb_h1")}
+  assert peaks["zb_h1"] == peaks["1f1b"] > 0
+
+
 class _Block(nn.Module):
   """A user's plain block: Dense, BatchNorm, ReLU on ``[B, D]``."""
   features: int
