@@ -272,6 +272,10 @@ def _check_batch(config) -> None:
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       f"method {config.method!r} computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
+  if config.grad_quality_every and "backward" not in methods_lib.get(config.method).tasks:
+    raise ConfigError("grad_quality_every probes each stage's backward task; method "
+                      f"{config.method!r} has none (it splits it): use another method or "
+                      "--config.grad_quality_every=0.")
 
 
 def _check_local(config) -> None:
