@@ -11,9 +11,9 @@ from petra_jax import models
 from petra_jax.benchmarks import memory_model
 from petra_jax.benchmarks import simulate
 from petra_jax.engine import pipeline
-from petra_jax.engine.schedule import FORWARD, LOSS, Schedule, Task
+from petra_jax.engine.schedule import FORWARD, Schedule, Task
 from petra_jax.engine.stage import Stage
-from petra_jax.engine.zero_bubble import INPUT_GRAD, WEIGHT_GRAD
+from petra_jax.engine.zero_bubble import INPUT_GRAD, LOSS_INPUT_GRAD, WEIGHT_GRAD
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
 
@@ -29,22 +29,22 @@ def _when(table):
 
 def _consumes(task, J):
   """Read off Qi et al. Fig. 2: F after the previous stage's F, B after the next stage's B
-  (or the loss), W after its own B; the last stage's loss (its F and B) before its W."""
+  (or the loss), W after its own B; the last stage's F and B (with the loss) before its W."""
   j, kind, m = task
   if kind == FORWARD:
     return [Task(j - 1, FORWARD, m)] if j else []
-  if kind == LOSS:
+  if kind == LOSS_INPUT_GRAD:
     return [Task(J - 2, FORWARD, m)]
   if kind == INPUT_GRAD:
-    return [Task(j, FORWARD, m), Task(j + 1, LOSS if j == J - 2 else INPUT_GRAD, m)]
-  return [Task(j, LOSS if j == J - 1 else INPUT_GRAD, m)]
+    return [Task(j, FORWARD, m), Task(j + 1, LOSS_INPUT_GRAD if j == J - 2 else INPUT_GRAD, m)]
+  return [Task(j, LOSS_INPUT_GRAD if j == J - 1 else INPUT_GRAD, m)]
 
 
 @pytest.mark.parametrize("J, k", [(2, 1), (3, 4), (4, 8), (8, 8), (10, 4)])
 def test_table_runs_every_task_once_after_what_it_consumes(J, k):
   table = Schedule("zb_h1", J, 2 * k, k)
   when = _when(table)
-  kinds = {FORWARD: J - 1, INPUT_GRAD: J - 1, WEIGHT_GRAD: J, LOSS: 1}
+  kinds = {FORWARD: J - 1, INPUT_GRAD: J - 1, WEIGHT_GRAD: J, LOSS_INPUT_GRAD: 1}
   assert len(when) == sum(kinds.values()) * 2 * k
   for task, t in when.items():
     assert all(when[d] < t for d in _consumes(task, J)), task

@@ -25,7 +25,7 @@ from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.messages import Messenger, resolve
 from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.schedule import BACKWARD, FORWARD, LOSS, Schedule
+from petra_jax.engine.schedule import BACKWARD, FORWARD, Schedule
 from petra_jax.engine.stage import Stage, trace
 from petra_jax.engine.stage_state import StageState
 from petra_jax.engine.steps import BN_POLICIES, OneStage, StageSteps
@@ -205,6 +205,7 @@ class Pipeline:
       ScheduleError: a task's input has not arrived.
     """
     state, outputs, run, pairs = state.successor(), [], self._run_task, self._pairs
+    losses = self.method.schedule.losses
     i, n = 0, len(tick)
     while i < n:
       task = tick[i]
@@ -215,7 +216,7 @@ class Pipeline:
           i += 2
           continue
       result = run(state, task, batches)
-      if result.loss is not None or (self.multiprocess and task.kind == LOSS):
+      if result.loss is not None or (self.multiprocess and task.kind in losses):
         outputs.append(TickOutput(task.micro_batch, result.loss))
       i += 1
     if self.regime.defer:

@@ -130,7 +130,8 @@ class TickTable:
   model), ``flushed`` (``M`` a multiple of ``k``, rounds of ``k``),
   ``sends`` (per task kind, the message it sends: ``"forward"`` to ``j + 1``,
   ``"backward"`` to ``j - 1``), ``holds`` and ``frees`` (the kinds from
-  which, and after which no longer, a stage holds the micro-batch) and ``letters`` (per kind, its chart letters).
+  which, and after which no longer, a stage holds the micro-batch), ``losses``
+  (the kinds whose task reports the micro-batch's loss) and ``letters`` (per kind, its chart letters).
   """
   name: ClassVar[str] = ""
   delayed: ClassVar[bool] = False
@@ -139,6 +140,7 @@ class TickTable:
   sends: ClassVar[dict] = {FORWARD: "forward", BACKWARD: "backward", LOSS: "backward"}
   holds: ClassVar[tuple] = (FORWARD,)
   frees: ClassVar[str] = BACKWARD
+  losses: ClassVar[tuple] = (LOSS,)
   letters: ClassVar[dict] = {FORWARD: "F", BACKWARD: "B", LOSS: "FB"}
 
   def __init_subclass__(cls, **kwargs):

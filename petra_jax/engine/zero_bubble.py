@@ -6,7 +6,7 @@ back, and keeps the weight-gradient vjp's residuals (and ``dy``); a later
 ``weight_grad`` (W) applies ``dtheta = vjp_theta(dy)`` from those residuals,
 without recomputing. W has no consumer on another stage, so it fills the
 ticks where 1F1B waits; a stage holds at most ``min(J, k)`` micro-batches
-(1F1B's peak, on its first stage); the last stage's ``loss`` is its F and B,
+(1F1B's peak, on its first stage); the last stage's ``loss_input_grad`` is its F and B,
 with its W later. The method row is ``zb_h1`` (:mod:`petra_jax.engine.methods`).
 """
 
@@ -23,11 +23,13 @@ from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import tasks
 from petra_jax.engine.context import StageContext
 from petra_jax.engine.pipeline_state import PipelineState, take
-from petra_jax.engine.schedule import FORWARD, LOSS, Task, TickTable, as_soon_as_possible
+from petra_jax.engine.schedule import (BACKWARD, FORWARD, LOSS, Task, TickTable,
+                                       as_soon_as_possible)
 from petra_jax.engine.stage import Stage, cross_entropy, forward
 from petra_jax.engine.stage_state import StageState
 
 INPUT_GRAD, WEIGHT_GRAD = "input_grad", "weight_grad"
+LOSS_INPUT_GRAD = "loss_input_grad"  # the last stage's F and B (its W later)
 
 
 class ZeroBubbleH1(TickTable):
@@ -40,25 +42,32 @@ class ZeroBubbleH1(TickTable):
   of a stage's backward cost that is W in :meth:`cost` (the simulator).
   """
   name, flushed = "zb_h1", True
-  sends: ClassVar[dict] = {FORWARD: "forward", INPUT_GRAD: "backward", LOSS: "backward"}
-  holds: ClassVar[tuple] = (FORWARD, LOSS)
+  sends: ClassVar[dict] = {FORWARD: "forward", INPUT_GRAD: "backward", LOSS_INPUT_GRAD: "backward"}
+  holds: ClassVar[tuple] = (FORWARD, LOSS_INPUT_GRAD)
   frees: ClassVar[str] = WEIGHT_GRAD
-  letters: ClassVar[dict] = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W", LOSS: "FB"}
+  losses: ClassVar[tuple] = (LOSS, LOSS_INPUT_GRAD)
+  letters: ClassVar[dict] = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W", LOSS_INPUT_GRAD: "FB"}
   weight_share: ClassVar[float] = 0.5
 
   @classmethod
   def stages(cls, kind: str, num_stages: int) -> range:
-    """W on every stage; the others as :class:`TickTable`."""
-    return range(num_stages) if kind == WEIGHT_GRAD else TickTable.stages(kind, num_stages)
+    """W on every stage, the loss's F and B on the last; the others as :class:`TickTable`."""
+    if kind == WEIGHT_GRAD:
+      return range(num_stages)
+    if kind == LOSS_INPUT_GRAD:
+      return range(num_stages - 1, num_stages)
+    return TickTable.stages(kind, num_stages)
 
   @staticmethod
   def dependency(task: Task, num_stages: int) -> Optional[Task]:
     """F: the previous stage's F; B: the next stage's B (or the loss); W: none (its own B)."""
     j, kind, m = task
     if kind == INPUT_GRAD:
-      return Task(j + 1, LOSS if j == num_stages - 2 else INPUT_GRAD, m)
+      return Task(j + 1, LOSS_INPUT_GRAD if j == num_stages - 2 else INPUT_GRAD, m)
     if kind == WEIGHT_GRAD:
       return None
+    if kind == LOSS_INPUT_GRAD:
+      return Task(num_stages - 2, FORWARD, m)
     return TickTable.dependency(task, num_stages)
 
   @classmethod
@@ -76,7 +85,7 @@ class ZeroBubbleH1(TickTable):
     w = cls.weight_share * (backward_ms[j] - (forward_ms[j] if last else 0.0))
     if task.kind == WEIGHT_GRAD:
       return w
-    if task.kind in (INPUT_GRAD, LOSS):
+    if task.kind in (INPUT_GRAD, LOSS_INPUT_GRAD):
       return backward_ms[j] - w
     return TickTable.cost(task, forward_ms, backward_ms)
 
@@ -89,7 +98,7 @@ def stage_orders(J: int, k: int, dependency: Callable) -> list:
   while nw != [k] * J:
     start, j, task = min(_next(j, J, k, nf[j], nb[j], nw[j], free[j], done, dependency)
                          for j in range(J) if nw[j] < k)
-    free[j] = done[task] = start + (2 if task.kind == LOSS else 1)
+    free[j] = done[task] = start + (2 if task.kind == LOSS_INPUT_GRAD else 1)
     order[j].append(task)
     counter = {INPUT_GRAD: nb, WEIGHT_GRAD: nw}.get(task.kind, nf)
     counter[j] += 1
@@ -102,7 +111,7 @@ def _next(j, J, k, nf, nb, nw, free, done, dependency) -> tuple:
   if not last and nb < nf:
     candidates.append(Task(j, INPUT_GRAD, nb))
   if nf < k and nf - nw < min(J, k):
-    candidates.append(Task(j, LOSS if last else FORWARD, nf))
+    candidates.append(Task(j, LOSS_INPUT_GRAD if last else FORWARD, nf))
   if nw < (nf if last else nb):
     candidates.append(Task(j, WEIGHT_GRAD, nw))
   best = (float("inf"), j, Task(j, WEIGHT_GRAD, nw))
@@ -194,7 +203,7 @@ def weight_grad_task(ctx: StageContext) -> Callable:
   return task
 
 
-def loss_task(ctx: StageContext) -> Callable:
+def loss_input_grad_task(ctx: StageContext) -> Callable:
   """The last stage's F and B: ``(None, dx)`` to ``J - 2``; the residuals kept for its W."""
   j, local, send, get, loss_home = ctx.j, ctx.local, ctx.send_back, ctx.state_of, ctx.loss_home
   step = _jit(functools.partial(loss_input_grad_step, ctx.stage), 0)
@@ -211,5 +220,7 @@ def loss_task(ctx: StageContext) -> Callable:
   return task
 
 
-TASKS = {FORWARD: tasks.forward_task, INPUT_GRAD: input_grad_task,
-         WEIGHT_GRAD: weight_grad_task, LOSS: loss_task}
+# The split tasks, and the whole backward and loss for tables without W (``drained``).
+TASKS = {FORWARD: tasks.forward_task, INPUT_GRAD: input_grad_task, WEIGHT_GRAD: weight_grad_task,
+         LOSS_INPUT_GRAD: loss_input_grad_task, BACKWARD: tasks.backward_task,
+         LOSS: tasks.loss_task}
