@@ -40,6 +40,8 @@ class StageContext:
     send: its output to ``j + 1`` (None on the last stage).
     send_back: ``(x, delta, m) -> (x or None, delta)`` on ``j - 1`` (None on
       stage 0); ``x`` travels only when stage ``j - 1`` reconstructs.
+    route_back: any payload to ``j - 1`` as is (None on stage 0; methods
+      that send no cotangent).
     encode: ``(x, m) -> x`` in the ``buffer`` format (a kept input).
     feed: stage 0's ``(state, m, batches)``: images in, labels to the last stage.
     state_of: ``state -> its state`` as the steps take it (packed or not).
@@ -55,6 +57,7 @@ class StageContext:
   keeps: Keeps
   send: Optional[Route]
   send_back: Optional[Callable]
+  route_back: Optional[Route]
   encode: Callable
   feed: Optional[Callable]
   state_of: Callable

@@ -85,7 +85,7 @@ def forward_task(ctx: StageContext) -> Callable:
 
 def loss_task(ctx: StageContext) -> Callable:
   """The last stage's update; its scalars (or ``dL/dx``) to ``j-1``."""
-  j, steps, send, emulate = ctx.j, ctx.steps, ctx.send_back, ctx.options.emulate
+  j, steps, send, emulate = ctx.j, ctx.steps, ctx.route_back, ctx.options.emulate
   scalars = jax.jit(functools.partial(last_scalars, ctx.stage))
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
@@ -93,20 +93,20 @@ def loss_task(ctx: StageContext) -> Callable:
     labels = take(state.labels, m, "labels", j)
     back = None if emulate else scalars(state.stage_states[j], x, labels, tangents)
     state.stage_states[j], dx, loss = steps.backward(state.stage_states[j], x, labels)
-    state.grad_inbox[j - 1][m] = send(None, dx if emulate else back, m)
+    state.grad_inbox[j - 1][m] = send(dx if emulate else back, m)
     return TaskResult(loss=loss)
   return task
 
 
 def backward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s update from its row of scalars; the earlier rows to ``j-1``."""
-  j, o, send, keeps_input = ctx.j, ctx.options, ctx.send_back, ctx.keeps.input
+  j, o, send, keeps_input = ctx.j, ctx.options, ctx.route_back, ctx.keeps.input
   update = fg_emulated_update if o.emulate else fg_update
   step = jax.jit(functools.partial(update, ctx.stage, o.perturb, o.eps, o.projection),
                  donate_argnums=0)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    _, message = take(state.grad_inbox[j], m, "scalars", j)
+    message = take(state.grad_inbox[j], m, "scalars", j)
     guess, head = take(state.weight_stash[j], m, "guess", j)
     x = take(state.buffers[j], m, "buffered input", j) if keeps_input else None
     st = state.stage_states[j]
@@ -116,6 +116,6 @@ def backward_task(ctx: StageContext) -> Callable:
       state.stage_states[j] = step(st, message[j], guess, head, x)
       back = message[:j]
     if send is not None:
-      state.grad_inbox[j - 1][m] = send(None, back, m)
+      state.grad_inbox[j - 1][m] = send(back, m)
     return NOTHING
   return task

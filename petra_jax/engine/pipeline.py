@@ -126,10 +126,11 @@ class Pipeline:
     """Stage ``j``'s :class:`StageContext` (built once)."""
     J, p, msg = self.num_stages, self.placements, self.messages
     send = msg.route("forward", j, j + 1) if j < J - 1 else None
-    send_back = None
+    route_back = send_back = None
     if j > 0:
       back = self.reconstructs[j - 1]
-      send_back = context_lib.back_route(msg.route("backward", j, j - 1, first=back), back)
+      route_back = msg.route("backward", j, j - 1, first=back)
+      send_back = context_lib.back_route(route_back, back)
     feed = (context_lib.feeder(p[0], p[-1], self.local[0], self.local[-1]) if j == 0
             else None)
     loss_home = None
@@ -138,6 +139,7 @@ class Pipeline:
     return context_lib.StageContext(
         j=j, last=j == J - 1, stage=self.stages[j], steps=OneStage(self.steps, j),
         local=self.local[j], keeps=self.keeps[j], send=send, send_back=send_back,
+        route_back=route_back,
         encode=lambda x, m: msg.encode("buffer", x, j, m), feed=feed,
         state_of=context_lib.state_getter(j, self.regime.pack), device=self.devices[j],
         loss_home=loss_home, options=self.forward_gradient)
