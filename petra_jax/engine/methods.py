@@ -39,7 +39,8 @@ class Method:
   stashes_weights: bool
   reconstructs: bool
   updates: str = "backward"
-  tasks: Mapping[str, Callable] = dataclasses.field(default_factory=lambda: BACKWARD_TASKS)
+  tasks: Mapping[str, Callable] = dataclasses.field(default_factory=lambda: BACKWARD_TASKS,
+                                                    compare=False)
 
   @property
   def delayed(self) -> bool:
