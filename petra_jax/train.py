@@ -64,9 +64,13 @@ def _run():
   if backend_error:
     exit_now(f"error: {backend_error}")
   try:
-    workdir_lib.check_workdir(_WORKDIR.value)
-    with _workdir_lock(_WORKDIR.value):
-      train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value)
+    # A refused start (bad config, another run's checkpoint, no data) leaves
+    # the workdir as it found it: no config.json, lock file or folders added.
+    with workdir_lib.kept_as_found(_WORKDIR.value, jax.process_index() == 0) as accept:
+      workdir_lib.check_workdir(_WORKDIR.value)
+      with _workdir_lock(_WORKDIR.value):
+        train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value,
+                           on_accepted=accept)
   except transport.PeerError as e:
     exit_now(f"error: process {jax.process_index()}: {e}")
   except (ConfigError, data_lib.DataError, checkpoint_blocks.CheckpointError, FloatingPointError,

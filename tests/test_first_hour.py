@@ -1,0 +1,86 @@
+"""A new user's first hour (issue 39): each rough edge, reproduced by its command.
+
+The CLIs run in-process (``train.main`` after ``train._parse_flags``, as absl's
+``app.run`` does), their output read with capsys.
+"""
+
+import json
+import os
+import sys
+
+from absl import flags
+import pytest
+
+from petra_jax import train
+from helpers import REPO
+
+
+def _listing(path):
+  """Every file under ``path`` with its bytes (None: ``path`` is missing)."""
+  if not os.path.exists(path):
+    return None
+  out = {}
+  for root, _, files in os.walk(path):
+    for name in files:
+      full = os.path.join(root, name)
+      with open(full, "rb") as f:
+        out[os.path.relpath(full, path)] = f.read()
+  return out
+
+
+def _forget_overrides():
+  """Unparses the flags and drops the ``--config.*`` ones a parse defined."""
+  flags.FLAGS.unparse_flags()
+  for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+    delattr(flags.FLAGS, name)
+
+
+def cli(*args) -> int:
+  """``python -m petra_jax.train ARGS`` in this process; its exit status."""
+  _forget_overrides()
+  saved, sys.argv = sys.argv, ["petra_jax.train", *args]  # (config_flags reads sys.argv)
+  try:
+    argv = train._parse_flags(list(sys.argv))  # pylint: disable=protected-access
+    train.main(argv)
+  except SystemExit as e:
+    if isinstance(e.code, str):  # (the interpreter prints it)
+      print(e.code, file=sys.stderr)
+    return e.code if isinstance(e.code, int) else 1 if e.code else 0
+  finally:
+    sys.argv = saved
+    _forget_overrides()
+  return 0
+
+
+CPU = os.path.join(REPO, "configs", "cifar10_cpu.py")
+
+
+# 1. A refused run never touches the workdir: config.json, lock and all.
+
+def test_refused_config_leaves_a_missing_workdir_missing(tmp_path, capsys):
+  workdir = tmp_path / "new" / "run"
+  assert cli(f"--config={CPU}", f"--workdir={workdir}", "--config.batch_size=-1") == 1
+  assert "batch_size must be >= 1" in capsys.readouterr().err
+  assert not (tmp_path / "new").exists()
+
+
+def test_refused_config_leaves_another_runs_record_alone(tmp_path, capsys):
+  (tmp_path / "config.json").write_text('{"method": "petra"}\n')
+  before = _listing(tmp_path)
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}", "--config.method=nope") == 1
+  assert "Unknown method 'nope'" in capsys.readouterr().err
+  assert _listing(tmp_path) == before  # no lock file, no config.json over the old one
+
+
+@pytest.mark.slow
+def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys):
+  run = [f"--config={CPU}:runlocal", f"--workdir={tmp_path}", f"--config.data_dir={cifar10_dir}",
+         "--config.max_steps=2"]
+  assert cli(*run) == 0
+  before = _listing(tmp_path)
+  assert cli(*run, "--config.method=backprop") == 1
+  assert "comes from a different run" in capsys.readouterr().err
+  assert _listing(tmp_path) == before
+  # The saved config still resumes the original run (finished: one line, exit 0).
+  assert cli(f"--config={tmp_path}/config.json", f"--workdir={tmp_path}") == 0
+  assert "already finished" in capsys.readouterr().out
