@@ -4,7 +4,6 @@ The CLIs run in-process (``train.main`` after ``train._parse_flags``, as absl's
 ``app.run`` does), their output read with capsys.
 """
 
-import json
 import os
 import sys
 
@@ -84,3 +83,32 @@ def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys
   # The saved config still resumes the original run (finished: one line, exit 0).
   assert cli(f"--config={tmp_path}/config.json", f"--workdir={tmp_path}") == 0
   assert "already finished" in capsys.readouterr().out
+
+
+# 4. Config errors in plain text; --help lists the config.
+
+def test_help_exits_0_and_lists_every_config_field_with_default(capsys):
+  from petra_jax import config as config_lib
+  assert cli("--help") == 0
+  out = capsys.readouterr().out
+  for field in ("batch_size=128", "model.stage_sizes='()'", "optim.name=sgd", "method=petra",
+                "progress_seconds=60.0"):
+    assert f"--config.{field}: " in out
+  listed = {line.split("=")[0].strip()[len("--config."):] for line in out.splitlines()
+            if line.strip().startswith("--config.")}
+  assert listed == set(config_lib.fields(config_lib.get_config()))
+
+
+@pytest.mark.parametrize("override, says", [
+    ("--config.max_step=3", "no field 'max_step'; Did you mean \"max_steps\""),
+    ("--config.batch_size=abc", "--config.batch_size=abc is not an integer (batch_size: images"),
+    ("--config.model=3", "--config.model is a group of fields"),
+    ("--config.model.stage_sizes=(1,2", "is not a tuple in quotes, e.g. '(1,2,3)' or '()'"),
+    ("--config.checkpoint_drain=maybe", "is not True or False"),
+])
+def test_bad_override_is_one_plain_line(override, says, tmp_path, capsys):
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}/w", override) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and says in err and "\\" not in err and "--helpfull" not in err
+  assert "python -m petra_jax.train --help" in err
+  assert not (tmp_path / "w").exists()

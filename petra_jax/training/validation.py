@@ -77,6 +77,7 @@ RANGES = (
     Range("eval_batch_size", 1, why="images per evaluation batch"),
     Range("prefetch", 0, why="0: off"),
     Range("log_every", 1, why="updates between train_loss lines"),
+    Range("progress_seconds", 0, why="0: no progress lines off a terminal"),
     Range("num_devices", 0, why="0: all local devices"),
     Range("data_parallel", 1, why="devices per stage"),
     Range("seed", 0, why="NumPy's generators take no negative seed"),
