@@ -8,8 +8,11 @@ import os
 import sys
 
 from absl import flags
+import flax.linen as nn
+import jax.numpy as jnp
 import pytest
 
+import petra_jax
 from petra_jax import train
 from helpers import REPO
 
@@ -111,4 +114,45 @@ def test_bad_override_is_one_plain_line(override, says, tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and says in err and "\\" not in err and "--helpfull" not in err
   assert "python -m petra_jax.train --help" in err
+  assert not (tmp_path / "w").exists()
+
+
+# 3. check_stages calls each stage as training does.
+
+class _Stem(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    return tuple(jnp.split(nn.Conv(8, (3, 3))(x), 2, axis=-1))
+
+
+class _FWithoutTrain(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Conv(4, (3, 3))(x))
+
+
+class _Head(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    return nn.Dense(10)(jnp.concatenate(x, -1).mean((1, 2)))
+
+
+def without_train(num_classes=10, width=4):
+  """A user model whose reversible ``F`` takes no ``train`` keyword."""
+  del num_classes, width
+  return [petra_jax.Stage("stem", _Stem(), False), petra_jax.Stage("rev0", _FWithoutTrain(), True),
+          petra_jax.Stage("head", _Head(), False)]
+
+
+def test_check_stages_names_a_stage_without_train_keyword():
+  with pytest.raises(ValueError, match=r"stage 'rev0' fails .*unexpected keyword argument "
+                                       r"'train'.*give its __call__ a `train: bool = True`"):
+    petra_jax.check_stages(without_train(), jnp.zeros((2, 8, 8, 3)))
+
+
+def test_cli_user_model_without_train_keyword_is_one_line(tmp_path, capsys):
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}/w", "--config.model.stage_sizes=()",
+             "--config.model.name=test_first_hour:without_train") == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "error: stage 'rev0' fails" in err
   assert not (tmp_path / "w").exists()
