@@ -4,12 +4,17 @@ The CLIs run in-process (``train.main`` after ``train._parse_flags``, as absl's
 ``app.run`` does), their output read with capsys.
 """
 
+import functools
 import os
 import sys
 
 from absl import flags
+from flax import nnx
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import petra_jax
@@ -156,3 +161,69 @@ def test_cli_user_model_without_train_keyword_is_one_line(tmp_path, capsys):
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "error: stage 'rev0' fails" in err
   assert not (tmp_path / "w").exists()
+
+
+# 5. update_nnx through the public path: the Stage's module.
+
+class _NNXStem(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(3, 4, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(4, momentum=0.9, rngs=rngs)
+
+  def __call__(self, x, train: bool = True):
+    return tuple(jnp.split(nnx.relu(self.bn(self.conv(x), use_running_average=not train)), 2, -1))
+
+
+class _NNXF(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = nnx.Conv(2, 2, (3, 3), rngs=rngs)
+    self.bn = nnx.BatchNorm(2, momentum=0.9, rngs=rngs)
+
+  def __call__(self, x):  # train()/eval() set the mode
+    return nnx.relu(self.bn(self.conv(x)))
+
+
+class _NNXHead(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(4, 10, rngs=rngs)
+
+  def __call__(self, x, train: bool = True):
+    return self.dense(jnp.concatenate(x, -1).mean((1, 2)))
+
+
+def _nnx_forward(modules, reversible, x):
+  """The composed model in plain NNX, eval mode: the coupling ``(x2 + F(x1), x1)``."""
+  for m, rev in zip(modules, reversible):
+    m.eval()
+    call = m if isinstance(m, _NNXF) else functools.partial(m, train=False)
+    x = (x[1] + call(x[0]), x[0]) if rev else call(x)
+  return x
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_update_nnx_writes_a_trained_stage_back_into_the_users_module(grouped):
+  rngs = nnx.Rngs(0)
+  modules = [_NNXStem(rngs), _NNXF(rngs), _NNXF(rngs), _NNXHead(rngs)]
+  reversible = [False, True, True, False]
+  stages = [petra_jax.Stage(f"s{j}", m, r) for j, (m, r) in enumerate(zip(modules, reversible))]
+  if grouped:
+    stages = petra_jax.group_stages(stages, [1, 2, 1])
+  pipe = petra_jax.Pipeline(stages, optax.sgd(0.1, momentum=0.9), jax.devices()[:1],
+                            accumulation_steps=2)
+  rng = np.random.default_rng(0)
+  images = jnp.asarray(rng.normal(size=(4, 8, 8, 3)), jnp.float32)
+  labels = jnp.asarray(rng.integers(0, 10, 4), jnp.int32)
+  state = pipe.init(0, images)
+  for tick in pipe.schedule(4):
+    state, _ = pipe.run_tick(state, tick, lambda m: (images, labels))
+  logits = pipe.predict(state, images)
+  before = _nnx_forward(modules, reversible, images)
+  assert float(jnp.abs(before - logits).max()) > 1e-3  # the modules still hold the initial weights
+  for stage, v in zip(stages, petra_jax.trained_variables(state)):
+    petra_jax.update_nnx(stage.module if not grouped else stage, v)
+  np.testing.assert_allclose(_nnx_forward(modules, reversible, images), logits, atol=1e-5)
+
+
+def test_update_nnx_on_a_linen_stage_is_one_line():
+  with pytest.raises(ValueError, match="update_nnx writes into an NNX module"):
+    petra_jax.update_nnx(without_train()[0].module, {"params": {}})
