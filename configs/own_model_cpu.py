@@ -16,7 +16,7 @@ from petra_jax import config as default
 def get_config():
   c = default.get_config()
   c.model.name = "my_models:tiny_revnet"
-  c.model.width = 8
+  c.model.width = 16
   c.num_epochs = 3
   c.steps_per_epoch = 100
   c.num_devices = 1
