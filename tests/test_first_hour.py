@@ -227,3 +227,43 @@ def test_update_nnx_writes_a_trained_stage_back_into_the_users_module(grouped):
 def test_update_nnx_on_a_linen_stage_is_one_line():
   with pytest.raises(ValueError, match="update_nnx writes into an NNX module"):
     petra_jax.update_nnx(without_train()[0].module, {"params": {}})
+
+
+# 2. What a user's loop feeds the pipeline, checked against the model's input.
+
+def _tiny_pipe(k=1):
+  rngs = nnx.Rngs(0)
+  stages = [petra_jax.Stage("stem", _NNXStem(rngs), False), petra_jax.Stage("rev", _NNXF(rngs), True),
+            petra_jax.Stage("head", _NNXHead(rngs), False)]
+  pipe = petra_jax.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], accumulation_steps=k)
+  rng = np.random.default_rng(0)
+  images = rng.normal(size=(4, 8, 8, 3)).astype(np.float32)
+  labels = rng.integers(0, 10, 4).astype(np.int32)
+  return pipe, pipe.init(0, images), images, labels
+
+
+@pytest.mark.parametrize("feed, says", [
+    (lambda x, y: (x.transpose(0, 3, 1, 2), y),
+     r"batches\(0\): images of shape \[4, 3, 8, 8\], but the model takes float \[B, 8, 8, 3\] "
+     r".*channels-first \(NCHW\): pass images.transpose\(0, 2, 3, 1\)"),
+    (lambda x, y: ((x * 50 + 128).clip(0, 255).astype(np.uint8), y),
+     r"images are uint8; the model takes floating, normalised images"),
+    (lambda x, y: (x, np.eye(10, dtype=np.float32)[y]),
+     r"labels of shape \[4, 10\] look one-hot; pass int32 class indices \[B\]: labels.argmax"),
+    (lambda x, y: (x, y.astype(np.float32)), r"labels are float32; pass int32"),
+    (lambda x, y: (x, y[:3]), r"labels of shape \[3\], but the model takes int32 class indices "
+                              r"\[B\] = \[4\]"),
+])
+def test_run_tick_refuses_a_batch_unlike_the_models_input(feed, says):
+  pipe, state, images, labels = _tiny_pipe()
+  tick = pipe.schedule(1)[0]
+  with pytest.raises(ValueError, match=says):
+    pipe.run_tick(state, tick, lambda m: feed(images, labels))
+
+
+def test_predict_and_init_refuse_nchw_and_uint8():
+  pipe, state, images, _ = _tiny_pipe()
+  with pytest.raises(ValueError, match=r"predict: images of shape \[4, 3, 8, 8\].*NCHW"):
+    pipe.predict(state, images.transpose(0, 3, 1, 2))
+  with pytest.raises(ValueError, match=r"init's sample_input: images are uint8"):
+    pipe.init(0, images.astype(np.uint8))
