@@ -5,6 +5,7 @@ The CLIs run in-process (``train.main`` after ``train._parse_flags``, as absl's
 """
 
 import functools
+import json
 import os
 import sys
 
@@ -81,9 +82,14 @@ def test_refused_config_leaves_another_runs_record_alone(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys):
+  # Also item 10: the logs of a run whose output is not a terminal (capsys).
   run = [f"--config={CPU}:runlocal", f"--workdir={tmp_path}", f"--config.data_dir={cifar10_dir}",
          "--config.max_steps=2"]
-  assert cli(*run) == 0
+  assert cli(*run, "--config.progress_seconds=1e-9") == 0
+  out = capsys.readouterr().out.splitlines()
+  assert f"data: cifar10 read from {os.path.abspath(cifar10_dir)}" in out
+  assert "step 1/2 (0.10 epochs): " in "\n".join(out)  # runlocal: 10 updates per epoch
+  assert any(line.startswith("epoch 0.20: train_loss") for line in out)  # not "epoch 1"
   before = _listing(tmp_path)
   assert cli(*run, "--config.method=backprop") == 1
   assert "comes from a different run" in capsys.readouterr().err
@@ -267,3 +273,67 @@ def test_predict_and_init_refuse_nchw_and_uint8():
     pipe.predict(state, images.transpose(0, 3, 1, 2))
   with pytest.raises(ValueError, match=r"init's sample_input: images are uint8"):
     pipe.init(0, images.astype(np.uint8))
+
+
+@pytest.mark.slow
+def test_wall_time_goes_on_across_a_resume(cifar10_dir, tmp_path):
+  run = [f"--config={CPU}:runlocal", f"--workdir={tmp_path}", f"--config.data_dir={cifar10_dir}",
+         "--config.eval_every=0"]
+  assert cli(*run, "--config.max_steps=1") == 0
+  meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
+  saved = json.loads(meta.read_text())
+  assert saved["extra"]["wall_time"] > 0
+  saved["extra"]["wall_time"] = 1e6  # as if the first part had run for 10^6 s
+  meta.write_text(json.dumps(saved))
+  assert cli(*run, "--config.max_steps=2") == 0
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if "wall_time" in r] == [1, 2]
+  assert records[-1]["wall_time"] > 1e6
+
+
+# 7. Every command takes user models where it builds one, and has help for every option.
+
+def test_models_summarises_a_user_nnx_model(monkeypatch, capsys):
+  from petra_jax.models import summary
+  monkeypatch.syspath_prepend(os.path.join(REPO, "docs", "examples"))
+  assert summary.main(["custom_nnx:reversible_cnn", "--width", "4"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("custom_nnx:reversible_cnn (your model) on cifar10, width 4: 5 stages")
+  assert "rev0           reversible      2 x 32x32x4" in out and "total: " in out
+
+
+RUNNABLE = ["petra_jax.benchmarks.accelerator", "petra_jax.benchmarks.memory",
+            "petra_jax.benchmarks.profile_step", "petra_jax.benchmarks.scaling",
+            "petra_jax.benchmarks.throughput", "petra_jax.benchmarks.timeline",
+            "petra_jax.benchmarks.torch_side_by_side", "petra_jax.plots",
+            "petra_jax.models.summary"]
+
+
+class _Parsed(Exception):
+  pass
+
+
+@pytest.mark.parametrize("module", RUNNABLE)
+def test_every_cli_option_has_help(module, monkeypatch):
+  import argparse
+  import importlib
+
+  def grab(self, *a, **k):
+    raise _Parsed(self)
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+  mod = importlib.import_module(module)
+  with pytest.raises(_Parsed) as parsed:
+    (getattr(mod, "main", None) or mod.parse_args)([])
+  parser = parsed.value.args[0]
+  assert [a.option_strings or a.dest for a in parser._actions if not a.help] == []
+
+
+@pytest.mark.parametrize("module", ["simulate", "host", "reversible_backward", "memory_model",
+                                    "memory_live", "scaling_processes", "scaling_roles"])
+def test_benchmark_libraries_name_their_command(module, monkeypatch, capsys):
+  import runpy
+  monkeypatch.setattr(sys, "argv", [module, "--help"])
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module(f"petra_jax.benchmarks.{module}", run_name="__main__")
+  assert e.value.code == 0
+  assert "it is part of python -m petra_jax.benchmarks." in capsys.readouterr().out

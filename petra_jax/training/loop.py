@@ -69,6 +69,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     console.setup_summary(run)
     bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
                            initial=run.step * config.batch_size)
+    lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
+                                  run.steps_per_epoch, config.batch_size, run.step)
     with _discard_diverged(run), contextlib.closing(bar):
       for t in range(run.state.tick, len(run.schedule)):
         tick = run.schedule[t]
@@ -80,6 +82,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if _update_fed(run, tick):
           bar.update(config.batch_size)
           on_update(run)
+          lines.update(run.step, run.loss_log.last_loss)
           if _stop_requested(run, stop) and run.step < run.total_steps:
             bar.close()
             preempt(run, stop.signal_name or "a signal to another process")
@@ -205,7 +208,8 @@ def save_checkpoint(run: Run) -> None:
   run.checkpointer.save(run.step, run.state, extra={
       "loss_log": log_meta, "metrics_offset": run.writer.offset(),
       "config": run_record.as_dict(run.config),
-      "run": run_record.run_end(run.config, run.total_steps)}, extra_arrays=log_arrays)
+      "run": run_record.run_end(run.config, run.total_steps),
+      "wall_time": time.time() - run.start}, extra_arrays=log_arrays)
   run.last_save = time.time()
 
 
