@@ -337,3 +337,23 @@ def test_benchmark_libraries_name_their_command(module, monkeypatch, capsys):
     runpy.run_module(f"petra_jax.benchmarks.{module}", run_name="__main__")
   assert e.value.code == 0
   assert "it is part of python -m petra_jax.benchmarks." in capsys.readouterr().out
+
+
+# 6. Every name the examples use is on the API page.
+
+def test_every_name_the_examples_use_is_in_docs_api():
+  import pathlib
+  import re
+  api = (pathlib.Path(REPO) / "docs" / "api.md").read_text()
+  missing = set()
+  for path in (pathlib.Path(REPO) / "docs" / "examples").glob("*.py"):
+    text = path.read_text()
+    for obj, name in re.findall(r"\b(petra_jax|data|pipe|info)\.(\w+)", text):
+      if obj == "info":
+        found = f"`{name}`" in api
+      else:
+        found = f"{obj}.{name}" in api or (obj == "petra_jax" and f"`{name}" in api)
+      if not found:
+        missing.add(f"{path.name}: {obj}.{name}")
+  assert not missing, sorted(missing)
+  assert "over `num_micro_batches`\n  **micro-batches** (not updates" in api
