@@ -357,3 +357,27 @@ def test_every_name_the_examples_use_is_in_docs_api():
         missing.add(f"{path.name}: {obj}.{name}")
   assert not missing, sorted(missing)
   assert "over `num_micro_batches`\n  **micro-batches** (not updates" in api
+
+
+# 9. The own-model recipe, and the stage_sizes clash naming its reset.
+
+def test_cpu_recipe_with_a_user_model_names_the_stage_sizes_reset(tmp_path, monkeypatch, capsys):
+  monkeypatch.syspath_prepend(os.path.join(REPO, "docs", "examples"))
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}/w",
+             "--config.model.name=my_models:tiny_revnet") == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "--config.model.stage_sizes='()' to reset it" in err
+
+
+def test_readme_own_model_command_uses_the_own_model_recipe(monkeypatch):
+  import pathlib
+  import re
+  from petra_jax.training import validation
+  from helpers import config_file
+  readme = (pathlib.Path(REPO) / "README.md").read_text()
+  command = re.search(r"PYTHONPATH=docs/examples python -m petra_jax.train[^`]*", readme).group(0)
+  assert "--config=configs/own_model_cpu.py" in command.replace("\n", " ")
+  monkeypatch.syspath_prepend(os.path.join(REPO, "docs", "examples"))
+  config = config_file("configs/own_model_cpu.py")
+  assert config.model.name == "my_models:tiny_revnet" and config.num_devices == 1
+  validation.validate_config(config, 1)  # no stage_sizes clash, warm-up within the run

@@ -353,7 +353,9 @@ def _check_stages(config) -> None:
                         or len(m.stage_sizes) < 2):
     raise ConfigError(
         f"model.stage_sizes={tuple(m.stage_sizes)} must be at least 2 positive "
-        f"block counts summing to {m.name}'s {num_blocks} blocks.")
+        f"block counts summing to {m.name}'s {num_blocks} blocks; pass "
+        f"--config.model.stage_sizes='()' to reset it (one block per stage, or "
+        f"--config.model.num_stages=J to group them), or counts summing to {num_blocks}.")
   if num_stages == 1:
     raise ConfigError("model.num_stages=1: a pipeline needs at least 2 stages; use 0 for one "
                       "block per stage.")
