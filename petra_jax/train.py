@@ -42,7 +42,8 @@ _RESTART = flags.DEFINE_bool(
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    sys.exit(f"error: unexpected argument(s) {' '.join(argv[1:])}: flags take the form "
+             f"--name=value (e.g. --config.method=backprop); {_SEE_HELP}.")
   console.quiet_library_logging(verbosity_given=flags.FLAGS["verbosity"].present > 0)
   # Until training starts, SIGTERM stops the run at once (exit 75).
   with preemption.StopOnSignal((signal.SIGTERM,), escalate=(), announce=False) as startup:
@@ -205,6 +206,9 @@ def _parse_flags(argv):
   if any(a in _HELP_FLAGS for a in argv[1:]):
     print(usage())
     sys.exit(0)
+  if _config_argument(argv) is None:
+    sys.exit("error: --config is required: pass --config=configs/<recipe>.py (e.g. "
+             f"configs/cifar10_cpu.py) or a run's WORKDIR/config.json; {_SEE_HELP}.")
   argv = _checked_config(argv)
   try:
     return flags.FLAGS(argv)

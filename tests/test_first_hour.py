@@ -381,3 +381,30 @@ def test_readme_own_model_command_uses_the_own_model_recipe(monkeypatch):
   config = config_file("configs/own_model_cpu.py")
   assert config.model.name == "my_models:tiny_revnet" and config.num_devices == 1
   validation.validate_config(config, 1)  # no stage_sizes clash, warm-up within the run
+
+
+# Further bad inputs: one line each, nothing of a previous run lost.
+
+def test_restart_with_a_refused_config_deletes_nothing(tmp_path, capsys):
+  (tmp_path / "config.json").write_text('{"method": "petra"}\n')
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train_loss": 2.3}\n')
+  (tmp_path / "checkpoints").mkdir()
+  before = _listing(tmp_path)
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}", "--restart",
+             "--config.optim.warmup_epochs=100") == 1
+  assert "optim.warmup_epochs=100 is longer than the run" in capsys.readouterr().err
+  assert _listing(tmp_path) == before and (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("args, says", [
+    ([f"--config={CPU}", "extra"], "error: unexpected argument(s) extra: flags take the form "
+                                   "--name=value"),
+    (["--workdir=W"], "error: --config is required: pass --config=configs/<recipe>.py"),
+    ([f"--config={CPU}", "--config.progress_seconds=-1"], "progress_seconds must be >= 0"),
+])
+def test_more_bad_command_lines_are_one_line(args, says, tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert cli(*args) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and says in err
+  assert os.listdir(tmp_path) == []
