@@ -408,3 +408,23 @@ def test_more_bad_command_lines_are_one_line(args, says, tmp_path, capsys, monke
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and says in err
   assert os.listdir(tmp_path) == []
+
+
+def test_a_trailing_partial_update_waits_in_the_accumulator_as_documented():
+  # docs/api.md: 5 micro-batches with k = 2 and accumulate(tx, 2): two updates applied, the
+  # fifth micro-batch's gradient held in the optimizer's accumulator (not applied, not dropped).
+  from petra_jax import optim
+  rngs = nnx.Rngs(0)
+  stages = [petra_jax.Stage("stem", _NNXStem(rngs), False), petra_jax.Stage("rev", _NNXF(rngs), True),
+            petra_jax.Stage("head", _NNXHead(rngs), False)]
+  pipe = petra_jax.Pipeline(stages, optim.accumulate(optax.sgd(0.1), 2), jax.devices()[:1],
+                            accumulation_steps=2)
+  rng = np.random.default_rng(0)
+  images = rng.normal(size=(4, 8, 8, 3)).astype(np.float32)
+  labels = rng.integers(0, 10, 4).astype(np.int32)
+  state = pipe.init(0, images)
+  for tick in pipe.schedule(5):
+    state, _ = pipe.run_tick(state, tick, lambda m: (images, labels))
+  for s in state.train_states:
+    assert (int(s.opt_state.mini_step), int(s.opt_state.gradient_step)) == (1, 2)
+    assert any(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(s.opt_state.acc_grads))
