@@ -91,7 +91,8 @@ def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys
   assert "step 1/2 (0.10 epochs): " in "\n".join(out)  # runlocal: 10 updates per epoch
   assert any(line.startswith("epoch 0.20: train_loss") for line in out)  # not "epoch 1"
   before = _listing(tmp_path)
-  assert cli(*run, "--config.method=backprop") == 1
+  # Not finished at 3 steps: the set-up restores, and refuses the PETRA checkpoint.
+  assert cli(*run, "--config.max_steps=3", "--config.method=backprop") == 1
   assert "comes from a different run" in capsys.readouterr().err
   assert _listing(tmp_path) == before
   # The saved config still resumes the original run (finished: one line, exit 0).
