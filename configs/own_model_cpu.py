@@ -17,10 +17,10 @@ def get_config():
   c = default.get_config()
   c.model.name = "my_models:tiny_revnet"
   c.model.width = 16
-  c.num_epochs = 3
+  c.num_epochs = 4
   c.steps_per_epoch = 100
   c.num_devices = 1
-  c.optim.learning_rate = 0.05
+  c.optim.learning_rate = 0.1
   c.optim.schedule = "cosine"
   c.optim.warmup_epochs = 0.2
   c.compensation.name = "nesterov_lookahead+weight_prediction"
