@@ -92,7 +92,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 def _begin(config, workdir: str, restart: bool) -> bool:
   """Before set-up: ``restart`` (a config that fails validation deletes
-  nothing); True (and one line) when the workdir's run is finished already."""
+  nothing), a note on a changed config; True (and one line) when the
+  workdir's run is finished already."""
   if restart:
     validation.validate_config(config, len(jax.local_devices()))
   if restart and jax.process_index() == 0:
@@ -104,23 +105,17 @@ def _begin(config, workdir: str, restart: bool) -> bool:
   if newest is not None and run_record.finished(newest[0], extra, config):
     _say_finished(workdir, newest[0])
     return True
+  changed = run_record.differences(extra["config"], config) if "config" in extra else []
+  if changed and jax.process_index() == 0:
+    console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
+                 f"from its checkpoint's: {'; '.join(changed)}.")
   return False
 
 
 def _record(run: Run) -> None:
-  """After a successful set-up (process 0): ``config.json``, and a note when
-  the resumed checkpoint's config differs."""
-  if jax.process_index() != 0:
-    return
-  run_record.write_config(run.workdir, run.config)
-  if run.restored_step is None:
-    return
-  newest = checkpoint_lib.newest_meta(run.checkpointer.directory)
-  saved = {} if newest is None else newest[1].get("extra", {}).get("config")
-  changed = run_record.differences(saved, run.config) if saved else []
-  if changed:
-    console.warn(f"warning: resuming {run.workdir} (step {run.restored_step}) with a config "
-                 f"that differs from its checkpoint's: {'; '.join(changed)}.")
+  """After a successful set-up: ``config.json`` (process 0)."""
+  if jax.process_index() == 0:
+    run_record.write_config(run.workdir, run.config)
 
 
 def _say_finished(workdir: str, step: int) -> None:
