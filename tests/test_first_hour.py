@@ -429,3 +429,10 @@ def test_a_trailing_partial_update_waits_in_the_accumulator_as_documented():
   for s in state.train_states:
     assert (int(s.opt_state.mini_step), int(s.opt_state.gradient_step)) == (1, 2)
     assert any(float(jnp.abs(g).sum()) > 0 for g in jax.tree.leaves(s.opt_state.acc_grads))
+
+
+def test_a_workdir_that_is_a_file_is_one_line_and_kept(tmp_path, capsys):
+  (tmp_path / "w").write_text("notes")
+  assert cli(f"--config={CPU}", f"--workdir={tmp_path}/w") == 1
+  assert "is a file; pass a directory" in capsys.readouterr().err
+  assert (tmp_path / "w").read_text() == "notes"

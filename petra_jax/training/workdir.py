@@ -84,6 +84,7 @@ def kept_as_found(workdir: str | os.PathLike, enabled: bool = True):
   while not os.path.exists(os.path.dirname(top)) and os.path.dirname(top) != top:
     top = os.path.dirname(top)
   before = set(os.listdir(path)) if os.path.isdir(path) else None
+  enabled = enabled and (before is not None or not os.path.lexists(path))  # (a file: leave it)
   accepted = []
   try:
     yield lambda: accepted.append(True)
