@@ -1,7 +1,8 @@
 """The default run configuration; ``configs/*.py`` override only what differs.
 
-Every field and its meaning: docs/config.md. ``batch_size`` counts the images of one
-update, split into ``accumulation_steps`` (k) micro-batches of ``batch_size // k``.
+Every field's one-line meaning: :data:`HELP` (``python -m petra_jax.train --help``
+prints it with the defaults); more in docs/config.md. ``batch_size`` counts the images
+of one update, split into ``accumulation_steps`` (k) micro-batches of ``batch_size // k``.
 """
 
 import ml_collections
@@ -123,6 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_batch_size = 500
   c.prefetch = 4
   c.log_every = 50
+  c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
   c.num_devices = 0           # 0 = all local devices
   c.data_parallel = 1
   c.platform = ""
@@ -159,3 +161,105 @@ def override(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.
       raise KeyError(f"config has no field {key!r}")
     target[last] = value
   return config
+
+
+# Every field's meaning in one line: the command line's help (``--help``).
+HELP = {
+    "method": "petra, backprop, revprop, delayed, dsp, approximate_input, gpipe, 1f1b, local, "
+              "forward_gradient, ... (docs/methods.md)",
+    "dataset": "cifar10, cifar100, imagenet32 or imagenet (docs/data.md)",
+    "data_dir": "tfds data dir; '' = $TFDS_DATA_DIR, then ../shared/data/tensorflow_datasets",
+    "download": "a missing data set: None = download CIFAR only, True = any, False = never",
+    "model.name": "a zoo name (python -m petra_jax.models lists them) or MODULE:FUNCTION",
+    "model.width": "channels per stream after the stem; ViTs: dimension per head",
+    "model.depth": "revnet_fixed: reversible blocks; ViTs: layers; 0 = the model's default",
+    "model.num_stages": "pipeline stages J; 0 = one block per stage (paper)",
+    "model.stage_sizes": "blocks per stage, e.g. '(2,3,5)'; '()' = one per block or "
+                         "balanced by num_stages",
+    "model.balance_by": "num_stages grouping by 'flops' or measured 'time'",
+    "model.bn_stats": "running BN statistics from the 'backward' recomputation or the 'forward'",
+    "model.patch_size": "ViTs: the stem's patch; 0 = 4 (32x32 images), 16 (ImageNet)",
+    "model.tokenizer": "ViTs: 'patch' or 'conv' (CCT's convolutions)",
+    "model.reversible_backward": "a group of reversible blocks: 'vanilla' or 'pareprop'",
+    "batch_size": "images per optimizer update (k micro-batches of batch_size / k)",
+    "accumulation_steps": "k: micro-batches whose gradients are averaged per update",
+    "num_epochs": "epochs the schedules span",
+    "steps_per_epoch": "updates per epoch; 0 = the full training split",
+    "max_steps": "stop after this many updates; 0 = num_epochs epochs",
+    "eval_every": "epochs between test evaluations; 0 = at the end only",
+    "eval_batch_size": "images per evaluation batch",
+    "prefetch": "micro-batches decoded ahead in background threads (ImageNet); 0 = off",
+    "log_every": "updates between train_loss lines in metrics.jsonl",
+    "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "
+                        "(seconds); 0 = off",
+    "num_devices": "devices to spread the stages over; 0 = all local devices",
+    "data_parallel": "D: devices per stage (micro-batch sharded over them)",
+    "platform": "the platform the run expects: gpu, tpu, cpu; '' = whatever JAX picks",
+    "seed": "initialisation, data order and augmentation",
+    "reconstruction_error_every": "updates between reconstruction-error probes; 0 = off",
+    "grad_quality_every": "updates between gradient-quality probes (paper App. B); 0 = off",
+    "checkpoint_every": "updates between checkpoints; 0 = off",
+    "checkpoint_minutes": "also checkpoint at each epoch end and at least this often (minutes); "
+                          "0 = checkpoint_every only",
+    "keep_checkpoints": "how many of the latest checkpoints to keep",
+    "checkpoint_drain": "drain the pipeline before each periodic checkpoint (reshardable)",
+    "distributed.coordinator_address": "host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS",
+    "distributed.num_processes": "0 = $JAX_NUM_PROCESSES",
+    "distributed.process_id": "-1 = $JAX_PROCESS_ID",
+    "distributed.auto_detect": "let JAX detect SLURM / TPU pod / MPI settings",
+    "distributed.initialization_timeout_s": "seconds to wait for every process to join",
+    "distributed.heartbeat_timeout_s": "seconds after which a silent peer is declared dead",
+    "distributed.shutdown_timeout_s": "seconds to wait for the others at exit",
+    "distributed.preemption_check_every": "updates between the processes' agreements to stop",
+    "compensation.name": "delay compensation: none, lr_scale, pipemare, spike, weight_prediction, "
+                         "nesterov_lookahead, adam_prediction, adam_lookahead, ... joined with +",
+    "compensation.lr_power": "p of lr_scale / pipemare: lr x max(D_j, 1) ** -p",
+    "compensation.pipemare_warmup_epochs": "K of pipemare, in epochs",
+    "compensation.prediction_scale": "weight_prediction horizon = this x D_j updates",
+    "compensation.lookahead_momentum": "nesterov_lookahead: gamma of the most delayed stage",
+    "compensation.lookahead_delay_ref": "the delay (updates) that gets lookahead_momentum; "
+                                        "0 = stage 0's",
+    "dtype": "float32 or bfloat16: convolutions, BatchNorm and activations",
+    "stream_dtype": "the activations between blocks and stages; '' = dtype",
+    "quantize.forward": "activations sent to the next stage: none, bfloat16, float16, int8",
+    "quantize.backward": "(x~, delta) sent to the previous stage: none, bfloat16, float16, int8",
+    "quantize.buffer": "inputs kept by non-reversible stages: none, bfloat16, float16, int8",
+    "quantize.per_channel": "int8: one scale per channel instead of per tensor",
+    "quantize.stochastic": "int8: stochastic (unbiased) rounding",
+    "optim.name": "sgd (paper), lars, adam (AdamW) or muon (+ AdamW)",
+    "optim.learning_rate": "peak rate; 0 = 0.1 x batch_size / 256 (paper Sec. 4)",
+    "optim.momentum": "sgd, lars",
+    "optim.nesterov": "sgd, lars: Nesterov momentum",
+    "optim.weight_decay": "on conv and dense kernels only (adam: decoupled)",
+    "optim.schedule": "step, cosine, polynomial or constant",
+    "optim.warmup_epochs": "linear warm-up from 0, in epochs",
+    "optim.decay_epochs": "step: the epochs at which the rate is multiplied by decay_factor",
+    "optim.decay_factor": "step: the factor at each of decay_epochs",
+    "optim.end_learning_rate": "cosine, polynomial: the rate at the last update",
+    "optim.polynomial_power": "polynomial: the decay's exponent",
+    "optim.trust_coefficient": "lars: eta (trust ratio clipped at 1, LARC)",
+    "optim.lars_eps": "lars: epsilon",
+    "optim.adam_b1": "adam, muon's AdamW: beta1",
+    "optim.adam_b2": "adam, muon's AdamW: beta2",
+    "optim.adam_eps": "adam, muon's AdamW: epsilon",
+    "optim.muon_learning_rate": "muon: the matrices' peak rate",
+    "optim.muon_momentum": "muon: beta of the matrices' momentum",
+    "auxiliary.head": "local methods' heads: linear, mlp or cnn",
+    "auxiliary.hidden": "hidden width of the mlp/cnn heads",
+    "forward_gradient.guess": "local (auxiliary-loss gradient) or random (Gaussian)",
+    "forward_gradient.perturb": "activity or weights",
+    "forward_gradient.emulate": "True: <g, guess> from the exact gradient, as the paper's runs",
+    "forward_gradient.eps": "the projection's <g, v> / (|v|^2 + eps)",
+    "forward_gradient.projection": "activity: batch (one direction per micro-batch) or sample",
+}
+
+
+def fields(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+  """``{"model.name": value, ...}``: every leaf field of ``config``, dotted."""
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      out.update(fields(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out

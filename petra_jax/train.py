@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
+from typing import Optional
 
 from absl import app, flags, logging
 import jax
 from ml_collections import config_flags
 
+from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax.engine import transport
 from petra_jax.training import checkpoint_blocks
@@ -39,7 +42,8 @@ _RESTART = flags.DEFINE_bool(
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+    sys.exit(f"error: unexpected argument(s) {' '.join(argv[1:])}: flags take the form "
+             f"--name=value (e.g. --config.method=backprop); {_SEE_HELP}.")
   console.quiet_library_logging(verbosity_given=flags.FLAGS["verbosity"].present > 0)
   # Until training starts, SIGTERM stops the run at once (exit 75).
   with preemption.StopOnSignal((signal.SIGTERM,), escalate=(), announce=False) as startup:
@@ -64,9 +68,13 @@ def _run():
   if backend_error:
     exit_now(f"error: {backend_error}")
   try:
-    workdir_lib.check_workdir(_WORKDIR.value)
-    with _workdir_lock(_WORKDIR.value):
-      train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value)
+    # A refused start (bad config, another run's checkpoint, no data) leaves
+    # the workdir as it found it: no config.json, lock file or folders added.
+    with workdir_lib.kept_as_found(_WORKDIR.value, jax.process_index() == 0) as accept:
+      workdir_lib.check_workdir(_WORKDIR.value)
+      with _workdir_lock(_WORKDIR.value):
+        train_and_evaluate(_CONFIG.value, _WORKDIR.value, restart=_RESTART.value,
+                           on_accepted=accept)
   except transport.PeerError as e:
     exit_now(f"error: process {jax.process_index()}: {e}")
   except (ConfigError, data_lib.DataError, checkpoint_blocks.CheckpointError, FloatingPointError,
@@ -133,24 +141,92 @@ def _checked_config(argv):
   return argv
 
 
+_HELP_FLAGS = ("--help", "-h", "-help", "--helpshort", "-?")
+_SEE_HELP = "python -m petra_jax.train --help lists every field with its default"
+
+
+def usage() -> str:
+  """``--help``: the flags, then every config field with its default and meaning
+  (:data:`petra_jax.config.HELP`, the one source; docs/config.md says more)."""
+  lines = [
+      "usage: python -m petra_jax.train --config=CONFIG [--workdir=DIR] [--restart] "
+      "[--config.FIELD=VALUE ...]", "",
+      "Trains and evaluates a pipelined model (PETRA and the methods it is compared with).", "",
+      "flags:"]
+  for name in ("config", "workdir", "restart"):
+    flag = flags.FLAGS[name]
+    default = f" (default: {flag.default})" if name != "config" else " (required)"
+    lines.append(f"  --{name}: {flag.help}{default}")
+  lines += ["  --verbosity=1: other libraries' INFO logs too; --helpfull: absl's own flags", "",
+            "config fields (--config.FIELD=VALUE; defaults of petra_jax/config.py, which a "
+            "recipe in configs/ changes in part; docs/config.md):"]
+  defaults = config_lib.fields(config_lib.get_config())
+  for field, meaning in config_lib.HELP.items():
+    lines.append(f"  --config.{field}={_literal(defaults[field])}: {meaning}")
+  return "\n".join(lines)
+
+
+def _literal(value) -> str:
+  """A default as typed on the command line."""
+  if isinstance(value, tuple):
+    return "'" + repr(value).replace(" ", "") + "'"
+  return repr(value) if isinstance(value, str) and not value else str(value)
+
+
+def _innermost(e: BaseException) -> str:
+  """The message of an exception wrapped in others' ``args`` (ml_collections
+  nests a KeyError's in another's), on one line."""
+  while isinstance(e, BaseException) and e.args:
+    e = e.args[0]
+  return str(e).replace("\n", "; ")
+
+
+def _field_type_line(message: str) -> Optional[str]:
+  """One line for absl's ``flag --config.F=V: why``: what ``F`` takes."""
+  found = re.match(r"flag --config\.([\w.]+)=(.*?): ", message)
+  if not found:
+    return None
+  field, value = found.groups()
+  defaults = config_lib.fields(config_lib.get_config())
+  if field not in defaults:  # a group: --config.model=3
+    return (f"--config.{field} is a group of fields; set one of them, e.g. --config.{field}."
+            f"{next(k for k in config_lib.HELP if k.startswith(field + '.')).split('.')[-1]}=...; "
+            f"{_SEE_HELP}.")
+  default = defaults[field]
+  kind = ("a tuple in quotes, e.g. '(1,2,3)' or '()'" if isinstance(default, tuple) else
+          "True or False" if isinstance(default, bool) else
+          {int: "an integer", float: "a number"}.get(type(default), "a string"))
+  return (f"--config.{field}={value} is not {kind} ({field}: {config_lib.HELP[field]}; "
+          f"default {_literal(default)}); {_SEE_HELP}.")
+
+
 def _parse_flags(argv):
-  """absl's flag parsing, with a bad ``--config.*`` override as one line."""
+  """absl's flag parsing, with ``--help`` (exit 0) and a bad ``--config.*``
+  override as one line."""
+  if any(a in _HELP_FLAGS for a in argv[1:]):
+    print(usage())
+    sys.exit(0)
+  if _config_argument(argv) is None:
+    sys.exit("error: --config is required: pass --config=configs/<recipe>.py (e.g. "
+             f"configs/cifar10_cpu.py) or a run's WORKDIR/config.json; {_SEE_HELP}.")
   argv = _checked_config(argv)
   try:
     return flags.FLAGS(argv)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     # ml_collections raises these (not flags.Error) for an unknown field or a
     # value of the wrong type; its message has a "did you mean" hint.
-    message = str(e.args[0] if e.args else e).replace("\n", " ")
-    sys.exit(f"error: bad config override: {message}. See petra_jax/config.py for the "
-             "fields and their types.")
+    sys.exit(f"error: bad config override: no field {_innermost(e)}; {_SEE_HELP}.")
   except flags.Error as e:
     # A config file's get_config(variant) refusing its argument: its one-line
     # ValueError, not the traceback ml_collections wraps it in.
     last = str(e).strip().splitlines()[-1]
     if "Error whilst parsing config file" in str(e) and last.startswith("ValueError: "):
       sys.exit(f"error: {str(e).splitlines()[0]} {last[len('ValueError: '):]}")
-    sys.exit(f"error: {e}\nPass --helpfull to list the flags.")
+    line = _field_type_line(str(e))
+    if line:
+      sys.exit(f"error: {line}")
+    sys.exit(f"error: {str(e).splitlines()[0]}; python -m petra_jax.train --help lists the "
+             "flags.")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 An NNX module goes wherever a linen one does: ``petra_jax.Stage`` converts it
 once (``nnx.split``/``nnx.merge``); training starts from the module's own
 parameters (here ``nnx.Rngs(0)``), and ``petra_jax.update_nnx`` writes trained
-ones back. A module's ``__call__`` may take ``train`` or use ``train()``/``eval()``::
+ones back (:func:`write_back`: the pipeline from your own loop, then plain NNX).
+A module's ``__call__`` may take ``train`` or use ``train()``/``eval()``::
 
   python docs/examples/custom_nnx.py --steps 20 [--data_dir TFDS_DIR]
 """
@@ -11,9 +12,12 @@ ones back. A module's ``__call__`` may take ``train`` or use ``train()``/``eval(
 import argparse
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
+import optax
 
 import petra_jax
+from petra_jax import data
 from custom_linen import train
 
 
@@ -60,13 +64,41 @@ class Head(nnx.Module):
     return self.dense(jnp.concatenate(x, axis=-1).mean(axis=(1, 2)))
 
 
-def reversible_cnn(num_classes: int = 10, width: int = 16) -> list:
+def nnx_modules(num_classes: int = 10, width: int = 16) -> list:
+  """``(name, NNX module, reversible)`` per stage."""
   rngs = nnx.Rngs(0)
-  return [petra_jax.Stage("stem", Stem(width, rngs), reversible=False),
-          petra_jax.Stage("rev0", F(width, rngs), reversible=True),
-          petra_jax.Stage("down", Down(width, 2 * width, rngs), reversible=False),
-          petra_jax.Stage("rev1", F(2 * width, rngs), reversible=True),
-          petra_jax.Stage("head", Head(2 * width, num_classes, rngs), reversible=False)]
+  return [("stem", Stem(width, rngs), False), ("rev0", F(width, rngs), True),
+          ("down", Down(width, 2 * width, rngs), False), ("rev1", F(2 * width, rngs), True),
+          ("head", Head(2 * width, num_classes, rngs), False)]
+
+
+def reversible_cnn(num_classes: int = 10, width: int = 16) -> list:
+  return [petra_jax.Stage(name, module, reversible=rev)
+          for name, module, rev in nnx_modules(num_classes, width)]
+
+
+def write_back(steps: int, data_dir: str, width: int) -> bool:
+  """PETRA for ``steps`` updates (k = 1) from your own loop, the trained weights
+  written into the NNX modules; whether plain NNX then gives the pipeline's logits."""
+  info = data.get_dataset_info("cifar10")
+  split = data.open_split("cifar10", info.train_split, data_dir or None)
+  parts = nnx_modules(info.num_classes, width)
+  stages = [petra_jax.Stage(name, module, reversible=rev) for name, module, rev in parts]
+  pipe = petra_jax.Pipeline(stages, optax.sgd(0.05, momentum=0.9), method="petra")
+  batch_fn = data.make_train_batch_fn(info, pipe.input_device)
+  rows = data.batch_indices(len(split), 32, seed=0, epoch=0, steps_per_epoch=steps)
+  batches = lambda m: batch_fn(split, rows[m], jax.random.key(m))  # noqa: E731
+  state = pipe.init(0, batches(0)[0])
+  for tick in pipe.schedule(len(rows)):  # micro-batches: k = 1, so one per update
+    state, _ = pipe.run_tick(state, tick, batches)
+  for stage, variables in zip(stages, petra_jax.trained_variables(state)):
+    petra_jax.update_nnx(stage.module, variables)  # into the NNX module the stage was built from
+  images = batches(0)[0]
+  x = images
+  for _, module, rev in parts:  # the NNX modules alone, evaluation mode
+    f = module(x[0] if rev else x, train=False)
+    x = (x[1] + f, x[0]) if rev else f
+  return bool(jnp.abs(x - pipe.predict(state, images)).max() < 1e-4)
 
 
 if __name__ == "__main__":
@@ -75,4 +107,5 @@ if __name__ == "__main__":
   p.add_argument("--data_dir", default="")
   p.add_argument("--width", type=int, default=16)
   args = p.parse_args()
+  print("NNX modules hold the trained weights:", write_back(args.steps, args.data_dir, args.width))
   print(train("custom_nnx:reversible_cnn", args.steps, args.data_dir, args.width))

@@ -34,12 +34,13 @@ class Residual(nn.Module):
 
 
 class Stem(nn.Module):
-  """Image ``[B, H, W, 3]`` -> two streams ``2 x [B, H, W, width]``."""
+  """Image ``[B, H, W, 3]`` -> two streams ``2 x [B, H/2, W/2, width]`` (conv3x3, stride 2)."""
   width: int
 
   @nn.compact
   def __call__(self, x, train: bool = True):
-    x = Residual(2 * self.width)(x, train)
+    x = nn.Conv(2 * self.width, (3, 3), strides=2, use_bias=False)(x)
+    x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
     return tuple(jnp.split(x, 2, axis=-1))
 
 

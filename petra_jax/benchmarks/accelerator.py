@@ -211,11 +211,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                               description=__doc__.splitlines()[0])
   p.add_argument("--model", default="revnet18", type=cli.model_name,
                  help="a zoo name or MODULE:FUNCTION (docs/api.md)")
-  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS))
+  p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS),
+                 help="fixes the image size, stem and classes (default cifar10)")
   p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
-  p.add_argument("--micro-batches", type=_csv(int), default=[64, 256])
-  p.add_argument("--dtypes", type=_csv(str, DTYPES), default=["float32", "bfloat16"])
-  p.add_argument("--methods", type=_csv(str, METHODS), default=list(METHODS))
+  p.add_argument("--micro-batches", type=_csv(int), default=[64, 256],
+                 help="comma-separated micro-batch sizes, one measurement each (default 64,256)")
+  p.add_argument("--dtypes", type=_csv(str, DTYPES), default=["float32", "bfloat16"],
+                 help=f"comma-separated compute dtypes among {DTYPES} (default: both)")
+  p.add_argument("--methods", type=_csv(str, METHODS), default=list(METHODS),
+                 help=f"comma-separated methods among {tuple(METHODS)} (default: all)")
   p.add_argument("--accumulation-steps", type=int, default=4, help="k, micro-batches per update")
   p.add_argument("--ticks", type=int, default=20, help="measured micro-batches (N)")
   p.add_argument("--warmup", type=int, default=2, help="unmeasured micro-batches first")

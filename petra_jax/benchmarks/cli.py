@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Callable, Optional
 
 from petra_jax import data as data_lib
@@ -28,9 +29,12 @@ def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
   p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
   p.add_argument("--model", default=model, type=model_name,
                  help="a zoo name or MODULE:FUNCTION (docs/api.md)")
-  p.add_argument("--dataset", default=dataset, choices=sorted(data_lib.DATASETS))
-  p.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
-  p.add_argument("--width", type=int, default=width, help=width_help)
+  p.add_argument("--dataset", default=dataset, choices=sorted(data_lib.DATASETS),
+                 help=f"fixes the image size, stem and classes (default {dataset})")
+  p.add_argument("--batch-size", type=int, default=batch_size,
+                 help=batch_help or f"images per micro-batch (default {batch_size})")
+  p.add_argument("--width", type=int, default=width,
+                 help=width_help or f"the model's base width (default {width})")
   return p
 
 
@@ -56,3 +60,16 @@ def emit(report: dict, as_json: bool, print_table: Callable[[dict], None]) -> in
   else:
     print_table(report)
   return 0
+
+
+def library_main(module: str, runner: str) -> int:
+  """``python -m petra_jax.benchmarks.<module>`` of a module without a command line:
+  one line naming the command that runs it; 0 with ``--help``, else 2."""
+  print(f"python -m petra_jax.benchmarks.{module} has no command line of its own: it is part "
+        f"of python -m petra_jax.benchmarks.{runner} (whose --help lists its options; "
+        "docs/benchmarks.md).", file=sys.stdout if _asks_help() else sys.stderr)
+  return 0 if _asks_help() else 2
+
+
+def _asks_help() -> bool:
+  return any(a in ("-h", "--help") for a in sys.argv[1:])

@@ -153,3 +153,9 @@ def print_report(r: dict, name: str) -> None:
         f"  ({r['ticks_per_second']:.0f} ticks/s at {r['num_stages']} stages)")
   print(f"  PETRA tick {r['petra_ms_per_tick']:.3f} ms, backprop step "
         f"{r['backprop_ms_per_step']:.3f} ms: {r['ratio_petra_backprop']:.2f}x")
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("host", "throughput"))

@@ -87,3 +87,9 @@ def _working_set(fn, train_state, args, state_bytes: int) -> int:
     raise RuntimeError(f"backend {jax.default_backend()!r} gives no memory analysis.")
   return int(ma.argument_size_in_bytes - state_bytes + ma.output_size_in_bytes
              - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("memory_live", "memory"))

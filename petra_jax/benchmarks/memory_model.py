@@ -239,3 +239,9 @@ def table3_extended(sizes: Sequence[dict], quantized: dict[str, Sequence[dict]],
                  "input_buffer": False, "param_buffer": False, "memory_gb": total / GB,
                  "saving_pct": 100.0 * (1.0 - total / GB / base)})
   return rows
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("memory_model", "memory"))

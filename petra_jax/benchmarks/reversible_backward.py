@@ -109,3 +109,9 @@ def print_report(r: dict) -> None:
           f"peak {r['peak_bytes'][name] / 2**20:8.1f} MiB  (temporaries "
           f"{r['temp_bytes'][name] / 2**20:.1f} MiB)")
   print(f"  PaReprop over vanilla: {r['pareprop_speedup_over_vanilla']:.3f}x")
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("reversible_backward", "throughput"))

@@ -87,3 +87,9 @@ def _median(results: list) -> dict:
   """Leaf by leaf median of JSON results of the same structure (ints: the first)."""
   return jax.tree.map(lambda *xs: xs[0] if isinstance(xs[0], int) else statistics.median(xs),
                       *results)
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("scaling_processes", "scaling"))

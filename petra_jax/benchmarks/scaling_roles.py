@@ -206,3 +206,9 @@ def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
   if pipe.local[b - 1]:
     out["round_trip_ms"] = ms
   return out
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("scaling_roles", "scaling"))

@@ -94,3 +94,9 @@ def ms_per_update(kind, num_stages: int, accumulation_steps: int,
   J = num_stages if schedule_lib.family(kind).pipelined else 1
   return {"simulated_ms_per_update": time / updates,
           "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}
+
+
+if __name__ == "__main__":
+  import sys  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
+  sys.exit(cli.library_main("simulate", "throughput"))

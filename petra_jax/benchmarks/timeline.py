@@ -120,10 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  width=4, batch_size=8)
   p.add_argument("--image-size", type=int, default=None,
                  help="override the dataset's image side (the schedule does not depend on it)")
-  p.add_argument("--ticks", type=int, default=30)
-  p.add_argument("--method", default="petra", choices=[m for m in METHODS if m != "backprop"])
+  p.add_argument("--ticks", type=int, default=30, help="ticks drawn (default 30)")
+  p.add_argument("--method", default="petra", choices=[m for m in METHODS if m != "backprop"],
+                 help="whose schedule is drawn (default petra)")
   p.add_argument("--accumulation-steps", type=int, default=1, help="k (gpipe, 1f1b rounds)")
-  p.add_argument("--out", default="docs/timeline.png")
+  p.add_argument("--out", default="docs/timeline.png",
+                 help="the figure's path (default docs/timeline.png)")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)
   stages = cli.build(args.model, args.dataset, args.width)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 PyTree = Any
 
@@ -52,10 +54,12 @@ def _assign(handles, values):
 
 
 class FromNNX(nn.Module):
-  """A linen view of an NNX module: ``graphdef``, ``initial = (params, batch_stats, rest)``."""
+  """A linen view of an NNX module: ``graphdef``, ``initial = (params, batch_stats, rest)``;
+  ``source``: the user's module itself (what :func:`update_nnx` writes into)."""
   graphdef: Any
   initial: Any
   takes_train: bool
+  source: Any = None
 
   __hash__ = object.__hash__  # arrays in a field
 
@@ -91,14 +95,37 @@ def as_linen(module, name: str = "?"):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
   takes_train = "train" in inspect.signature(type(module).__call__).parameters
-  return FromNNX(graphdef, (params.to_pure_dict(), stats.to_pure_dict(), rest), takes_train)
+  return FromNNX(graphdef, (params.to_pure_dict(), stats.to_pure_dict(), rest), takes_train,
+                 source=module)
 
 
 def update_nnx(module, variables: dict) -> None:
-  """Writes a stage's trained ``variables`` into its NNX ``module`` in place."""
+  """Writes a stage's trained ``variables`` into its NNX module in place.
+
+  Args:
+    module: the user's NNX module, or what holds it: a ``Stage`` built from it (a
+      group of NNX blocks: each block's module) or ``stage.module``.
+    variables: the stage's ``{"params", "batch_stats"}``
+      (:func:`petra_jax.trained_variables`; a group's blocks under ``"block_i"``).
+
+  Raises:
+    ValueError: ``module`` holds no NNX module (a linen stage: use ``module.apply``).
+  """
+  blocks = getattr(module, "blocks", None)
+  if blocks:
+    for i, block in enumerate(blocks):
+      update_nnx(block, {k: v[f"block_{i}"] for k, v in variables.items() if v})
+    return
+  module = getattr(module, "module", module)  # a Stage
+  if isinstance(module, FromNNX):
+    module = module.source
+  if module is None or not is_nnx(module):
+    raise ValueError(f"update_nnx writes into an NNX module; got a {type(module).__name__} "
+                     "(a linen stage's trained variables go to stage.module.apply(variables, x)).")
   from flax import nnx  # pylint: disable=g-import-not-at-top
   for kind, collection in ((nnx.Param, "params"), (nnx.BatchStat, "batch_stats")):
     state = nnx.state(module, kind)
-    if variables.get(collection):
-      state.replace_by_pure_dict(_like(variables[collection], state.to_pure_dict()))
+    if variables.get(collection):  # (as jax arrays: the host's NumPy ones are read-only)
+      values = jax.tree.map(jnp.asarray, variables[collection])
+      state.replace_by_pure_dict(_like(values, state.to_pure_dict()))
       nnx.update(module, state)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from petra_jax.engine import context as context_lib
 from petra_jax.engine import forward_gradient as fg_lib
-from petra_jax.engine import local, tasks, transport
+from petra_jax.engine import input_checks, local, tasks, transport
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import stage_checks
 from petra_jax.engine import placement as placement_lib
@@ -85,6 +85,7 @@ class Pipeline:
                step_wrap: Optional[Callable] = None):
     self.method = methods_lib.get(method)
     _check(stages, self.method, bn_stats)
+    self.input_spec = None  # stage 0's input, declared by init
     self.stages = list(stages)
     self.num_stages = J = len(stages)
     self.accumulation_steps = accumulation_steps
@@ -166,6 +167,7 @@ class Pipeline:
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
+    self.input_spec = input_checks.declared(sample_input)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     stage_checks.check_stages(self.stages, one)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
@@ -205,7 +207,11 @@ class Pipeline:
 
     Raises:
       ScheduleError: a task's input has not arrived.
+      ValueError: images or labels unlike the model's declared input
+        (:mod:`~petra_jax.engine.input_checks`: layout, dtype, label form).
     """
+    if batches is not None:
+      batches = input_checks.checked(batches, self.input_spec)
     state, outputs, run, pairs = state.successor(), [], self._run_task, self._pairs
     losses = self.method.schedule.losses
     i, n = 0, len(tick)
@@ -262,6 +268,7 @@ class Pipeline:
 
     Every process must call it; None on processes without the last stage.
     """
+    input_checks.check_images(images, self.input_spec, "predict")
     J = self.num_stages
     specs = self.message_specs(images) if self.multiprocess else [None] * (J + 1)
     x = transport.send(images, self.placements[0].batch) if self.local[0] else None

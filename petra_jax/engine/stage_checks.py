@@ -23,8 +23,10 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
     num_classes: ``K`` of the last stage's ``[B, K]`` logits; None: any ``K``.
 
   Raises:
-    ValueError: fewer than 2 stages; a module neither linen nor NNX; a reversible
-      ``F`` changing its input's shape; a last stage not giving ``[B, num_classes]``.
+    ValueError: fewer than 2 stages; a module neither linen nor NNX; a stage whose init
+      or forward (train and eval mode, called as training calls it: ``train=``) fails,
+      naming the stage; a reversible ``F`` changing its input's shape; a last stage not
+      giving ``[B, num_classes]``.
   """
   if len(stages) < 2:
     raise ValueError(f"a pipeline needs at least 2 stages (the last gives the logits), got "
@@ -37,21 +39,51 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
   x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample_input)
   for s in stages:
     for b in s.blocks or (s,):
-      if b.reversible:
-        v = jax.eval_shape(lambda x, b=b: b.init(jax.random.key(0), x), x)
-        x1 = jax.eval_shape(lambda x, b=b: (b.pre.apply(x) if b.pre is not None else x)[0], x)
-        f = jax.eval_shape(lambda v, x1, b=b: stage_lib._apply(b, v["params"], v["batch_stats"],
-                                                                x1, True)[0], v, x1)
-        if getattr(f, "shape", None) != x1.shape:
-          raise ValueError(f"reversible stage {b.name!r}: F maps {x1.shape} to "
-                           f"{getattr(f, 'shape', f)}; F must keep its input's shape (or make "
-                           "the stage reversible=False).")
-      x = stage_lib.trace([b], x)[0][1]
+      x = _check_block(b, x)
   batch = jax.tree.leaves(sample_input)[0].shape[0]
   want = (batch, num_classes if num_classes else getattr(x, "shape", (0, 0))[-1])
   if getattr(x, "shape", None) != want or len(want) != 2:
     raise ValueError(f"the last stage {stages[-1].name!r} gives {getattr(x, 'shape', x)}; it "
                      f"must give logits [B, num_classes] = {list(want)}.")
+
+
+def _check_block(b, x):
+  """Block ``b`` traced as training calls it: init, then the forward in train and
+  eval mode (and a reversible ``F``'s shape); its output. Any failure is one
+  ValueError naming the stage."""
+  try:
+    v = jax.eval_shape(lambda x: b.init(jax.random.key(0), x), x)
+    if b.reversible:
+      x1 = jax.eval_shape(lambda x: (b.pre.apply(x) if b.pre is not None else x)[0], x)
+      f = jax.eval_shape(lambda v, x1: stage_lib._apply(b, v["params"], v["batch_stats"],
+                                                         x1, True)[0], v, x1)
+      if getattr(f, "shape", None) != x1.shape:
+        raise _StageError(f"reversible stage {b.name!r}: F maps {x1.shape} to "
+                          f"{getattr(f, 'shape', f)}; F must keep its input's shape (or make "
+                          "the stage reversible=False).")
+    for train in (True, False):
+      out = jax.eval_shape(lambda v, x, train=train: stage_lib.forward(
+          b, v["params"], v["batch_stats"], x, train=train)[0], v, x)
+  except _StageError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(_failure(b, x, e)) from e
+  return out
+
+
+class _StageError(ValueError):
+  """A check's own finding (not wrapped again)."""
+
+
+def _failure(b, x, e: Exception) -> str:
+  """One line: which stage failed how, and the likely fix."""
+  shapes = jax.tree.map(lambda a: list(a.shape), x)
+  what = (str(e).strip().splitlines() or [""])[0]
+  fix = ""
+  if isinstance(e, TypeError) and "train" in what:
+    fix = ("; training calls module.apply(variables, x, train=True) and evaluation "
+           "train=False: give its __call__ a `train: bool = True` argument")
+  return (f"stage {b.name!r} fails on its input {shapes} ({type(e).__name__}: {what}){fix}.")
 
 
 def trained_variables(state) -> list[dict]:

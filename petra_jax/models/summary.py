@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from petra_jax.data import DATASETS
 from petra_jax.engine import stage as stage_lib
 from petra_jax.engine.stage import Stage
-from petra_jax.models.specs import MODEL_SPECS, build_model, unknown_model_message
+from petra_jax.models.specs import MODEL_SPECS, build_model, is_user_model, unknown_model_message
 
 
 def stage_summaries(stages: Sequence[Stage], image_shape: Sequence[int]) -> list[dict]:
@@ -51,7 +51,8 @@ def summarize(name: str, dataset: str, width: int = 64, depth: Optional[int] = N
   d = DATASETS[dataset]
   stages = build_model(name, width=width, num_classes=d.num_classes,
                        imagenet_stem=d.imagenet_stem, depth=depth, tokenizer=tokenizer,
-                       patch_size=patch_size)
+                       patch_size=patch_size,
+                       image_shape=d.image_shape if is_user_model(name) else None)
   rows = stage_summaries(stages, d.image_shape)
   return {"total_params": sum(r["params"] for r in rows), "stages": rows}
 
@@ -61,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
       prog="python -m petra_jax.models",
       description="Print a model's PETRA stages, output shapes (per stream, "
                   "[H, W, C]) and parameter counts.")
-  parser.add_argument("name", help=f"model: one of {sorted(MODEL_SPECS)}")
+  parser.add_argument("name", help=f"model: one of {sorted(MODEL_SPECS)}, or MODULE:FUNCTION "
+                      "(your own stages, as --config.model.name; MODULE on PYTHONPATH)")
   parser.add_argument("--dataset", choices=sorted(DATASETS), default="cifar10",
                       help="fixes input size, stem and classes (default cifar10)")
   parser.add_argument("--width", type=int, default=64, help="base width (default 64)")
@@ -71,17 +73,21 @@ def _parser() -> argparse.ArgumentParser:
                       help="ViTs: the stem, patch (ViT's) or conv (CCT's); default patch")
   parser.add_argument("--patch-size", type=int, default=None,
                       help="ViTs: the stem's patch (default 4 on 32x32 images, 16 on ImageNet)")
-  parser.add_argument("--json", action="store_true", help="print JSON")
+  parser.add_argument("--json", action="store_true",
+                      help="print {total_params, stages: [...]} as JSON instead of a table")
   return parser
 
 
 def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
-  family = MODEL_SPECS[name].family
-  print(f"{name} ({family}) on {dataset}, width {width}: {len(summary['stages'])} stages")
+  rows = summary["stages"]
+  family = MODEL_SPECS[name].family if name in MODEL_SPECS else "your model"
+  two_streams = (MODEL_SPECS[name].reversible if name in MODEL_SPECS
+                 else any(r["kind"] == "reversible" for r in rows))
+  print(f"{name} ({family}) on {dataset}, width {width}: {len(rows)} stages")
   shapes = []
-  for r in summary["stages"]:
+  for r in rows:
     shape = "x".join(map(str, r["output_shape"]))
-    if MODEL_SPECS[name].reversible and r["name"] != "head":
+    if two_streams and r["name"] != "head" and r is not rows[-1]:
       shape = f"2 x {shape}"
     if r.get("carried_shapes"):
       shape += " + " + ", ".join("x".join(map(str, c)) for c in r["carried_shapes"])
@@ -98,7 +104,7 @@ def _print_table(name: str, dataset: str, width: int, summary: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
   """The CLI; returns 0, or 2 after one error line (unknown model, bad width or depth)."""
   args = _parser().parse_args(argv)
-  if args.name not in MODEL_SPECS:
+  if args.name not in MODEL_SPECS and not is_user_model(args.name):
     print(f"error: {unknown_model_message(args.name)}", file=sys.stderr)
     return 2
   if args.width < 1:

@@ -98,6 +98,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   step, extra, extra_arrays, start_step = 0, {}, {}, 0
   if restored is not None:
     step, state, extra, extra_arrays = restored
+    start -= extra.get("wall_time", 0.0)  # metrics' wall_time goes on from the checkpoint's
     if not state.in_flight():  # drained: the stream restarts at this step
       start_step, state.tick = step, 0
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,

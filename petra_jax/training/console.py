@@ -10,12 +10,14 @@ import logging as std_logging
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 from absl import logging
 import jax
 from tqdm import tqdm
 
+from petra_jax import data as data_lib
 from petra_jax import optim
 
 _ACCELERATOR_INSTALL = {
@@ -132,6 +134,7 @@ def setup_summary(run) -> None:
   say(f"{c.method} {c.model.name} (width {c.model.width}) on {c.dataset}: {pipe.num_stages} "
       f"stages of {sizes} blocks on {', '.join(where)}; {len(run.train)} train / "
       f"{len(run.test)} test images")
+  say(f"data: {c.dataset} read from {os.path.abspath(data_lib.resolve_data_dir(c.data_dir))}")
   resumed = ""
   if run.restored_step is not None:
     resumed = (f", resumed at update {run.step} (resumed from "
@@ -150,10 +153,40 @@ def setup_summary(run) -> None:
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:
-  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``."""
-  say(f"epoch {math.ceil(step / steps_per_epoch)}: train_loss {train_loss:.4f} test_loss "
+  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``; ``E`` a fraction
+  (``0.15``) at a step that ends no epoch (a run stopped early by ``max_steps``)."""
+  epoch = (f"{step // steps_per_epoch}" if step % steps_per_epoch == 0
+           else f"{step / steps_per_epoch:.2f}")
+  say(f"epoch {epoch}: train_loss {train_loss:.4f} test_loss "
       f"{result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f} "
       f"({result['wall_time']:.0f} s)")
+
+
+class ProgressLines:
+  """Where no progress bar shows (output not a terminal: SLURM, nohup, CI), a line
+  ``step S/T (E epochs): train_loss L, R img/s`` at least every ``seconds``
+  seconds (0: never), process 0 only.
+  """
+
+  def __init__(self, seconds: float, bar: tqdm, total_steps: int, steps_per_epoch: int,
+               batch_size: int, step: int):
+    self.enabled = bool(seconds) and bool(bar.disable) and _printing()
+    self.seconds, self.total, self.per_epoch = seconds, total_steps, steps_per_epoch
+    self.batch_size = batch_size
+    self.last_time, self.last_step = time.time(), step
+
+  def update(self, step: int, train_loss: float) -> None:
+    """After update ``step``: prints the line if ``seconds`` have passed."""
+    if not self.enabled:
+      return
+    now = time.time()
+    if now - self.last_time < self.seconds:
+      return
+    rate = (step - self.last_step) * self.batch_size / max(now - self.last_time, 1e-9)
+    loss = f"train_loss {train_loss:.4f}, " if math.isfinite(train_loss) else ""
+    say(f"step {step}/{self.total} ({step / self.per_epoch:.2f} epochs): {loss}"
+        f"{rate:.1f} img/s")
+    self.last_time, self.last_step = now, step
 
 
 def outputs(workdir: str, checkpoint_dir: Optional[str]) -> None:

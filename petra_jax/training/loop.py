@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import Callable, Optional
 
 import jax
 import ml_collections
@@ -16,19 +17,23 @@ from petra_jax.training import console
 from petra_jax.training import distributed
 from petra_jax.training import preemption
 from petra_jax.training import run_record
+from petra_jax.training import validation
 from petra_jax.training.assembly import Run, setup
 from petra_jax.training.evaluate import evaluate
 from petra_jax.training.loss_log import Diverged
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       restart: bool = False) -> dict:
+                       restart: bool = False, on_accepted: Optional[Callable] = None) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
 
   Runs the method's tick table over ``total_steps * k`` micro-batches; writes
-  ``WORKDIR/config.json``, ``metrics.jsonl`` and TensorBoard events. A run
-  whose last checkpoint ends it prints one line and returns its last
-  evaluation; ``restart`` deletes the workdir's run first.
+  ``WORKDIR/config.json`` (once the config is validated and the workdir's
+  checkpoint, if any, accepted: a refused run never overwrites another's
+  record), ``metrics.jsonl`` and TensorBoard events. A run whose last
+  checkpoint ends it prints one line and returns its last evaluation;
+  ``restart`` deletes the workdir's run first (after validating the config).
+  ``on_accepted()`` is called once the set-up has succeeded.
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
@@ -52,6 +57,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              preemption.PREEMPTED_EXIT_CODE)
       preemption.exit_preempted(message)
     stop.raising = False
+    _record(run)
+    if on_accepted is not None:
+      on_accepted()
     if run.restored_step == run.total_steps:  # (a run-length field changed, not its end)
       _say_finished(workdir, run.total_steps)
       run.checkpointer.close()
@@ -61,6 +69,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     console.setup_summary(run)
     bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
                            initial=run.step * config.batch_size)
+    lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
+                                  run.steps_per_epoch, config.batch_size, run.step)
     with _discard_diverged(run), contextlib.closing(bar):
       for t in range(run.state.tick, len(run.schedule)):
         tick = run.schedule[t]
@@ -72,6 +82,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if _update_fed(run, tick):
           bar.update(config.batch_size)
           on_update(run)
+          lines.update(run.step, run.loss_log.last_loss)
           if _stop_requested(run, stop) and run.step < run.total_steps:
             bar.close()
             preempt(run, stop.signal_name or "a signal to another process")
@@ -80,10 +91,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _begin(config, workdir: str, restart: bool) -> bool:
-  """Before set-up: ``restart``, config.json, a note on a changed config;
-  True (and one line) when the workdir's run is finished already."""
-  first = jax.process_index() == 0
-  if restart and first:
+  """Before set-up: ``restart`` (a config that fails validation deletes
+  nothing), a note on a changed config; True (and one line) when the
+  workdir's run is finished already."""
+  if restart:
+    validation.validate_config(config, len(jax.local_devices()))
+  if restart and jax.process_index() == 0:
     run_record.start_over(workdir)
   if restart and jax.process_count() > 1:
     distributed.barrier("petra_jax restart")
@@ -92,13 +105,17 @@ def _begin(config, workdir: str, restart: bool) -> bool:
   if newest is not None and run_record.finished(newest[0], extra, config):
     _say_finished(workdir, newest[0])
     return True
-  if first:
-    run_record.write_config(workdir, config)
-    changed = run_record.differences(extra["config"], config) if "config" in extra else []
-    if changed:
-      console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
-                   f"from its checkpoint's: {'; '.join(changed)}.")
+  changed = run_record.differences(extra["config"], config) if "config" in extra else []
+  if changed and jax.process_index() == 0:
+    console.warn(f"warning: resuming {workdir} (step {newest[0]}) with a config that differs "
+                 f"from its checkpoint's: {'; '.join(changed)}.")
   return False
+
+
+def _record(run: Run) -> None:
+  """After a successful set-up: ``config.json`` (process 0)."""
+  if jax.process_index() == 0:
+    run_record.write_config(run.workdir, run.config)
 
 
 def _say_finished(workdir: str, step: int) -> None:
@@ -186,7 +203,8 @@ def save_checkpoint(run: Run) -> None:
   run.checkpointer.save(run.step, run.state, extra={
       "loss_log": log_meta, "metrics_offset": run.writer.offset(),
       "config": run_record.as_dict(run.config),
-      "run": run_record.run_end(run.config, run.total_steps)}, extra_arrays=log_arrays)
+      "run": run_record.run_end(run.config, run.total_steps),
+      "wall_time": time.time() - run.start}, extra_arrays=log_arrays)
   run.last_save = time.time()
 
 

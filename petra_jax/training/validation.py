@@ -77,6 +77,7 @@ RANGES = (
     Range("eval_batch_size", 1, why="images per evaluation batch"),
     Range("prefetch", 0, why="0: off"),
     Range("log_every", 1, why="updates between train_loss lines"),
+    Range("progress_seconds", 0, why="0: no progress lines off a terminal"),
     Range("num_devices", 0, why="0: all local devices"),
     Range("data_parallel", 1, why="devices per stage"),
     Range("seed", 0, why="NumPy's generators take no negative seed"),
@@ -357,7 +358,9 @@ def _check_stages(config) -> None:
                         or len(m.stage_sizes) < 2):
     raise ConfigError(
         f"model.stage_sizes={tuple(m.stage_sizes)} must be at least 2 positive "
-        f"block counts summing to {m.name}'s {num_blocks} blocks.")
+        f"block counts summing to {m.name}'s {num_blocks} blocks; pass "
+        f"--config.model.stage_sizes='()' to reset it (one block per stage, or "
+        f"--config.model.num_stages=J to group them), or counts summing to {num_blocks}.")
   if num_stages == 1:
     raise ConfigError("model.num_stages=1: a pipeline needs at least 2 stages; use 0 for one "
                       "block per stage.")

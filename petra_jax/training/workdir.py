@@ -11,18 +11,23 @@ host, liveness is unknown and the lock is refused. Releasing empties the
 file (an empty lock file is free). Multi-process: process 0 takes it.
 """
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
 from typing import Any
 
 LOCK_FILENAME = "petra_jax.lock"
+# What a run adds to its workdir (a refused start takes back those it added).
+RUN_ENTRIES = (LOCK_FILENAME, "config.json", "config.json.tmp", "checkpoints", "tensorboard",
+               "metrics.jsonl")
 _MAX_RECORD_BYTES = 1 << 16
 # errno values meaning "this filesystem does not do flock".
 _NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -62,6 +67,48 @@ def check_workdir(workdir: str | os.PathLike) -> None:
   except OSError as e:
     raise WorkdirError(f"cannot write in --workdir {path} ({e.strerror or e}); pass a "
                        "directory you can write to.") from None
+
+
+@contextlib.contextmanager
+def kept_as_found(workdir: str | os.PathLike, enabled: bool = True):
+  """Yields ``accept()``: until it is called, an exception leaves ``workdir`` as it was found.
+
+  A refused start (bad config, another run's checkpoint, missing data, a
+  signal) removes what it added: the workdir itself (and the parents it
+  created) if it did not exist, else the :data:`RUN_ENTRIES` that were not
+  there. Nothing is removed after ``accept()``, nor when another run holds
+  the lock (:class:`WorkdirBusyError`: what is there is that run's).
+  """
+  path = os.path.abspath(os.fspath(workdir))
+  top = path
+  while not os.path.exists(os.path.dirname(top)) and os.path.dirname(top) != top:
+    top = os.path.dirname(top)
+  before = set(os.listdir(path)) if os.path.isdir(path) else None
+  enabled = enabled and (before is not None or not os.path.lexists(path))  # (a file: leave it)
+  accepted = []
+  try:
+    yield lambda: accepted.append(True)
+  except WorkdirBusyError:
+    raise
+  except BaseException:
+    if enabled and not accepted:
+      _take_back(path, top, before)
+    raise
+
+
+def _take_back(path: str, top: str, before: set | None) -> None:
+  """Removes what a refused start added under ``path`` (all of ``top`` if new)."""
+  if before is None:
+    shutil.rmtree(top if os.path.exists(top) else path, ignore_errors=True)
+    return
+  for name in RUN_ENTRIES:
+    added = os.path.join(path, name)
+    if name in before or not os.path.lexists(added):
+      continue
+    if os.path.isdir(added) and not os.path.islink(added):
+      shutil.rmtree(added, ignore_errors=True)
+    else:
+      os.remove(added)
 
 
 class WorkdirLock:

@@ -1,0 +1,96 @@
+"""What a user's loop feeds :class:`~petra_jax.engine.pipeline.Pipeline`, checked against
+the input the model declared (``Pipeline.init``'s ``sample_input``).
+
+Images must be floating ``[B, H, W, C]`` (NHWC) as that sample; labels int ``[B]``
+class indices. A mismatch is one ``ValueError`` line saying what was expected and
+the fix (channels-first images, raw uint8 pixels, one-hot labels), instead of NaN
+losses or a traceback deep in a stage. Only shapes and dtypes are read: nothing
+waits for a device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+Spec = Any  # jax.ShapeDtypeStruct of stage 0's input
+
+
+def declared(sample_input) -> Optional[Spec]:
+  """The model's input spec from ``init``'s ``sample_input`` (None for a pytree input,
+  which is not checked); ValueError for integer pixels."""
+  if not hasattr(sample_input, "shape") or not hasattr(sample_input, "dtype"):
+    return None
+  check_dtype(sample_input, "init's sample_input")
+  return jax.ShapeDtypeStruct(tuple(sample_input.shape), sample_input.dtype)
+
+
+def _shape(a) -> str:
+  return "[" + ", ".join(str(n) for n in a.shape) + "]"
+
+
+def _expected(spec: Spec) -> str:
+  return f"float [B, {', '.join(str(n) for n in spec.shape[1:])}] (as init's sample_input)"
+
+
+def check_dtype(images, where: str) -> None:
+  """Raw integer pixels (e.g. uint8 0..255) are refused."""
+  if not np.issubdtype(np.dtype(images.dtype), np.floating):
+    raise ValueError(
+        f"{where}: images are {np.dtype(images.dtype).name}; the model takes floating, "
+        "normalised images: pass petra_jax.data.normalize(images, info.mean, info.std) "
+        "(or data.make_train_batch_fn / data.eval_batches, which do it).")
+
+
+def check_images(images, spec: Optional[Spec], where: str) -> None:
+  """``images`` against ``spec``: rank, NHWC layout, floating dtype.
+
+  Raises:
+    ValueError: one line naming what was expected and the fix.
+  """
+  if spec is None or images is None or not hasattr(images, "shape"):
+    return
+  got, want = tuple(images.shape), tuple(spec.shape)
+  if got[1:] != want[1:]:
+    hint = ""
+    if len(got) == 4 == len(want) and got[1] == want[3] and got[2:] == want[1:3]:
+      hint = " They look channels-first (NCHW): pass images.transpose(0, 2, 3, 1)."
+    raise ValueError(f"{where}: images of shape {_shape(images)}, but the model takes "
+                     f"{_expected(spec)}.{hint}")
+  check_dtype(images, where)
+
+
+def check_labels(labels, images, where: str) -> None:
+  """``labels`` as int class indices ``[B]`` for ``B`` images.
+
+  Raises:
+    ValueError: one-hot or float labels, or a batch size that differs.
+  """
+  if labels is None or not hasattr(labels, "shape"):
+    return
+  batch = None if images is None or not hasattr(images, "shape") else images.shape[0]
+  if len(labels.shape) == 2 and labels.shape[0] == (batch or labels.shape[0]):
+    raise ValueError(f"{where}: labels of shape {_shape(labels)} look one-hot; pass int32 "
+                     "class indices [B]: labels.argmax(-1).")
+  if len(labels.shape) != 1 or (batch is not None and labels.shape[0] != batch):
+    raise ValueError(f"{where}: labels of shape {_shape(labels)}, but the model takes int32 "
+                     f"class indices [B] = [{batch if batch is not None else 'B'}].")
+  if not np.issubdtype(np.dtype(labels.dtype), np.integer):
+    raise ValueError(f"{where}: labels are {np.dtype(labels.dtype).name}; pass int32 class "
+                     "indices [B]: labels.astype('int32').")
+
+
+def checked(batches: Callable, spec: Optional[Spec]) -> Callable:
+  """``batches`` (``m -> (images, labels)``) whose every micro-batch is checked."""
+  if spec is None:
+    return batches
+
+  def checked_batches(m):
+    images, labels = batches(m)
+    where = f"batches({m})"
+    check_images(images, spec, where)
+    check_labels(labels, images, where)
+    return images, labels
+  return checked_batches
