@@ -8,8 +8,8 @@ ticks late, ``k`` gradients a step). The exact methods (``backprop``, ``gpipe``,
 ``1f1b``, ``revprop``) equal ``jax.grad`` of the composed model.
 
 Two models: a RevNet with BatchNorm in J = 4 stages (stem | reversible |
-reversible | head: the second rebuilds its input from the first's rebuilt
-output) at k = 2, and a RevViT in J = 3 (stem | a group of two reversible
+reversible | head: the first reversible stage rebuilds its input from the
+input the second rebuilt) at k = 2, and a RevViT in J = 3 (stem | a group of two reversible
 blocks, attention and MLP | head) at k = 1; 12 micro-batches each. Every run
 mixes the two optimizers: SGD with momentum 0.9 on some stages, AdamW on the
 others, so each kind of stage (input, reversible, loss) meets both.
@@ -33,10 +33,10 @@ from petra_jax.engine.stage import Stage
 from petra_jax.optim import compensation, optimizers
 
 NUM_MICRO, POOL = 12, 4
-# float32 round-off between two orders of the same arithmetic, over 12
-# micro-batches: measured at most {LOSS_MEASURED} (losses) and {PARAMS_MEASURED}
-# (final parameters and statistics, relative per leaf).
-LOSS_RTOL, PARAMS_RTOL = 1e-5, 1e-5
+# float32 round-off between two orders of the same arithmetic over 12 micro-batches,
+# measured over every case below: losses at most 2.1e-7 relative; final parameters
+# and BatchNorm statistics at most 1.8e-7 (max over stages of ||a - b|| / ||b||).
+LOSS_RTOL, PARAMS_RTOL = 1e-6, 1e-6
 DELAYED = [m for m, row in ref.ROWS.items() if row.delayed]
 
 
@@ -64,7 +64,7 @@ MODELS = {  # name: (stages, k, per-stage optimizer)
     "revnet": (_revnet, 2, (sgd, adamw, sgd, adamw)),
     # (AdamW off the attention: its key bias cancels in the softmax, so its
     # gradient is round-off, which AdamW's normalisation turns into +-lr steps.)
-    "revvit": (_revvit, 1, (adamw, sgd, adamw)),
+    "revvit": (_revvit, 1, (adamw, sgd, sgd)),
 }
 
 
@@ -109,8 +109,6 @@ def test_engine_equals_the_reference(name, method):
   the reference's; a delayed method's trajectory is not backprop's."""
   p0, s0, losses, params, stats = _engine(name, method)
   want = _reference(name, ref.ROWS[method], p0, s0)
-  print(name, method, np.max(np.abs(losses - want.losses) / np.abs(want.losses)),
-        ref.max_rel_diff(params, want.params), ref.max_rel_diff(stats, want.batch_stats))
   np.testing.assert_allclose(losses, want.losses, rtol=LOSS_RTOL)
   assert ref.max_rel_diff(params, want.params) < PARAMS_RTOL
   assert ref.max_rel_diff(stats, want.batch_stats) < PARAMS_RTOL
@@ -138,7 +136,7 @@ def test_reference_without_delays_is_jax_grad(reconstructs):
   exact = _reference("revnet", ref.ROWS["backprop"], p0, s0)
   np.testing.assert_allclose(chain.losses, exact.losses, rtol=LOSS_RTOL)
   assert ref.max_rel_diff(chain.params, exact.params) < PARAMS_RTOL
-  assert exact.losses[-1] < exact.losses[0]  # it trains
+  assert np.mean(exact.losses[-POOL:]) < np.mean(exact.losses[:POOL])  # it trains
 
 
 USER_MODULE = textwrap.dedent('''
@@ -178,7 +176,9 @@ USER_MODULE = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def user_model(tmp_path_factory):
   """A user's linen model through ``MODULE:FUNCTION``, in J = 3 stages
-  (stem + reversible | 2 reversible | head), k = 2, SGD-momentum | AdamW | SGD-momentum."""
+  (stem + reversible | 2 reversible | head), k = 2, SGD-momentum | SGD-momentum | AdamW
+  (its convolutions' biases, cancelled by BatchNorm, have round-off gradients,
+  which AdamW's normalisation would turn into +-lr steps)."""
   d = tmp_path_factory.mktemp("user_code")
   (d / "user_ref_mod.py").write_text(USER_MODULE)
   sys.path.insert(0, str(d))
@@ -187,7 +187,7 @@ def user_model(tmp_path_factory):
   finally:
     sys.path.remove(str(d))
   stages = partition.group_stages(blocks, (2, 2, 1))
-  MODELS["user"] = (lambda: stages, 2, (sgd, adamw, sgd))
+  MODELS["user"] = (lambda: stages, 2, (sgd, sgd, adamw))
   yield "user"
   del MODELS["user"]
 
@@ -215,6 +215,7 @@ def test_delayed_over_100_updates_with_the_run_optimizer():
                            jax.devices()[:1], method="delayed", accumulation_steps=k)
   state = pipe.init(0, batches(0)[0])
   p0 = [jax.tree.map(np.array, s.params) for s in state.train_states]
+  s0 = [jax.tree.map(np.array, s.batch_stats) for s in state.train_states]
   state, out = pipe.run(state, pipe.schedule(num_micro), batches)
   got = np.array([float(o.loss) for o in sorted(out)])
   kernels = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
@@ -222,9 +223,10 @@ def test_delayed_over_100_updates_with_the_run_optimizer():
   tx = optax.adamw(optax.linear_schedule(0.0, lr, warmup), 0.9, 0.999, 1e-8,
                    weight_decay=wd, mask=kernels)
   want = ref.run(ref.StageFunctions(stages), ref.ROWS["delayed"], [tx] * len(stages), k, p0,
-                 [{}] * len(stages), batches, num_micro)
+                 s0, batches, num_micro)
   want_losses = np.array(want.losses)
-  print("long", np.max(np.abs(got - want_losses) / want_losses), ref.max_rel_diff([s.params for s in state.train_states], want.params))
-  np.testing.assert_allclose(got[:20 * k], want_losses[:20 * k], rtol=1e-5)
-  np.testing.assert_allclose(got[-k:], want_losses[-k:], rtol=1e-4)
+  # Measured: at most 1.9e-7 over the first 20 updates, 4.9e-6 at update 100 (round-off
+  # that AdamW's normalisation amplifies: the final weights differ by 5e-3, not compared).
+  np.testing.assert_allclose(got[:20 * k], want_losses[:20 * k], rtol=1e-6)
+  np.testing.assert_allclose(got[-k:], want_losses[-k:], rtol=2e-5)
   assert want_losses[-k:].mean() < 0.5 * want_losses[:k].mean()  # it trains
