@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import forward_gradient_tasks, local, tasks, transport
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import objective
 from petra_jax.engine import stage_checks
 from petra_jax.engine import placement as placement_lib
 from petra_jax.engine import quantize as quantize_lib
@@ -75,6 +76,7 @@ class Pipeline:
     bn_stats: ``"backward"`` (paper Sec. 4) or ``"forward"``.
     predictors: per stage, None or ``(params, opt_state) -> params``.
     data_parallel: ``D``, devices per stage.
+    task: an :class:`objective.Task`: what the last stage's logits are checked against.
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
@@ -90,8 +92,10 @@ class Pipeline:
                formats: Optional[quantize_lib.MessageFormats] = None,
                send_losses: bool = True, data_parallel: int = 1,
                forward_gradient: Optional[fg_lib.Options] = None,
-               step_wrap: Optional[Callable] = None):
+               step_wrap: Optional[Callable] = None,
+               task: objective.Task = objective.CLASSIFICATION):
     self.method = methods_lib.get(method)
+    self.task = task
     _check(stages, self.method, bn_stats)
     self.stages = list(stages)
     self.num_stages = J = len(stages)
@@ -148,7 +152,7 @@ class Pipeline:
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
-    stage_checks.check_stages(self.stages, one)
+    stage_checks.check_stages(self.stages, one, task=self.task)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):

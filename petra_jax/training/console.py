@@ -150,9 +150,9 @@ def setup_summary(run) -> None:
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:
-  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``."""
-  say(f"epoch {math.ceil(step / steps_per_epoch)}: train_loss {train_loss:.4f} test_loss "
-      f"{result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f} "
+  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``: every metric of ``result``."""
+  metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "wall_time")
+  say(f"epoch {math.ceil(step / steps_per_epoch)}: train_loss {train_loss:.4f} {metrics} "
       f"({result['wall_time']:.0f} s)")
 
 
