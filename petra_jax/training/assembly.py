@@ -96,7 +96,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
-  ckpt = _checkpointer(config, workdir, pipe, sizes)
+  ckpt = checkpointer(config, workdir, pipe, sizes)
   restored = ckpt.restore(state, [p.state_sharding for p in pipe.placements])
   step, extra, extra_arrays, start_step = 0, {}, {}, 0
   if restored is not None:
@@ -296,7 +296,7 @@ def method_setup(config, stages, num_classes: int) -> tuple:
   return stages, {"forward_gradient": options}
 
 
-def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
+def checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
   """This process's :class:`checkpoint.Checkpointer`; the fingerprint names
   what a resumed run must share (the grouping may change: resharding)."""
   return checkpoint_lib.Checkpointer(
