@@ -41,6 +41,11 @@ class ModelSpec:
     return self.family in REVERSIBLE_FAMILIES
 
   @property
+  def task(self) -> str:
+    """The objective it is built for (``petra_jax.engine.objective``)."""
+    return "next_token" if self.family in LANGUAGE_FAMILIES else "classification"
+
+  @property
   def transformer(self) -> bool:
     return self.family in ("revvit", "vit")
 
