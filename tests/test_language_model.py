@@ -213,3 +213,18 @@ def test_runlocal_trains_resumes_and_samples(shakespeare_dir, tmp_path, capsys):
                       "--temperature", "0"]) == 0
   out = capsys.readouterr().out
   assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= 6
+
+
+def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
+  from petra_jax import study_language_model as study  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+
+  class Args:
+    recipe = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "shakespeare_cpu.py")
+    epochs, steps_per_epoch, data_dir = 1, 5, ""
+
+  for row in study.ROWS:
+    validation.validate_config(study.row_config(Args, row, 0), 1)
+  lines = study.table([dict(row="revprop", seed=0, val_loss=1.75, wall_time=1.0),
+                       dict(row="petra_j4_k4", seed=0, val_loss=1.80, wall_time=1.0)])
+  assert "+0.050" in lines[-1]
