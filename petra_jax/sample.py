@@ -12,12 +12,13 @@ characters (``T``: the run's context), or the argmax at temperature 0. The model
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Callable
 
 import numpy as np
 
-from petra_jax.training import console, restore
+from petra_jax.training import restore
 
 
 def next_char_logits(predict: Callable, ids: np.ndarray, context: int) -> np.ndarray:
@@ -68,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  console.quiet_library_logging(verbosity_given=False)
+  logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on restoring
   try:
     model = restore.load(args.workdir)
     prompt = model.vocabulary.encode(args.prompt)
