@@ -45,11 +45,12 @@ def test_future_tokens_do_not_change_past_logits(name):
   stages = tiny(name)
   _, _, params = init(stages)
   x, _ = tokens()
-  logits = composed_logits(stages, params, [{}] * len(stages), x)
+  forward = jax.jit(lambda x: composed_logits(stages, params, [{}] * len(stages), x))
+  logits = forward(x)
   assert logits.shape == (4, T, V)
   for t in range(T - 1):
     changed = x.at[:, t + 1].set((x[:, t + 1] + 1) % V)
-    other = composed_logits(stages, params, [{}] * len(stages), changed)
+    other = forward(changed)
     np.testing.assert_allclose(other[:, :t + 1], logits[:, :t + 1], rtol=1e-6, atol=1e-6)
     assert np.abs(other[:, t + 1] - logits[:, t + 1]).max() > 1e-4
 
@@ -135,7 +136,8 @@ def test_evaluation_against_an_independent_forward_on_fixed_windows():
 def _predict():
   stages = tiny("gpt_nano", depth=1)
   _, _, params = init(stages, seed=3)
-  return lambda ids: composed_logits(stages, params, [{}] * len(stages), jnp.asarray(ids))
+  forward = jax.jit(lambda x: composed_logits(stages, params, [{}] * len(stages), x))
+  return lambda ids: forward(jnp.asarray(ids))
 
 
 def test_greedy_sampling_is_the_argmax_of_a_teacher_forced_forward():
