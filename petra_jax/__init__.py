@@ -19,6 +19,9 @@ _PUBLIC = {
     "PipelineState": "petra_jax.engine.pipeline_state",
     "StageState": "petra_jax.engine.stage_state",
     "Schedule": "petra_jax.engine.schedule",
+    "Task": "petra_jax.engine.objective",
+    "CLASSIFICATION": "petra_jax.engine.objective",
+    "NEXT_TOKEN": "petra_jax.engine.objective",
     "composed_loss": "petra_jax.engine.stage",
     "group_stages": "petra_jax.engine.partition",
     "build_model": "petra_jax.models",
@@ -29,7 +32,7 @@ _PUBLIC = {
     "train_and_evaluate": "petra_jax.training.loop",
 }
 __all__ = [  # the keys of _PUBLIC
-    "Pipeline", "PipelineState", "Schedule", "Stage", "StageState", "build_model", "check_stages",
+    "CLASSIFICATION", "NEXT_TOKEN", "Task", "Pipeline", "PipelineState", "Schedule", "Stage", "StageState", "build_model", "check_stages",
     "composed_loss", "get_config", "group_stages", "train_and_evaluate", "trained_variables",
     "update_nnx",
 ]

@@ -23,6 +23,7 @@ def _model_config() -> ml_collections.ConfigDict:
   c.bn_stats = "backward"
   c.patch_size = 0      # 0 = 4 (32x32 images), 16 (ImageNet)
   c.tokenizer = "patch"
+  c.context = 0         # text: characters per window T; 0 = the data set's (64)
   c.reversible_backward = "vanilla"
   return c
 

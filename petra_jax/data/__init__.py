@@ -1,4 +1,5 @@
-"""Image-classification data (paper Sec. 4): CIFAR-10/100, ImageNet32, ImageNet.
+"""Image-classification data (paper Sec. 4): CIFAR-10/100, ImageNet32, ImageNet; text:
+tiny_shakespeare (``data.text``).
 
 * ``open_split(name, split, data_dir, download=None)`` -> ``Split`` (decoded in
   memory) or ``LazySplit`` (ImageNet, decoded per batch on the host);
@@ -39,6 +40,8 @@ from petra_jax.data.sources import (
     get_dataset_info,
 )
 from petra_jax.data.splits import load_split, open_labels, open_split, read_labels
+from petra_jax.data.text import (TextSplit, Vocabulary, load_vocabulary, open_eval_split,
+                                 open_text, save_vocabulary)
 
 __all__ = [
     "CROP_RATIO", "CROP_SCALE", "DATASETS", "DataError", "DatasetInfo", "EVAL_RESIZE",
@@ -47,4 +50,6 @@ __all__ = [
     "get_dataset_info", "imagenet_eval_image", "imagenet_train_image", "load_split",
     "make_train_batch_fn", "make_update_batch_fn", "normalize", "open_labels", "open_split",
     "random_resized_crop_box", "read_labels", "resolve_data_dir",
+    "TextSplit", "Vocabulary", "load_vocabulary", "open_eval_split", "open_text",
+    "save_vocabulary",
 ]

@@ -22,7 +22,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclasses.dataclass(frozen=True)
 class DatasetInfo:
-  """Static description of an image-classification dataset.
+  """Static description of a dataset (image classification, or text).
 
   Attributes:
     image_shape: ``(H, W, C)`` of every image (of the crop, if ``lazy``).
@@ -32,6 +32,11 @@ class DatasetInfo:
     auto_download: tfds downloads it when missing with ``download=None``.
     manual_archives: files tfds needs in ``<data_dir>/downloads/manual``.
     size: download size, for messages.
+    task: the objective's name (``petra_jax.engine.objective``): ``"classification"``, or
+      ``"next_token"`` for text (``image_shape`` ``(T,)`` and ``num_classes`` ``V`` are set
+      when the text is opened: ``data.text.open_text``).
+    eval_prefix: the metrics' prefix of evaluations on ``test_split`` during training.
+    final_split: a split evaluated once at the end (metrics ``test_*``); "" for none.
   """
 
   tfds_name: str
@@ -46,6 +51,9 @@ class DatasetInfo:
   auto_download: bool = False
   manual_archives: tuple[str, ...] = ()
   size: str = ""
+  task: str = "classification"
+  eval_prefix: str = "test"
+  final_split: str = ""
 
 
 DATASETS: dict[str, DatasetInfo] = {
@@ -62,6 +70,10 @@ DATASETS: dict[str, DatasetInfo] = {
                             manual_archives=("ILSVRC2012_img_train.tar",
                                              "ILSVRC2012_img_val.tar"),
                             size="about 150 GB"),
+    # image_shape (T,): model.context's default; num_classes: the train split's 65 characters.
+    "tiny_shakespeare": DatasetInfo("tiny_shakespeare", 65, (64,), (), (), test_split="validation",
+                                    auto_download=True, size="about 1 MB", task="next_token",
+                                    eval_prefix="val", final_split="test"),
 }
 
 

@@ -18,6 +18,7 @@ from petra_jax.engine import context as context_lib
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import input_checks, local, tasks, transport
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import objective
 from petra_jax.engine import stage_checks
 from petra_jax.engine import placement as placement_lib
 from petra_jax.engine import quantize as quantize_lib
@@ -67,6 +68,7 @@ class Pipeline:
     observers: :class:`petra_jax.engine.observers.Observer` s called around every task.
     predictors: per stage, None or ``(params, opt_state) -> params``.
     data_parallel: ``D``, devices per stage.
+    task: an :class:`objective.Task`: what the last stage's logits are checked against.
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
@@ -82,8 +84,10 @@ class Pipeline:
                formats: Optional[quantize_lib.MessageFormats] = None,
                send_losses: bool = True, data_parallel: int = 1,
                forward_gradient: Optional[fg_lib.Options] = None,
-               step_wrap: Optional[Callable] = None):
+               step_wrap: Optional[Callable] = None,
+               task: objective.Task = objective.CLASSIFICATION):
     self.method = methods_lib.get(method)
+    self.task = task
     _check(stages, self.method, bn_stats)
     self.input_spec = None  # stage 0's input, declared by init
     self.stages = list(stages)
@@ -169,7 +173,7 @@ class Pipeline:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
     self.input_spec = input_checks.declared(sample_input)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
-    stage_checks.check_stages(self.stages, one)
+    stage_checks.check_stages(self.stages, one, task=self.task)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):

@@ -19,9 +19,9 @@ from typing import Any, Protocol, Sequence
 
 import flax.linen as nn
 import jax
-import optax
 
 from petra_jax.engine import nnx_modules
+from petra_jax.engine.objective import cross_entropy  # noqa: F401  (re-exported)
 from petra_jax.engine.precision import FLOAT32, Precision, cast
 
 PyTree = Any
@@ -311,17 +311,11 @@ def recompute_vjp(stage: Stage, params, batch_stats, x, dy, *, input_grad: bool 
   return dx, dparams, new_stats
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy in float32: ``logits [B, K]``, ``labels int32 [B]``."""
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jax.numpy.float32), labels).mean()
-
-
 def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequence,
                   images: jax.Array, labels: jax.Array):
   """Mean cross-entropy of the composed stages (paper Eq. 2): ``(loss, new_batch_stats)``.
 
-  ``images float32[B, H, W, C]``, ``labels int32[B]``.
+  ``images float32[B, H, W, C]``, ``labels int32[B]`` (or tokens and targets int32 ``[B, T]``).
   """
   x, new_stats = images, []
   for stage, p, bs in zip(stages, params, batch_stats):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-REVERSIBLE_FAMILIES = ("revnet", "revvit")
+REVERSIBLE_FAMILIES = ("revnet", "revvit", "revgpt")
+LANGUAGE_FAMILIES = ("gpt", "revgpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,11 @@ class ModelSpec:
   @property
   def reversible(self) -> bool:
     return self.family in REVERSIBLE_FAMILIES
+
+  @property
+  def task(self) -> str:
+    """The objective it is built for (``petra_jax.engine.objective``)."""
+    return "next_token" if self.family in LANGUAGE_FAMILIES else "classification"
 
   @property
   def transformer(self) -> bool:

@@ -14,9 +14,10 @@ import jax.numpy as jnp
 from petra_jax.engine import stage_checks
 from petra_jax.engine.stage import Stage, has_reversible
 from petra_jax.models.layers import Head, Stem
-from petra_jax.models.model_spec import REVERSIBLE_FAMILIES, ModelSpec  # noqa: F401 (public here)
+from petra_jax.models.model_spec import LANGUAGE_FAMILIES, REVERSIBLE_FAMILIES, ModelSpec  # noqa: F401 (public here)
 from petra_jax.models.resnet import resnet_blocks
 from petra_jax.models.revnet import revnet_blocks
+from petra_jax.models.gpt import gpt_stages
 from petra_jax.models.vit import vit_stages
 
 
@@ -39,6 +40,12 @@ MODEL_SPECS = {
     "revvit_small": ModelSpec("revvit", (12,), fixed_size=True, heads=6),
     "vit_tiny": ModelSpec("vit", (12,), fixed_size=True, heads=3),
     "vit_small": ModelSpec("vit", (12,), fixed_size=True, heads=6),
+    # Decoders over characters (models/gpt.py); width per head: nanoGPT's CPU model is
+    # gpt_nano at width 32 (4 layers, 4 heads, 128 wide), its GPU one gpt_small at 64.
+    "revgpt_nano": ModelSpec("revgpt", (4,), fixed_size=True, heads=4),
+    "revgpt_small": ModelSpec("revgpt", (6,), fixed_size=True, heads=6),
+    "gpt_nano": ModelSpec("gpt", (4,), fixed_size=True, heads=4),
+    "gpt_small": ModelSpec("gpt", (6,), fixed_size=True, heads=6),
 }
 
 
@@ -131,7 +138,8 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
     name: a key of :data:`MODEL_SPECS`, or ``"MODULE:FUNCTION"``: called as
       ``FUNCTION(num_classes=, width=, depth=)`` (the keywords it accepts;
       ``depth`` when not None), returning a list of ``Stage``.
-    width: base channels (paper: 64); group ``g`` has ``width 2**g``. ViTs: per head.
+    width: base channels (paper: 64); group ``g`` has ``width 2**g``. ViTs, GPTs: per head.
+    num_classes: classes, or a language model's vocabulary size.
     depth: blocks of a fixed-size model (ViT: layers); None for its default.
     image_shape: ``[H, W, C]``: a user model's stages are traced and checked.
 
@@ -147,6 +155,8 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
   if width < 1:
     raise ValueError(f"model.width must be >= 1, got {width}.")
   spec = _resolve_spec(name, depth)
+  if spec.family in LANGUAGE_FAMILIES:  # num_classes: the vocabulary's size
+    return gpt_stages(spec, width, num_classes)
   if spec.transformer:
     return vit_stages(spec, width, num_classes, patch_size or default_patch_size(imagenet_stem),
                       tokenizer)

@@ -23,6 +23,7 @@ from petra_jax import models, optim
 from petra_jax.models import auxiliary
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import methods as methods_lib
+from petra_jax.engine import objective
 from petra_jax.engine import observers
 from petra_jax.engine import partition
 from petra_jax.engine import quantize as quantize_lib
@@ -82,6 +83,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   validation.validate_config(config, len(jax.local_devices()))
   validation.validate_multiprocess(config)
   info, train, test = _open_data(config)
+  if isinstance(train, data_lib.TextSplit) and jax.process_index() == 0:
+    data_lib.save_vocabulary(workdir, train.vocabulary)  # sampling reads it
   k = config.accumulation_steps
   steps_per_epoch = validation.steps_per_epoch(config, len(train))
   total_steps = steps_per_epoch * config.num_epochs
@@ -93,7 +96,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
-  ckpt = _checkpointer(config, workdir, pipe, sizes)
+  ckpt = checkpointer(config, workdir, pipe, sizes)
   restored = ckpt.restore(state, [p.state_sharding for p in pipe.placements])
   step, extra, extra_arrays, start_step = 0, {}, {}, 0
   if restored is not None:
@@ -131,6 +134,9 @@ def _open_data(config):
   start = time.time()
   info = data_lib.get_dataset_info(config.dataset)
   _prepare_data(config)
+  if info.task != "classification":  # text: every process reads the characters
+    return data_lib.open_text(config.dataset, config.model.context or info.image_shape[0],
+                              config.data_dir or None, download=False)
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
   open_fn = (data_lib.open_split if transport.is_local(distributed.devices(config)[0])
              else data_lib.open_labels)
@@ -270,7 +276,7 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
                                                            delays, schedule=schedule),
                   formats=message_formats(config), send_losses=False,
-                  data_parallel=config.data_parallel, **options)
+                  data_parallel=config.data_parallel, task=objective.get(info.task), **options)
   return pipe, sizes, probes
 
 
@@ -292,14 +298,14 @@ def method_setup(config, stages, num_classes: int) -> tuple:
   return stages, {"forward_gradient": options}
 
 
-def _checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
+def checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.Checkpointer:
   """This process's :class:`checkpoint.Checkpointer`; the fingerprint names
   what a resumed run must share (the grouping may change: resharding)."""
   return checkpoint_lib.Checkpointer(
       os.path.join(workdir, "checkpoints"), config.keep_checkpoints, fingerprint=dict(
           model=config.model.name, width=config.model.width, depth=config.model.depth,
           patch_size=config.model.patch_size, tokenizer=config.model.tokenizer,
-          method=config.method, compensation=config.compensation.name,
+          context=config.model.context, method=config.method, compensation=config.compensation.name,
           dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
           seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,

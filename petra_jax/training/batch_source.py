@@ -1,4 +1,4 @@
-"""Where a run's micro-batches come from: ``m -> (images, labels)``.
+"""Where a run's micro-batches come from: ``m -> (images, labels)`` (text: ``(inputs, targets)``).
 
 Update ``s = m // k`` is row ``s % steps_per_epoch`` of its epoch's seeded
 permutation; micro-batch ``m``'s augmentation draws from ``fold_in(key(seed +
@@ -25,6 +25,8 @@ def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
   k = config.accumulation_steps
   rows = _update_rows(config, len(train), steps_per_epoch)
   data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
+  if isinstance(train, data_lib.TextSplit):
+    return _TextBatches(train, pipe, rows, k)
   if not pipe.owns_input:
     return lambda m: (None, data_lib.read_labels(train, _micro_rows(rows, m, k)))
   if info.lazy:
@@ -71,3 +73,20 @@ class _UpdateBatches:
         labels = jax.device_put(labels, self._labels_to)
       self._update, self._batches = s, list(zip(self._fn(self._train, indices, keys), labels))
     return self._batches[m % k]
+
+
+class _TextBatches:
+  """Text micro-batches ``m -> (inputs int32 [B, T] on stage 0, targets int32 [B, T] on the
+  last stage)``: the windows starting at micro-batch ``m``'s rows (module docstring)."""
+
+  def __init__(self, train, pipe, rows: Callable, k: int):
+    self._train, self._rows, self._k = train, rows, k
+    self._inputs_to = pipe.placements[0].batch if pipe.owns_input else None
+    self._targets_to = pipe.placements[-1].batch if pipe.owns_output else None
+
+  def __call__(self, m: int) -> tuple:
+    inputs, targets = self._train.windows(_micro_rows(self._rows, m, self._k))
+    inputs = None if self._inputs_to is None else jax.device_put(inputs, self._inputs_to)
+    if self._targets_to is not None:
+      targets = jax.device_put(targets, self._targets_to)
+    return inputs, targets

@@ -153,12 +153,12 @@ def setup_summary(run) -> None:
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:
-  """``epoch E: train_loss L test_loss L test_accuracy A (T s)``; ``E`` a fraction
-  (``0.15``) at a step that ends no epoch (a run stopped early by ``max_steps``)."""
+  """``epoch E: train_loss L <every metric of result> (T s)``; ``E`` a fraction (``0.15``)
+  at a step that ends no epoch (a run stopped early by ``max_steps``)."""
   epoch = (f"{step // steps_per_epoch}" if step % steps_per_epoch == 0
            else f"{step / steps_per_epoch:.2f}")
-  say(f"epoch {epoch}: train_loss {train_loss:.4f} test_loss "
-      f"{result['test_loss']:.4f} test_accuracy {result['test_accuracy']:.4f} "
+  metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "wall_time")
+  say(f"epoch {epoch}: train_loss {train_loss:.4f} {metrics} "
       f"({result['wall_time']:.0f} s)")
 
 

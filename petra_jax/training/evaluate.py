@@ -1,53 +1,41 @@
-"""Test loss and accuracy of a pipeline over a whole split, on the device."""
+"""A pipeline's evaluation metrics (its task's) over a whole split, on the device."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from petra_jax import data as data_lib
-from petra_jax.engine import transport
+from petra_jax.engine import objective, transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import console
 
 
-@jax.jit
-def batch_sums(logits: jax.Array, labels: jax.Array, valid: jax.Array):
-  """Summed cross-entropy and hits of the first ``valid`` rows.
+batch_sums = objective.eval_sums  # (the one implementation, for either task)
 
-  Args:
-    logits: float32 ``[B, K]``; labels: int32 ``[B]``; valid: int32 scalar.
 
-  Returns:
-    float32 ``sum_i -log softmax(logits_i)[labels_i]`` and int32
-    ``sum_i [argmax logits_i == labels_i]`` over ``i < valid``.
+def evaluate(pipe: Pipeline, state, split, info, batch_size: int, prefix: str = "test") -> dict:
+  """The pipeline task's metrics over the whole split (last batch padded).
+
+  Each batch's sums (:func:`objective.eval_sums`) are computed on the last
+  stage's device, added up in float64. Returns ``pipe.task.metrics``:
+  ``{"test_loss", "test_accuracy"}`` for classification, with bits per
+  character and perplexity for next-token prediction, keys starting with
+  ``prefix`` (``{}`` off process 0).
   """
-  keep = jnp.arange(logits.shape[0]) < valid
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-  hits = jnp.argmax(logits, axis=-1) == labels
-  return jnp.sum(jnp.where(keep, loss, 0.0)), jnp.sum(hits & keep, dtype=jnp.int32)
-
-
-def evaluate(pipe: Pipeline, state, split, info, batch_size: int) -> dict:
-  """Test loss and accuracy over the whole split (last batch padded).
-
-  Each batch's sums (:func:`batch_sums`) are computed on the last stage's
-  device, added up in float64. Returns ``{"test_loss", "test_accuracy"}``
-  (``{}`` off process 0).
-  """
-  n = len(split)
+  n, count = len(split), 0
   sums = []
   bar = console.progress(n, "eval", "img", leave=False)
   for images, labels, valid in _batches(pipe, split, info, batch_size):
     logits = pipe.predict(state, images)
     bar.update(valid)
+    count += valid * int(np.prod(np.shape(labels)[1:], dtype=np.int64))
     if logits is None:
       continue
-    padded = np.zeros(logits.shape[0], np.int32)
+    padded = np.zeros((logits.shape[0],) + np.shape(labels)[1:], np.int32)
     padded[:valid] = labels
-    sums.append(batch_sums(logits, padded, np.int32(valid)))
+    sums.append(objective.eval_sums(logits, padded, np.int32(valid)))
   bar.close()
   loss_sum = sum(float(s) for s, _ in jax.device_get(sums))
   correct = sum(int(c) for _, c in jax.device_get(sums))
@@ -56,12 +44,14 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int) -> dict:
     if totals is None:
       return {}
     loss_sum, correct = totals
-  return {"test_loss": loss_sum / n, "test_accuracy": correct / n}
+  return pipe.task.metrics(loss_sum, correct, count, prefix)
 
 
 def _batches(pipe: Pipeline, split, info, batch_size: int):
   """``(images, labels, valid)`` per batch (images: a shape off stage 0's process)."""
   n = len(split)
+  if isinstance(split, data_lib.TextSplit):
+    return data_lib.text.eval_batches(split, batch_size, pipe.placements[0].batch)
   if pipe.owns_input:
     return data_lib.eval_batches(split, info, batch_size, pipe.placements[0].batch)
   like = jax.ShapeDtypeStruct((batch_size,) + info.image_shape, jnp.float32)

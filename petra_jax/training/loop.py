@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import jax
 import ml_collections
 
+from petra_jax import data as data_lib
 from petra_jax.engine import diagnostics
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.training import checkpoint as checkpoint_lib
@@ -170,6 +171,8 @@ def finish(run: Run) -> dict:
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
   evaluate_and_log(run)
+  if run.info.final_split:
+    _evaluate_final_split(run)
   if checkpointing(run.config) and (run.restored_step or 0) < run.total_steps:
     save_checkpoint(run)
   run.checkpointer.prune(verified_through=run.total_steps)
@@ -183,12 +186,24 @@ def finish(run: Run) -> dict:
 
 def evaluate_and_log(run: Run) -> None:
   """Test metrics with the current weights, written at ``run.step``."""
-  result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size)
+  result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size,
+                    prefix=run.info.eval_prefix)
   result["wall_time"] = time.time() - run.start
   run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
-  if "test_loss" in result:
+  if result.keys() - {"wall_time"}:
     console.epoch_line(run.step, run.steps_per_epoch, run.loss_log.last_loss, result)
   run.result = result
+
+
+def _evaluate_final_split(run: Run) -> None:
+  """The final figure: ``test_*`` metrics on ``info.final_split`` (text's test split)."""
+  split = data_lib.open_eval_split(run.config.dataset, run.info.final_split, run.test.context,
+                                   run.test.vocabulary, run.config.data_dir or None)
+  result = evaluate(run.pipe, run.state, split, run.info, run.config.eval_batch_size)
+  run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
+  run.result.update(result)
+  if result:
+    console.say(" ".join(f"{k} {v:.4f}" for k, v in result.items()))
 
 
 def save_checkpoint(run: Run) -> None:

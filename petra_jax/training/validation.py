@@ -127,6 +127,7 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
       batch that does not split into k micro-batches; more devices than exist.
   """
   _check_choices(config)
+  _check_task(config)
   _check_numerics(config)
   _check_ranges(config)
   _check_batch(config)
@@ -222,6 +223,20 @@ def _check_choices(config) -> None:
     compensation.check_optimizer(config.optim, compensation.parse_name(config.compensation.name))
   except ValueError as e:
     raise ConfigError(f"{e} (--config.compensation.name=...)") from None
+
+
+def _check_task(config) -> None:
+  """A zoo model trained for its data set's task (a language model on text)."""
+  name, info = config.model.name, data_lib.get_dataset_info(config.dataset)
+  if config.method in methods_lib.LOCAL_METHODS and info.task != "classification":
+    raise ConfigError(f"method {config.method!r} trains image classifiers only (its "
+                      f"auxiliary heads pool images); use one of {list(methods_lib.METHODS)} "
+                      f"on {config.dataset}.")
+  if models.is_user_model(name) or models.MODEL_SPECS[name].task == info.task:
+    return
+  fits = sorted(n for n, s in models.MODEL_SPECS.items() if s.task == info.task)
+  raise ConfigError(f"model {name!r} is not built for {config.dataset}'s task ({info.task}); "
+                    f"use one of {fits} (--config.model.name=...).")
 
 
 def _check_numerics(config) -> None:

@@ -1,0 +1,133 @@
+"""The ``language_model`` study: PETRA and ``delayed`` on ``revgpt_nano`` against
+``revprop`` on the same model and backprop on the twin ``gpt_nano``, at equal tokens.
+
+``python -m petra_jax.studies language_model [--rows=revprop,petra_j4_k4,...] [--seeds=0,1]
+[--epochs=N] [--recipe=configs/shakespeare_cpu.py]``: each row is the recipe with the
+fields of :data:`ROWS` changed (the stage split J, the micro-batches k, the method, the
+compensation); the update's batch and every row's tokens stay the recipe's. A run finished in
+``WORKDIR/<row>_s<seed>`` is read back, an interrupted one resumes. Writes
+``OUT/language_model_study.md``: validation nats per character per seed and mean, the gap
+to ``revprop`` (same seed), and ``OUT/language_model_study.png``: the validation curves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from petra_jax import config as config_lib  # noqa: E402
+from petra_jax import train  # noqa: E402
+from petra_jax.study_transformers import recipe  # noqa: E402
+from petra_jax.training import metrics as metrics_lib  # noqa: E402
+
+# revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
+SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
+
+
+def _row(method: str, j: int, k: int, compensation: str = "none") -> dict:
+  return {"method": method, "model.stage_sizes": SPLITS[j], "accumulation_steps": k,
+          "compensation.name": compensation}
+
+
+# row -> the recipe's fields it changes (revprop first: the reference of the gaps).
+ROWS = {
+    "revprop": _row("revprop", 4, 4),
+    "backprop_gpt": {"method": "backprop", "model.name": "gpt_nano", "model.stage_sizes": (),
+                     "accumulation_steps": 1, "compensation.name": "none"},
+    **{f"{m}_j{j}_k{k}{'_lookahead' if c != 'none' else ''}": _row(m, j, k, c)
+       for m in ("petra", "delayed") for j in (2, 4, 8) for k in (1, 4)
+       for c in ("none", "adam_lookahead")},
+}
+
+
+def row_config(args, row: str, seed: int):
+  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
+  if row not in ROWS:
+    raise ValueError(f"unknown language-model-study row {row!r}; choose from {list(ROWS)} "
+                     "(--rows=a,b).")
+  config = recipe(args.recipe)
+  config_lib.override(config, ROWS[row])
+  config.seed = seed
+  if args.epochs:
+    config.num_epochs = args.epochs
+  if args.steps_per_epoch:
+    config.steps_per_epoch = args.steps_per_epoch
+  if args.data_dir:
+    config.data_dir = args.data_dir
+  return config
+
+
+def run_row(args, row: str, seed: int) -> dict:
+  """Trains (or resumes, or reads back) one row and seed; returns its last validation."""
+  name = f"{row}_s{seed}"
+  workdir = os.path.join(args.workdir, name)
+  train.train_and_evaluate(row_config(args, row, seed), workdir)
+  records = metrics_lib.read_metrics(workdir)
+  evals = [r for r in records if "val_loss" in r]
+  print(f"{name}: val_loss {evals[-1]['val_loss']:.4f}", flush=True)
+  return dict(name=name, row=row, seed=seed, records=records, val_loss=evals[-1]["val_loss"],
+              wall_time=evals[-1]["wall_time"])
+
+
+def _mean(values) -> float:
+  values = list(values)
+  return sum(values) / len(values) if values else float("nan")
+
+
+def table(results: list[dict]) -> list[str]:
+  """Markdown rows: validation nats/char per seed and mean; gap to revprop (same seeds)."""
+  base = {r["seed"]: r for r in results if r["row"] == "revprop"}
+  lines = ["| row | seeds | val. nats/char per seed | mean | gap to revprop (nats) | wall (s) |",
+           "|---|---|---|---|---|---|"]
+  for row in dict.fromkeys(r["row"] for r in results):
+    runs = [r for r in results if r["row"] == row]
+    paired = [r for r in runs if r["seed"] in base]
+    gap = _mean(r["val_loss"] - base[r["seed"]]["val_loss"] for r in paired)
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    losses = ", ".join(f"{r['val_loss']:.3f}" for r in runs)
+    walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
+    lines.append(f"| `{row}` | {seeds} | {losses} | {_mean(r['val_loss'] for r in runs):.3f} | "
+                 f"{gap:+.3f} | {walls} |")
+  return lines
+
+
+def plot(results: list[dict], path: str) -> None:
+  """Validation nats per character against updates, one line per run."""
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in results:
+    ev = [x for x in r["records"] if "val_loss" in x]
+    ax.plot([x["step"] for x in ev], [x["val_loss"] for x in ev], label=r["name"])
+  ax.set(xlabel="optimizer updates", ylabel="validation loss (nats/char)",
+         title="tiny_shakespeare, revgpt_nano: validation loss")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def language_model_study(args) -> list[dict]:
+  """Runs every selected row and seed; writes ``OUT/language_model_study.md`` and its plot.
+
+  ``args``: ``rows`` (names, empty: all), ``seeds``, ``epochs`` / ``steps_per_epoch``
+  (0: the recipe's), ``recipe``, ``data_dir``, ``workdir``, ``out``, ``argv`` (the command).
+  """
+  rows = args.rows or list(ROWS)
+  unknown = [r for r in rows if r not in ROWS]
+  if unknown:
+    raise ValueError(f"unknown language-model-study rows {unknown}; choose from {list(ROWS)}.")
+  results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
+  os.makedirs(args.out, exist_ok=True)
+  plot(results, os.path.join(args.out, "language_model_study.png"))
+  lines = ["# PETRA on a reversible decoder: tiny_shakespeare at equal tokens", "", "```",
+           "python -m petra_jax.studies " + " ".join(args.argv), "```", "", *table(results), "",
+           f"Recipe {args.recipe}; rows as in petra_jax/study_language_model.py:ROWS.", "",
+           "![validation curves](language_model_study.png)", ""]
+  path = os.path.join(args.out, "language_model_study.md")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines))
+  print(f"wrote {path}")
+  return results
