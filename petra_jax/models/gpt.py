@@ -14,16 +14,13 @@ No dropout: the reconstruction ``x1 = y2, x2 = y1 - H(y2)`` is exact.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flax.linen as nn
 import jax.numpy as jnp
 
 from petra_jax.engine.stage import Stage
+from petra_jax.models.model_spec import ModelSpec
 from petra_jax.models.vit import PlainResidual
 
-if TYPE_CHECKING:
-  from petra_jax.models.specs import ModelSpec
 
 init = nn.initializers.normal(0.02)  # nanoGPT's
 
