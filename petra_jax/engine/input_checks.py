@@ -2,7 +2,8 @@
 the input the model declared (``Pipeline.init``'s ``sample_input``).
 
 Images must be floating ``[B, H, W, C]`` (NHWC) as that sample; labels int ``[B]``
-class indices. A mismatch is one ``ValueError`` line saying what was expected and
+class indices (a :class:`~petra_jax.engine.objective.Task` with ``integer_inputs``, e.g.
+next-token prediction, takes int token ids ``[B, T]`` and int targets ``[B, T]``). A mismatch is one ``ValueError`` line saying what was expected and
 the fix (channels-first images, raw uint8 pixels, one-hot labels), instead of NaN
 losses or a traceback deep in a stage. Only shapes and dtypes are read: nothing
 waits for a device.
@@ -10,21 +11,29 @@ waits for a device.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import dataclasses
+from typing import Callable, Optional
 
-import jax
 import numpy as np
 
-Spec = Any  # jax.ShapeDtypeStruct of stage 0's input
+from petra_jax.engine import objective
 
 
-def declared(sample_input) -> Optional[Spec]:
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """Stage 0's declared input: ``shape`` ``[B, ...]``, and the task it is trained for."""
+  shape: tuple
+  task: objective.Task
+
+
+def declared(sample_input, task: objective.Task = objective.CLASSIFICATION) -> Optional[Spec]:
   """The model's input spec from ``init``'s ``sample_input`` (None for a pytree input,
   which is not checked); ValueError for integer pixels."""
   if not hasattr(sample_input, "shape") or not hasattr(sample_input, "dtype"):
     return None
-  check_dtype(sample_input, "init's sample_input")
-  return jax.ShapeDtypeStruct(tuple(sample_input.shape), sample_input.dtype)
+  spec = Spec(tuple(sample_input.shape), task)
+  check_dtype(sample_input, spec, "init's sample_input")
+  return spec
 
 
 def _shape(a) -> str:
@@ -32,11 +41,14 @@ def _shape(a) -> str:
 
 
 def _expected(spec: Spec) -> str:
-  return f"float [B, {', '.join(str(n) for n in spec.shape[1:])}] (as init's sample_input)"
+  kind = "int" if spec.task.integer_inputs else "float"
+  return f"{kind} [B, {', '.join(str(n) for n in spec.shape[1:])}] (as init's sample_input)"
 
 
-def check_dtype(images, where: str) -> None:
-  """Raw integer pixels (e.g. uint8 0..255) are refused."""
+def check_dtype(images, spec: Spec, where: str) -> None:
+  """Raw integer pixels (e.g. uint8 0..255) are refused; token ids may be integers."""
+  if spec.task.integer_inputs:
+    return
   if not np.issubdtype(np.dtype(images.dtype), np.floating):
     raise ValueError(
         f"{where}: images are {np.dtype(images.dtype).name}; the model takes floating, "
@@ -59,16 +71,20 @@ def check_images(images, spec: Optional[Spec], where: str) -> None:
       hint = " They look channels-first (NCHW): pass images.transpose(0, 2, 3, 1)."
     raise ValueError(f"{where}: images of shape {_shape(images)}, but the model takes "
                      f"{_expected(spec)}.{hint}")
-  check_dtype(images, where)
+  check_dtype(images, spec, where)
 
 
-def check_labels(labels, images, where: str) -> None:
+def check_labels(labels, images, where: str, task: objective.Task = objective.CLASSIFICATION
+                 ) -> None:
   """``labels`` as int class indices ``[B]`` for ``B`` images.
 
   Raises:
     ValueError: one-hot or float labels, or a batch size that differs.
   """
   if labels is None or not hasattr(labels, "shape"):
+    return
+  if task.target_rank != 1:
+    _check_targets(labels, images, where, task)
     return
   batch = None if images is None or not hasattr(images, "shape") else images.shape[0]
   if len(labels.shape) == 2 and labels.shape[0] == (batch or labels.shape[0]):
@@ -82,6 +98,17 @@ def check_labels(labels, images, where: str) -> None:
                      "indices [B]: labels.astype('int32').")
 
 
+def _check_targets(targets, inputs, where: str, task: objective.Task) -> None:
+  """Targets of ``task`` (e.g. next token's int ``[B, T]``) shaped as its inputs say."""
+  want = task.targets_shape(inputs.shape) if hasattr(inputs, "shape") else None
+  if (want is not None and tuple(targets.shape) != want) or len(targets.shape) != task.target_rank:
+    raise ValueError(f"{where}: targets of shape {_shape(targets)}, but the {task.name} task "
+                     f"takes int32 targets {list(want) if want else task.target_rank}.")
+  if not np.issubdtype(np.dtype(targets.dtype), np.integer):
+    raise ValueError(f"{where}: targets are {np.dtype(targets.dtype).name}; pass int32 "
+                     "targets: targets.astype('int32').")
+
+
 def checked(batches: Callable, spec: Optional[Spec]) -> Callable:
   """``batches`` (``m -> (images, labels)``) whose every micro-batch is checked."""
   if spec is None:
@@ -91,6 +118,6 @@ def checked(batches: Callable, spec: Optional[Spec]) -> Callable:
     images, labels = batches(m)
     where = f"batches({m})"
     check_images(images, spec, where)
-    check_labels(labels, images, where)
+    check_labels(labels, images, where, spec.task)
     return images, labels
   return checked_batches

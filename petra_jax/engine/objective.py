@@ -68,9 +68,11 @@ class Task:
     summarize: ``(loss_sum, hits, count) -> {metric: value}`` of an evaluation;
       ``count`` targets scored.
     logits_doc: the logits' shape in words, for error messages.
+    integer_inputs: stage 0 takes int token ids ``[B, T]`` (else floating images).
   """
   name: str
   target_rank: int
+  integer_inputs: bool = False
   logits_doc: str = "[B, num_classes]"
   loss: Callable = cross_entropy
   summarize: Callable = _classification_metrics
@@ -89,7 +91,8 @@ class Task:
 
 
 CLASSIFICATION = Task("classification", 1)
-NEXT_TOKEN = Task("next_token", 2, logits_doc="[B, T, vocab_size]", summarize=_next_token_metrics)
+NEXT_TOKEN = Task("next_token", 2, integer_inputs=True, logits_doc="[B, T, vocab_size]",
+                  summarize=_next_token_metrics)
 TASKS = {t.name: t for t in (CLASSIFICATION, NEXT_TOKEN)}
 
 

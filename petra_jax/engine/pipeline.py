@@ -171,7 +171,7 @@ class Pipeline:
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
-    self.input_spec = input_checks.declared(sample_input)  # what run_tick and predict take
+    self.input_spec = input_checks.declared(sample_input, self.task)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     stage_checks.check_stages(self.stages, one, task=self.task)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
