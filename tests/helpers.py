@@ -223,3 +223,35 @@ def restored_test_metrics(config, workdir, blocks):
                                     ).astype(np.float32))
             for i in range(0, len(run.test), 1000)]
   return loss_and_accuracy(np.concatenate(logits), run.test.labels)
+
+
+def train_in_process(capsys, *args):
+  """``python -m petra_jax.train ARGS`` run in this process: ``train._parse_flags``
+  then ``train.main``, as absl's ``app.run`` calls them, a ``sys.exit(message)``
+  printed to stderr with status 1 as the interpreter does. Returns a
+  ``subprocess.CompletedProcess`` of what ``capsys`` captured. absl's flags and
+  logging verbosity are restored afterwards."""
+  import subprocess  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+  from absl import flags, logging  # noqa: PLC0415
+  from petra_jax import train  # noqa: PLC0415
+  verbosity, argv = logging.get_verbosity(), sys.argv
+  sys.argv = ["petra_jax.train", *args]  # where ml_collections reads --config.* overrides
+  capsys.readouterr()
+  flags.FLAGS.unparse_flags()
+  try:
+    train.main(train._parse_flags(list(sys.argv)))  # pylint: disable=protected-access
+    code = 0
+  except SystemExit as e:
+    code = e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+      delattr(flags.FLAGS, name)  # the overrides' flags, defined per parse
+    logging.set_verbosity(verbosity)
+    sys.argv = argv
+  if isinstance(code, str):
+    print(code, file=sys.stderr)
+    code = 1
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(list(args), code or 0, out.out, out.err)

@@ -15,7 +15,7 @@ import petra_jax
 from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.training import checkpoint, metrics, validation
-from helpers import zero_delay_update_errors
+from helpers import train_in_process, zero_delay_update_errors
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -154,8 +154,9 @@ def test_bad_user_model_is_one_line_naming_the_fix(user_module, name, message):
   assert "\n" not in str(e.value)
 
 
-def test_cli_unimportable_user_model_is_one_line(tmp_path):
-  r = _cli("--config.model.name=no_such_module_xyz:fn", workdir=tmp_path)
+def test_cli_unimportable_user_model_is_one_line(capsys, tmp_path):
+  r = train_in_process(capsys, "--config=configs/cifar10.py", f"--workdir={tmp_path}",
+                       "--config.model.name=no_such_module_xyz:fn")  # no start-up to pay
   assert r.returncode == 1 and "Traceback" not in r.stderr
   errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "PYTHONPATH" in errors[0], r.stderr[-2000:]

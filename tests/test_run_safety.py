@@ -27,7 +27,7 @@ from petra_jax import models, train
 from petra_jax.engine import pipeline
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
-from helpers import random_batch
+from helpers import random_batch, train_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,7 +125,7 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=300)
 
 
-def test_cli_missing_config_and_bad_workdir_are_one_line(tmp_path):
+def test_cli_missing_config_and_bad_workdir_are_one_line(capsys, tmp_path):
   a_file = tmp_path / "file"
   a_file.write_text("x")
   for args, message in (
@@ -133,7 +133,7 @@ def test_cli_missing_config_and_bad_workdir_are_one_line(tmp_path):
       (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}"], "is a file"),
       (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}/run"], "which is a file"),
       (["--config=configs/cifar10_cpu.py", "--restart", f"--workdir={a_file}"], "is a file")):
-    r = _cli(*args)
+    r = train_in_process(capsys, *args)  # in this process: no start-up to pay
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
