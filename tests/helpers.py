@@ -146,9 +146,14 @@ def drained_step(pipe, state, images, labels):
   return state, outs[0].loss
 
 
+# CLI flags evaluating a tiny run on the test split's first 500 images (one batch).
+SMALL_EVAL = ("--config.eval_examples=500", "--config.eval_batch_size=500")
+
+
 def tiny_config(data_dir, **overrides):
-  """The default config at width 4, 40 steps of 32 images, constant rate 0.05;
-  ``overrides`` maps dotted field names (``"optim.name"``) to values."""
+  """The default config at width 4, 40 steps of 32 images, constant rate 0.05,
+  evaluated on the test split's first 500 images (one batch); ``overrides``
+  maps dotted field names (``"optim.name"``) to values."""
   from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.get_config()
   c.data_dir = data_dir
@@ -159,7 +164,8 @@ def tiny_config(data_dir, **overrides):
   c.steps_per_epoch = 40
   c.log_every = 1
   c.num_devices = 1
-  c.eval_batch_size = 1000
+  c.eval_batch_size = 500
+  c.eval_examples = 500
   c.optim.learning_rate = 0.05
   c.optim.schedule = "constant"
   c.optim.warmup_epochs = 0
@@ -209,20 +215,24 @@ def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
 
 def restored_test_metrics(config, workdir, blocks):
   """``(test_loss, test_accuracy)`` of a finished run's last checkpoint over
-  its whole test split, from :func:`composed_logits` of ``blocks`` (one per
+  the first ``config.eval_examples`` test images (0: the whole split, read by
+  ``data.load_split``), from :func:`composed_logits` of ``blocks`` (one per
   stage) in float32 and :func:`loss_and_accuracy`."""
+  from petra_jax import data  # noqa: PLC0415
   from petra_jax.training import assembly  # noqa: PLC0415
   run = assembly.setup(config, str(workdir))
   run.checkpointer.close()
+  test = data.load_split(config.dataset, run.info.test_split, config.data_dir,
+                         limit=config.eval_examples or None)
   states = run.state.train_states
   assert len(states) == len(blocks)
   forward = jax.jit(lambda params, stats, x: composed_logits(blocks, params, stats, x))
   params, stats = [s.params for s in states], [s.batch_stats for s in states]
   mean, std = np.array(run.info.mean), np.array(run.info.std)
-  logits = [forward(params, stats, ((run.test.images[i:i + 1000] / 255.0 - mean) / std
+  logits = [forward(params, stats, ((test.images[i:i + 1000] / 255.0 - mean) / std
                                     ).astype(np.float32))
-            for i in range(0, len(run.test), 1000)]
-  return loss_and_accuracy(np.concatenate(logits), run.test.labels)
+            for i in range(0, len(test), 1000)]
+  return loss_and_accuracy(np.concatenate(logits), test.labels)
 
 
 def train_in_process(capsys, *args):

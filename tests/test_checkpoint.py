@@ -22,7 +22,7 @@ from petra_jax.training import metrics
 
 from petra_jax.engine import pipeline
 from helpers import random_batch
-from helpers import REPO
+from helpers import REPO, SMALL_EVAL
 
 FP = {"model": "revnet18", "width": 4}
 
@@ -125,7 +125,7 @@ def test_sigkill_and_resume_gives_the_same_losses(cifar10_dir, tmp_path):
   args = ["--config.model.width=4", "--config.batch_size=32", "--config.accumulation_steps=2",
           "--config.steps_per_epoch=12", "--config.num_epochs=2", "--config.log_every=1",
           "--config.checkpoint_every=5", "--config.num_devices=1",
-          "--config.eval_batch_size=1000", f"--config.data_dir={cifar10_dir}"]
+          *SMALL_EVAL, f"--config.data_dir={cifar10_dir}"]
   # An uninterrupted run and, side by side, one killed once its second
   # checkpoint exists (XLA's compiler is single-threaded: the two overlap).
   cli = [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py", *args]

@@ -18,7 +18,7 @@ from petra_jax.engine import timing
 from petra_jax.training import assembly, console, evaluate
 from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
-from helpers import REPO, config_file, restored_test_metrics, tiny_config, train_in_process
+from helpers import REPO, SMALL_EVAL, config_file, restored_test_metrics, tiny_config, train_in_process
 
 @pytest.mark.slow
 def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
@@ -26,7 +26,9 @@ def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
   # small rate (0.01) to learn steadily within 40 steps; it lowers the mean
   # loss by about 0.13 there (measured), against a batch-to-batch noise of
   # the 8-step means of about 0.02.
-  config = tiny_config(cifar10_dir, **{"optim.learning_rate": 0.01, "checkpoint_every": 40})
+  # The one tiny run evaluated on the whole test split (eval_examples=0).
+  config = tiny_config(cifar10_dir, **{"optim.learning_rate": 0.01, "checkpoint_every": 40,
+                                       "eval_examples": 0, "eval_batch_size": 1000})
   result = train.train_and_evaluate(config, str(tmp_path))
   records = metrics.read_metrics(str(tmp_path))
   losses = [r["train_loss"] for r in records if "train_loss" in r]
@@ -104,6 +106,7 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"optim.warmup_epochs": 2.0}, "optim.warmup_epochs=2 is longer than the run"),
     ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
     ({"eval_batch_size": 0}, "eval_batch_size must be >= 1"),
+    ({"eval_examples": -1}, "eval_examples must be >= 0"),
     ({"eval_every": -1}, "eval_every must be >= 0"),
     ({"log_every": 0}, "log_every must be >= 1"),
     ({"steps_per_epoch": -3}, "steps_per_epoch must be >= 0"),
@@ -306,7 +309,7 @@ LIBRARY_INFO = ("CheckpointManager", "_NonBlockingMetadataStore", "differ on dis
 
 @pytest.mark.slow
 def test_default_console_shows_our_lines_only(cifar10_dir, tmp_path):
-  r = _cli("--config.max_steps=2", "--config.checkpoint_every=2",
+  r = _cli("--config.max_steps=2", "--config.checkpoint_every=2", *SMALL_EVAL,
            f"--config.data_dir={cifar10_dir}", f"--workdir={tmp_path}",
            config="configs/cifar10_cpu.py:runlocal")
   assert r.returncode == 0, r.stderr[-2000:]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, train_losses, wait_for
+from helpers import REPO, SMALL_EVAL, train_losses, wait_for
 from petra_jax.training import preemption
 
 STEPS = 10  # the stop lands a few updates after step 1 is logged
@@ -19,7 +19,8 @@ def _cmd(data_dir, workdir, method, guess):
   fg = [f"--config.forward_gradient.guess={guess}"] if method == "forward_gradient" else []
   return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
           f"--config.method={method}", *fg, f"--config.steps_per_epoch={STEPS}",
-          "--config.eval_every=0", f"--config.data_dir={data_dir}", f"--workdir={workdir}"]
+          "--config.eval_every=0", *SMALL_EVAL, f"--config.data_dir={data_dir}",
+          f"--workdir={workdir}"]
 
 
 def _run(cmd):
