@@ -6,6 +6,9 @@ import importlib.util
 import math
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -201,6 +204,25 @@ def train_losses(workdir) -> dict:
           if "train_loss" in r}
 
 
+def tensorboard_scalars(workdir):
+  """``[(tag, step)]`` of every scalar in the event files, read from the
+  TFRecord framing (8-byte length, 4-byte CRC, data, 4-byte CRC)."""
+  import glob  # noqa: PLC0415
+  import struct  # noqa: PLC0415
+  from tensorboardX.proto import event_pb2  # noqa: PLC0415
+  out = []
+  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    i = 0
+    while i + 12 <= len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      out += [(v.tag, event.step) for v in event.summary.value if v.HasField("simple_value")]
+      i += 12 + n + 4
+  return out
+
+
 def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
   """Polls ``condition()`` until true; fails if ``proc`` (a Popen) exits first
   or after ``timeout_s`` (a hang guard, not a measurement)."""
@@ -241,8 +263,6 @@ def train_in_process(capsys, *args):
   printed to stderr with status 1 as the interpreter does. Returns a
   ``subprocess.CompletedProcess`` of what ``capsys`` captured. absl's flags and
   logging verbosity are restored afterwards."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
   from absl import flags, logging  # noqa: PLC0415
   from petra_jax import train  # noqa: PLC0415
   verbosity, argv = logging.get_verbosity(), sys.argv
@@ -265,3 +285,59 @@ def train_in_process(capsys, *args):
     code = 1
   out = capsys.readouterr()
   return subprocess.CompletedProcess(list(args), code or 0, out.out, out.err)
+
+
+# ``python -c PAUSE STEP ARGS...``: the CLI (as ``python -m petra_jax.train
+# ARGS``) printing "paused" and waiting for a line on stdin once the
+# train_loss of update STEP is in metrics.jsonl.
+PAUSE = """
+import sys
+from absl import app, flags
+from petra_jax import train
+from petra_jax.training import metrics
+pause_at = int(sys.argv.pop(1))
+write = metrics.MetricWriter.write
+def paused(self, step, **scalars):
+  write(self, step, **scalars)
+  if step == pause_at and "train_loss" in scalars:
+    print("paused", flush=True)
+    sys.stdin.readline()
+metrics.MetricWriter.write = paused
+flags.mark_flags_as_required(["config"])
+app.run(train.main, flags_parser=train._parse_flags)
+"""
+
+
+class Paused:
+  """``python -m petra_jax.train ARGS`` under :data:`PAUSE`, started and
+  stopped once the train_loss of update ``step`` is in ``--workdir``'s
+  metrics.jsonl; its stderr goes to a file beside the workdir."""
+
+  def __init__(self, args, step):
+    workdir = pathlib.Path(next(a for a in args if a.startswith("--workdir="))[10:])
+    self.err = workdir.parent / f"{workdir.name}.stderr"
+    with open(self.err, "w") as err:  # a file: a pipe could fill
+      self.proc = subprocess.Popen(
+          [sys.executable, "-c", PAUSE, str(step), *args],
+          cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    for line in self.proc.stdout:
+      if line == "paused\n":
+        break
+    assert self.proc.poll() is None, self._err()
+    assert step in train_losses(workdir)
+
+  def _err(self):
+    return self.err.read_text()[-3000:]
+
+  def signal_and_go_on(self, sig):
+    """Sends ``sig``, lets the run go on; returns ``(exit status, stderr)``."""
+    self.proc.send_signal(sig)
+    if sig != signal.SIGKILL:
+      self.proc.stdin.write("\n")
+      self.proc.stdin.flush()
+    self.proc.wait(timeout=600)
+    return self.proc.returncode, self._err()
+
+  def kill(self):
+    self.proc.kill()
+    self.proc.wait()

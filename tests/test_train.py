@@ -167,8 +167,8 @@ def _cli(*args, config="configs/cifar10_cpu.py"):
 
 
 def _main(capsys, *args, config="configs/cifar10_cpu.py"):
-  """The CLI in this process (checks that end before training: no start-up
-  to pay); the real command is run by the tests that train."""
+  """The CLI in this process (no start-up to pay); the real command is run
+  by test_default_console_shows_our_lines_only and test_train_signals."""
   return train_in_process(capsys, f"--config={config}", *args)
 
 
@@ -228,14 +228,14 @@ def _diverged_step(stderr):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tmp_path):
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tmp_path, capsys):
   # Rate 1e4 without warm-up: the loss is finite on step 1 (computed before
   # any update) and NaN a few steps later, at a step N >= 2 read from the
   # error. A checkpoint every step, the last 2 kept: the good ones
   # are steps 1 .. N-1, and a checkpoint at step >= N holds the micro-batch
   # whose loss is NaN (in flight in the pipeline), so resuming from it would
   # diverge again: none may be left.
-  r = _cli("--config.accumulation_steps=1", "--config.steps_per_epoch=12",
+  r = _main(capsys, "--config.accumulation_steps=1", "--config.steps_per_epoch=12",
            "--config.checkpoint_every=1", "--config.keep_checkpoints=2",
            "--config.eval_every=0",
            "--config.optim.learning_rate=1e4", "--config.optim.warmup_epochs=0",
