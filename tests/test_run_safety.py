@@ -24,7 +24,7 @@ from petra_jax import models, train
 from petra_jax.engine import pipeline
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
-from helpers import random_batch, tensorboard_scalars, train_in_process
+from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,8 +220,8 @@ def test_summary_names_the_automatic_learning_rate(capsys):
 
 def _train(data_dir, workdir, *extra):
   return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
-          "--config.steps_per_epoch=3", "--config.num_epochs=2", f"--config.data_dir={data_dir}",
-          f"--workdir={workdir}", *extra]
+          "--config.steps_per_epoch=3", "--config.num_epochs=2", *SMALL_EVAL,
+          f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
 
 
 def _wait_for(path, proc):
