@@ -123,6 +123,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_steps = 0             # 0 = num_epochs epochs
   c.eval_every = 1            # epochs; 0 = at the end only
   c.eval_batch_size = 500
+  c.eval_examples = 0         # the first N test examples; 0 = the whole split
   c.prefetch = 4
   c.log_every = 50
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off

@@ -6,6 +6,9 @@ import importlib.util
 import math
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 import time
 
 import jax
@@ -146,9 +149,14 @@ def drained_step(pipe, state, images, labels):
   return state, outs[0].loss
 
 
+# CLI flags evaluating a tiny run on the test split's first 500 images (one batch).
+SMALL_EVAL = ("--config.eval_examples=500", "--config.eval_batch_size=500")
+
+
 def tiny_config(data_dir, **overrides):
-  """The default config at width 4, 40 steps of 32 images, constant rate 0.05;
-  ``overrides`` maps dotted field names (``"optim.name"``) to values."""
+  """The default config at width 4, 40 steps of 32 images, constant rate 0.05,
+  evaluated on the test split's first 500 images (one batch); ``overrides``
+  maps dotted field names (``"optim.name"``) to values."""
   from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   c = config_lib.get_config()
   c.data_dir = data_dir
@@ -159,7 +167,8 @@ def tiny_config(data_dir, **overrides):
   c.steps_per_epoch = 40
   c.log_every = 1
   c.num_devices = 1
-  c.eval_batch_size = 1000
+  c.eval_batch_size = 500
+  c.eval_examples = 500
   c.optim.learning_rate = 0.05
   c.optim.schedule = "constant"
   c.optim.warmup_epochs = 0
@@ -195,6 +204,25 @@ def train_losses(workdir) -> dict:
           if "train_loss" in r}
 
 
+def tensorboard_scalars(workdir):
+  """``[(tag, step)]`` of every scalar in the event files, read from the
+  TFRecord framing (8-byte length, 4-byte CRC, data, 4-byte CRC)."""
+  import glob  # noqa: PLC0415
+  import struct  # noqa: PLC0415
+  from tensorboardX.proto import event_pb2  # noqa: PLC0415
+  out = []
+  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    i = 0
+    while i + 12 <= len(data):
+      (n,) = struct.unpack("<Q", data[i:i + 8])
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      out += [(v.tag, event.step) for v in event.summary.value if v.HasField("simple_value")]
+      i += 12 + n + 4
+  return out
+
+
 def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
   """Polls ``condition()`` until true; fails if ``proc`` (a Popen) exits first
   or after ``timeout_s`` (a hang guard, not a measurement)."""
@@ -209,17 +237,107 @@ def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
 
 def restored_test_metrics(config, workdir, blocks):
   """``(test_loss, test_accuracy)`` of a finished run's last checkpoint over
-  its whole test split, from :func:`composed_logits` of ``blocks`` (one per
+  the first ``config.eval_examples`` test images (0: the whole split, read by
+  ``data.load_split``), from :func:`composed_logits` of ``blocks`` (one per
   stage) in float32 and :func:`loss_and_accuracy`."""
+  from petra_jax import data  # noqa: PLC0415
   from petra_jax.training import assembly  # noqa: PLC0415
   run = assembly.setup(config, str(workdir))
   run.checkpointer.close()
+  test = data.load_split(config.dataset, run.info.test_split, config.data_dir,
+                         limit=config.eval_examples or None)
   states = run.state.train_states
   assert len(states) == len(blocks)
   forward = jax.jit(lambda params, stats, x: composed_logits(blocks, params, stats, x))
   params, stats = [s.params for s in states], [s.batch_stats for s in states]
   mean, std = np.array(run.info.mean), np.array(run.info.std)
-  logits = [forward(params, stats, ((run.test.images[i:i + 1000] / 255.0 - mean) / std
+  logits = [forward(params, stats, ((test.images[i:i + 1000] / 255.0 - mean) / std
                                     ).astype(np.float32))
-            for i in range(0, len(run.test), 1000)]
-  return loss_and_accuracy(np.concatenate(logits), run.test.labels)
+            for i in range(0, len(test), 1000)]
+  return loss_and_accuracy(np.concatenate(logits), test.labels)
+
+
+def train_in_process(capsys, *args):
+  """``python -m petra_jax.train ARGS`` run in this process: ``train._parse_flags``
+  then ``train.main``, as absl's ``app.run`` calls them, a ``sys.exit(message)``
+  printed to stderr with status 1 as the interpreter does. Returns a
+  ``subprocess.CompletedProcess`` of what ``capsys`` captured. absl's flags and
+  logging verbosity are restored afterwards."""
+  from absl import flags, logging  # noqa: PLC0415
+  from petra_jax import train  # noqa: PLC0415
+  verbosity, argv = logging.get_verbosity(), sys.argv
+  sys.argv = ["petra_jax.train", *args]  # where ml_collections reads --config.* overrides
+  capsys.readouterr()
+  flags.FLAGS.unparse_flags()
+  try:
+    train.main(train._parse_flags(list(sys.argv)))  # pylint: disable=protected-access
+    code = 0
+  except SystemExit as e:
+    code = e.code
+  finally:
+    flags.FLAGS.unparse_flags()
+    for name in [n for n in flags.FLAGS if n.startswith("config.")]:
+      delattr(flags.FLAGS, name)  # the overrides' flags, defined per parse
+    logging.set_verbosity(verbosity)
+    sys.argv = argv
+  if isinstance(code, str):
+    print(code, file=sys.stderr)
+    code = 1
+  out = capsys.readouterr()
+  return subprocess.CompletedProcess(list(args), code or 0, out.out, out.err)
+
+
+# ``python -c PAUSE STEP ARGS...``: the CLI (as ``python -m petra_jax.train
+# ARGS``) printing "paused" and waiting for a line on stdin once the
+# train_loss of update STEP is in metrics.jsonl.
+PAUSE = """
+import sys
+from absl import app, flags
+from petra_jax import train
+from petra_jax.training import metrics
+pause_at = int(sys.argv.pop(1))
+write = metrics.MetricWriter.write
+def paused(self, step, **scalars):
+  write(self, step, **scalars)
+  if step == pause_at and "train_loss" in scalars:
+    print("paused", flush=True)
+    sys.stdin.readline()
+metrics.MetricWriter.write = paused
+flags.mark_flags_as_required(["config"])
+app.run(train.main, flags_parser=train._parse_flags)
+"""
+
+
+class Paused:
+  """``python -m petra_jax.train ARGS`` under :data:`PAUSE`, started and
+  stopped once the train_loss of update ``step`` is in ``--workdir``'s
+  metrics.jsonl; its stderr goes to a file beside the workdir."""
+
+  def __init__(self, args, step):
+    workdir = pathlib.Path(next(a for a in args if a.startswith("--workdir="))[10:])
+    self.err = workdir.parent / f"{workdir.name}.stderr"
+    with open(self.err, "w") as err:  # a file: a pipe could fill
+      self.proc = subprocess.Popen(
+          [sys.executable, "-c", PAUSE, str(step), *args],
+          cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    for line in self.proc.stdout:
+      if line == "paused\n":
+        break
+    assert self.proc.poll() is None, self._err()
+    assert step in train_losses(workdir)
+
+  def _err(self):
+    return self.err.read_text()[-3000:]
+
+  def signal_and_go_on(self, sig):
+    """Sends ``sig``, lets the run go on; returns ``(exit status, stderr)``."""
+    self.proc.send_signal(sig)
+    if sig != signal.SIGKILL:
+      self.proc.stdin.write("\n")
+      self.proc.stdin.flush()
+    self.proc.wait(timeout=600)
+    return self.proc.returncode, self._err()
+
+  def kill(self):
+    self.proc.kill()
+    self.proc.wait()

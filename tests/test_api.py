@@ -15,7 +15,7 @@ import petra_jax
 from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.training import checkpoint, metrics, validation
-from helpers import zero_delay_update_errors
+from helpers import SMALL_EVAL, train_in_process, zero_delay_update_errors
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def _tiny(cifar10_dir, method, **overrides):
   c = config_lib.get_config()
   c.model.name, c.model.width, c.method, c.data_dir = "user_mod:tiny", 2, method, cifar10_dir
   c.batch_size, c.accumulation_steps, c.max_steps, c.log_every = 16, 2, 3, 1
-  c.eval_every, c.eval_batch_size, c.num_devices = 0, 2000, 1
+  c.eval_every, c.eval_batch_size, c.eval_examples, c.num_devices = 0, 500, 500, 1
   c.optim.warmup_epochs, c.compensation.name = 0, "none"
   for k, v in overrides.items():
     target, *path = c, *k.split(".")
@@ -107,7 +107,7 @@ def test_user_model_trains_through_the_cli_and_fingerprints_its_source(user_modu
                                                                         tmp_path):
   args = ["--config.model.name=user_mod:tiny", "--config.model.width=2",
           "--config.batch_size=16", "--config.max_steps=2", "--config.eval_every=0",
-          "--config.eval_batch_size=2000", "--config.log_every=1", "--config.checkpoint_every=1",
+          *SMALL_EVAL, "--config.log_every=1", "--config.checkpoint_every=1",
           "--config.model.stage_sizes=(2,3)", f"--config.data_dir={cifar10_dir}"]
   r = _cli(*args, workdir=tmp_path / "run")
   assert r.returncode == 0, r.stderr[-3000:]
@@ -158,8 +158,9 @@ def test_bad_user_model_is_one_line_naming_the_fix(user_module, name, message):
   assert "\n" not in str(e.value)
 
 
-def test_cli_unimportable_user_model_is_one_line(tmp_path):
-  r = _cli("--config.model.name=no_such_module_xyz:fn", workdir=tmp_path)
+def test_cli_unimportable_user_model_is_one_line(capsys, tmp_path):
+  r = train_in_process(capsys, "--config=configs/cifar10.py", f"--workdir={tmp_path}",
+                       "--config.model.name=no_such_module_xyz:fn")  # no start-up to pay
   assert r.returncode == 1 and "Traceback" not in r.stderr
   errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "PYTHONPATH" in errors[0], r.stderr[-2000:]

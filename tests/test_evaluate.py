@@ -49,7 +49,8 @@ def test_evaluation_equals_the_composed_eval_forward(build):
 
   mean, std = np.array(INFO.mean), np.array(INFO.std)
   x = ((split.images / 255.0 - mean) / std).astype(np.float32)
-  want_loss, want_acc = loss_and_accuracy(composed_logits(stages, params, stats, x), split.labels)
+  forward = jax.jit(lambda p, s, x: composed_logits(stages, p, s, x))  # eager: seconds
+  want_loss, want_acc = loss_and_accuracy(forward(params, stats, x), split.labels)
   # float32 round-off of the forward (XLA's fusions) and of the per-batch sums.
   np.testing.assert_allclose(got["test_loss"], want_loss, rtol=2e-6)
   assert got["test_accuracy"] == want_acc

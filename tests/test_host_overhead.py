@@ -75,6 +75,31 @@ def test_hollow_steps_keep_shapes_and_donation():
     np.testing.assert_array_equal(np.asarray(g), 0)
 
 
+class _ScriptedPipeline:
+  """A pipeline that computes nothing and compiles nothing (the report's
+  arithmetic is under test; the hollow pipeline's steps are checked above):
+  counts its ticks, records how it was built."""
+
+  built = []
+
+  def __init__(self, stages, tx, devices, method="petra", step_wrap=None):
+    del tx
+    self.ticks = 0
+    self.built.append((len(stages), len(devices), method, step_wrap is host.noop_step))
+
+  def init(self, seed, images):
+    del seed, images
+    return types.SimpleNamespace(stage_states=[])
+
+  def schedule(self, num_micro_batches):
+    return list(range(num_micro_batches))
+
+  def run_tick(self, state, tick, batches):
+    del tick, batches
+    self.ticks += 1
+    return state, []
+
+
 def test_host_report_from_a_scripted_clock(monkeypatch):
   """The report's figures from round times set by a fake clock, worked by
   hand: 5 stages, rounds of 4 ticks, the medians of 3 rounds."""
@@ -90,6 +115,8 @@ def test_host_report_from_a_scripted_clock(monkeypatch):
     clock["start"] = not clock["start"]
     return clock["now"]
   monkeypatch.setattr(host, "time", types.SimpleNamespace(perf_counter=perf_counter))
+  monkeypatch.setattr(host, "Pipeline", _ScriptedPipeline)
+  monkeypatch.setattr(_ScriptedPipeline, "built", [])
   r = host.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=2, ticks=4, repeats=3)
   # hollow per tick 1, 0.5, 2 ms: median 1 ms over 5 stages; petra 10, 20, 15
   # ms: 15; backprop 5, 5, 25 ms: 5.
@@ -101,6 +128,9 @@ def test_host_report_from_a_scripted_clock(monkeypatch):
   assert r["ratio_petra_backprop"] == pytest.approx(3.0)
   assert (r["num_stages"], r["ticks"], r["repeats"], r["batch_size"]) == (5, 4, 3, 2)
   assert next(durations, None) is None  # every interval timed was read
+  # hollow (no-op steps), petra, backprop: 5 stages on one device each.
+  assert _ScriptedPipeline.built == [(5, 1, "petra", True), (5, 1, "petra", False),
+                                     (5, 1, "backprop", False)]
 
 
 def test_a_tick_moves_its_messages_in_one_batched_device_put(monkeypatch):

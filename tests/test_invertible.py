@@ -213,7 +213,7 @@ def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   from petra_jax import train
   from petra_jax.training import metrics as metrics_lib
   from helpers import restored_test_metrics, tiny_config
-  c = tiny_config(cifar10_dir, **{"model.name": name, "steps_per_epoch": 6, "eval_batch_size": 500,
+  c = tiny_config(cifar10_dir, **{"model.name": name, "steps_per_epoch": 6,
                                   "reconstruction_error_every": 2, "checkpoint_every": 6,
                                   **extra})
   c.max_steps = 6

@@ -53,3 +53,12 @@ def test_readme_is_a_short_guide_whose_map_names_every_engine_file():
   assert named - existing == set(), "the README names files that do not exist"
   engine = {p.name for p in (PACKAGE / "engine").glob("*.py")} - {"__init__.py"}
   assert engine - named == set(), "engine files missing from the README's map"
+
+
+def test_readme_gives_the_test_commands_ci_runs():
+  ci = (REPO / ".ci" / "run").read_text()
+  readme = (REPO / "README.md").read_text()
+  commands = [line.strip() for line in ci.splitlines() if "python -m pytest" in line]
+  assert len(commands) == 2 and all("--durations=25" in c for c in commands), commands
+  for command in commands:
+    assert command in readme, f"README.md does not give .ci/run's `{command}`"

@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from helpers import REPO, train_losses, wait_for
+from helpers import REPO, SMALL_EVAL, train_losses, wait_for
 
 LAUNCH = os.path.join(REPO, "launch", "local.sh")
 TIMEOUT_S = 300
@@ -36,7 +36,7 @@ def _args(data_dir, workdir, *extra):
           "--config.model.stage_sizes=()", "--config.batch_size=16",
           "--config.accumulation_steps=2", f"--config.steps_per_epoch={STEPS}",
           "--config.num_epochs=1", "--config.log_every=1", "--config.checkpoint_every=2",
-          "--config.eval_every=0", "--config.eval_batch_size=2000",
+          "--config.eval_every=0", *SMALL_EVAL,
           "--config.distributed.preemption_check_every=1",  # a stop at the next update
           f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
 

@@ -3,12 +3,10 @@ without duplicate metrics, a finished run left alone, config.json, and one
 line for each failure."""
 
 import errno
-import glob
 import io
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -18,7 +16,6 @@ import jax
 import optax
 import pytest
 from ml_collections.config_flags import config_flags
-from tensorboardX.proto import event_pb2
 from tqdm import tqdm
 
 from petra_jax.training import checkpoint_blocks
@@ -27,25 +24,9 @@ from petra_jax import models, train
 from petra_jax.engine import pipeline
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
-from helpers import random_batch
+from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def tensorboard_scalars(workdir):
-  """``[(tag, step)]`` of every scalar in the event files, read from the
-  TFRecord framing (8-byte length, 4-byte CRC, data, 4-byte CRC)."""
-  out = []
-  for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    i = 0
-    while i + 12 <= len(data):
-      (n,) = struct.unpack("<Q", data[i:i + 8])
-      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-      out += [(v.tag, event.step) for v in event.summary.value if v.HasField("simple_value")]
-      i += 12 + n + 4
-  return out
 
 
 def test_metric_writer_flushes_and_resumes_without_duplicates(tmp_path):
@@ -125,7 +106,7 @@ def _cli(*args):
                         capture_output=True, text=True, timeout=300)
 
 
-def test_cli_missing_config_and_bad_workdir_are_one_line(tmp_path):
+def test_cli_missing_config_and_bad_workdir_are_one_line(capsys, tmp_path):
   a_file = tmp_path / "file"
   a_file.write_text("x")
   for args, message in (
@@ -133,7 +114,7 @@ def test_cli_missing_config_and_bad_workdir_are_one_line(tmp_path):
       (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}"], "is a file"),
       (["--config=configs/cifar10_cpu.py", f"--workdir={a_file}/run"], "which is a file"),
       (["--config=configs/cifar10_cpu.py", "--restart", f"--workdir={a_file}"], "is a file")):
-    r = _cli(*args)
+    r = train_in_process(capsys, *args)  # in this process: no start-up to pay
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
@@ -238,8 +219,8 @@ def test_summary_names_the_automatic_learning_rate(capsys):
 
 def _train(data_dir, workdir, *extra):
   return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
-          "--config.steps_per_epoch=3", "--config.num_epochs=2", f"--config.data_dir={data_dir}",
-          f"--workdir={workdir}", *extra]
+          "--config.steps_per_epoch=3", "--config.num_epochs=2", *SMALL_EVAL,
+          f"--config.data_dir={data_dir}", f"--workdir={workdir}", *extra]
 
 
 def _wait_for(path, proc):
@@ -247,60 +228,6 @@ def _wait_for(path, proc):
   while not os.path.exists(path) and proc.poll() is None:
     time.sleep(0.05)
   assert os.path.exists(path), proc.communicate()[1][-2000:]
-
-
-@pytest.mark.slow
-def test_sigkill_resume_then_rerun_of_the_finished_run(cifar10_dir, tmp_path, monkeypatch):
-  # Killed once its first automatic checkpoint (the end of epoch 1, step 3)
-  # exists; the same command resumes; each step is then once in
-  # metrics.jsonl and in TensorBoard; a third run does nothing.
-  proc = subprocess.Popen(_train(cifar10_dir, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  _wait_for(tmp_path / "checkpoints" / "3", proc)
-  proc.kill()
-  proc.wait()
-  r = subprocess.run(_train(cifar10_dir, tmp_path), cwd=REPO, capture_output=True, text=True,
-                     timeout=600)
-  assert r.returncode == 0, r.stderr[-2000:]
-  assert "resumed at update 3" in r.stdout
-  records = metrics.read_metrics(str(tmp_path))
-  train_steps = [x["step"] for x in records if "train_loss" in x]
-  assert train_steps == [1, 2, 3, 4, 5, 6]
-  assert [x["step"] for x in records if "test_loss" in x] == [3, 6]
-  tb = tensorboard_scalars(tmp_path)
-  assert sorted(s for t, s in tb if t == "train_loss") == train_steps
-  assert sorted(s for t, s in tb if t == "test_loss") == [3, 6]
-  saved = run_record.get_config(str(tmp_path / "config.json"))
-  assert saved.steps_per_epoch == 3 and saved.model.width == 4
-
-  size = os.path.getsize(tmp_path / "metrics.jsonl")
-  for command in (_train(cifar10_dir, tmp_path),
-                  [sys.executable, "-m", "petra_jax.train",
-                   f"--config={tmp_path / 'config.json'}", f"--workdir={tmp_path}"]):
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and not again.stderr.strip(), again.stderr[-2000:]
-    assert again.stdout.strip().splitlines() == [
-        f"already finished: {tmp_path} holds the checkpoint of its last step (6); nothing to "
-        "do (pass --restart to train it again from scratch)."]
-    assert os.path.getsize(tmp_path / "metrics.jsonl") == size
-
-  # A longer run with another rate: one note naming the rate, not the length.
-  c = run_record.get_config(str(tmp_path / "config.json"))
-  c.num_epochs, c.optim.learning_rate = 3, 0.01
-  notes = []
-
-  def stop(*a):
-    raise _Stop()
-  monkeypatch.setattr(console, "warn", notes.append)
-  monkeypatch.setattr(loop, "setup", stop)
-  with pytest.raises(_Stop):
-    loop.train_and_evaluate(c, str(tmp_path))
-  assert notes == [f"warning: resuming {tmp_path} (step 6) with a config that differs from "
-                   "its checkpoint's: optim.learning_rate 0.05 -> 0.01."]
-
-
-class _Stop(Exception):
-  pass
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from petra_jax.engine import timing
 from petra_jax.training import assembly, console, evaluate
 from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
-from helpers import REPO, config_file, restored_test_metrics, tiny_config
+from helpers import REPO, SMALL_EVAL, config_file, restored_test_metrics, tiny_config, train_in_process
 
 @pytest.mark.slow
 def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
@@ -26,7 +26,9 @@ def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
   # small rate (0.01) to learn steadily within 40 steps; it lowers the mean
   # loss by about 0.13 there (measured), against a batch-to-batch noise of
   # the 8-step means of about 0.02.
-  config = tiny_config(cifar10_dir, **{"optim.learning_rate": 0.01, "checkpoint_every": 40})
+  # The one tiny run evaluated on the whole test split (eval_examples=0).
+  config = tiny_config(cifar10_dir, **{"optim.learning_rate": 0.01, "checkpoint_every": 40,
+                                       "eval_examples": 0, "eval_batch_size": 1000})
   result = train.train_and_evaluate(config, str(tmp_path))
   records = metrics.read_metrics(str(tmp_path))
   losses = [r["train_loss"] for r in records if "train_loss" in r]
@@ -104,6 +106,7 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"optim.warmup_epochs": 2.0}, "optim.warmup_epochs=2 is longer than the run"),
     ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
     ({"eval_batch_size": 0}, "eval_batch_size must be >= 1"),
+    ({"eval_examples": -1}, "eval_examples must be >= 0"),
     ({"eval_every": -1}, "eval_every must be >= 0"),
     ({"log_every": 0}, "log_every must be >= 1"),
     ({"steps_per_epoch": -3}, "steps_per_epoch must be >= 0"),
@@ -163,14 +166,20 @@ def _cli(*args, config="configs/cifar10_cpu.py"):
       cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+def _main(capsys, *args, config="configs/cifar10_cpu.py"):
+  """The CLI in this process (no start-up to pay); the real command is run
+  by test_default_console_shows_our_lines_only and test_train_signals."""
+  return train_in_process(capsys, f"--config={config}", *args)
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--config.optim.learning_rate=-1", "error: optim.learning_rate must be >= 0, got -1"),
     ("--config.num_epochs=0", "error: num_epochs must be >= 1, got 0"),
     ("--config.model.num_stages=20", "error: model.num_stages=20 disagrees with "
      "model.stage_sizes=(1, 2, 2, 5)"),
 ])
-def test_cli_bad_value_is_one_error_line_naming_the_flag(tmp_path, flag, message):
-  r = _cli(flag, f"--workdir={tmp_path}")
+def test_cli_bad_value_is_one_error_line_naming_the_flag(capsys, tmp_path, flag, message):
+  r = _main(capsys, flag, f"--workdir={tmp_path}")
   assert r.returncode == 1, r.stderr[-2000:]
   assert "Traceback" not in r.stderr
   errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
@@ -179,30 +188,30 @@ def test_cli_bad_value_is_one_error_line_naming_the_flag(tmp_path, flag, message
   assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing trained
 
 
-def test_cli_unknown_config_variant_is_one_line(tmp_path):
-  r = _cli(f"--workdir={tmp_path}", config="configs/cifar10_cpu.py:tiny")
+def test_cli_unknown_config_variant_is_one_line(capsys, tmp_path):
+  r = _main(capsys, f"--workdir={tmp_path}", config="configs/cifar10_cpu.py:tiny")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "runlocal" in r.stderr.strip().splitlines()[-1]
 
 
-def test_cli_bad_method_is_one_line_without_traceback(tmp_path):
-  r = _cli("--config.method=nope", f"--workdir={tmp_path}")
+def test_cli_bad_method_is_one_line_without_traceback(capsys, tmp_path):
+  r = _main(capsys, "--config.method=nope", f"--workdir={tmp_path}")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "error: Unknown method 'nope'" in r.stderr
 
 
-def test_cli_missing_data_names_both_fixes(tmp_path):
-  r = _cli(f"--config.data_dir={tmp_path / 'nowhere'}", "--config.download=False",
+def test_cli_missing_data_names_both_fixes(capsys, tmp_path):
+  r = _main(capsys, f"--config.data_dir={tmp_path / 'nowhere'}", "--config.download=False",
            f"--workdir={tmp_path}")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "--config.data_dir" in r.stderr and "TFDS_DATA_DIR" in r.stderr
 
 
-def test_cli_unknown_config_field_is_one_line(tmp_path):
-  r = _cli("--config.modle.width=8", f"--workdir={tmp_path}")
+def test_cli_unknown_config_field_is_one_line(capsys, tmp_path):
+  r = _main(capsys, "--config.modle.width=8", f"--workdir={tmp_path}")
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert "modle" in r.stderr
@@ -219,14 +228,14 @@ def _diverged_step(stderr):
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tmp_path):
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(cifar10_dir, tmp_path, capsys):
   # Rate 1e4 without warm-up: the loss is finite on step 1 (computed before
   # any update) and NaN a few steps later, at a step N >= 2 read from the
   # error. A checkpoint every step, the last 2 kept: the good ones
   # are steps 1 .. N-1, and a checkpoint at step >= N holds the micro-batch
   # whose loss is NaN (in flight in the pipeline), so resuming from it would
   # diverge again: none may be left.
-  r = _cli("--config.accumulation_steps=1", "--config.steps_per_epoch=12",
+  r = _main(capsys, "--config.accumulation_steps=1", "--config.steps_per_epoch=12",
            "--config.checkpoint_every=1", "--config.keep_checkpoints=2",
            "--config.eval_every=0",
            "--config.optim.learning_rate=1e4", "--config.optim.warmup_epochs=0",
@@ -300,7 +309,7 @@ LIBRARY_INFO = ("CheckpointManager", "_NonBlockingMetadataStore", "differ on dis
 
 @pytest.mark.slow
 def test_default_console_shows_our_lines_only(cifar10_dir, tmp_path):
-  r = _cli("--config.max_steps=2", "--config.checkpoint_every=2",
+  r = _cli("--config.max_steps=2", "--config.checkpoint_every=2", *SMALL_EVAL,
            f"--config.data_dir={cifar10_dir}", f"--workdir={tmp_path}",
            config="configs/cifar10_cpu.py:runlocal")
   assert r.returncode == 0, r.stderr[-2000:]
@@ -328,9 +337,9 @@ def test_platform_mismatch_names_the_install():
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="needs a CPU-only JAX")
-def test_cli_says_when_the_configured_gpu_is_not_used(tmp_path):
+def test_cli_says_when_the_configured_gpu_is_not_used(capsys, tmp_path):
   # (num_epochs=0 then stops the run before any data is read.)
-  r = _cli("--config.platform=gpu", "--config.num_epochs=0", f"--workdir={tmp_path}")
+  r = _main(capsys, "--config.platform=gpu", "--config.num_epochs=0", f"--workdir={tmp_path}")
   lines = r.stderr.splitlines()
   warnings = [line for line in lines if "but JAX runs on the CPU" in line]
   assert len(warnings) == 1 and "pip install -e '.[cuda12]'" in warnings[0], r.stderr[-2000:]

@@ -1,7 +1,8 @@
 """``local`` and ``forward_gradient`` (both guesses) through ``python -m
-petra_jax.train``: a run stopped cleanly (SIGTERM once a step is logged, a
+petra_jax.train``: a run stopped cleanly (SIGTERM once step 1 is logged, a
 checkpoint at the stop) and re-run logs every step once with the losses
-``==`` those of one uninterrupted run."""
+``==`` those of one uninterrupted run (the same CLI arguments run in this
+process: the same code without a start-up)."""
 
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, train_losses, wait_for
+from helpers import REPO, SMALL_EVAL, Paused, train_in_process, train_losses
 from petra_jax.training import preemption
 
 STEPS = 10  # the stop lands a few updates after step 1 is logged
@@ -19,7 +20,8 @@ def _cmd(data_dir, workdir, method, guess):
   fg = [f"--config.forward_gradient.guess={guess}"] if method == "forward_gradient" else []
   return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
           f"--config.method={method}", *fg, f"--config.steps_per_epoch={STEPS}",
-          "--config.eval_every=0", f"--config.data_dir={data_dir}", f"--workdir={workdir}"]
+          "--config.eval_every=0", *SMALL_EVAL, f"--config.data_dir={data_dir}",
+          f"--workdir={workdir}"]
 
 
 def _run(cmd):
@@ -32,23 +34,21 @@ def _run(cmd):
 @pytest.mark.parametrize("method, guess", [
     ("local", "local"), ("forward_gradient", "local"),
     pytest.param("forward_gradient", "random", marks=pytest.mark.long)])  # same path as "local"
-def test_clean_stop_and_resume_give_the_uninterrupted_losses(cifar10_dir, tmp_path, method,
-                                                             guess):
+def test_clean_stop_and_resume_give_the_uninterrupted_losses(cifar10_dir, tmp_path, capsys,
+                                                             method, guess):
   full = tmp_path / "full"
-  _run(_cmd(cifar10_dir, full, method, guess))
+  r = train_in_process(capsys, *_cmd(cifar10_dir, full, method, guess)[3:])
+  assert r.returncode == 0, r.stderr[-3000:]
   assert sorted(train_losses(full)) == list(range(1, STEPS + 1))
 
   wd = tmp_path / "run"
   cmd = _cmd(cifar10_dir, wd, method, guess)
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True)
+  run = Paused(cmd[3:], 1)  # signalled once step 1 is logged
   try:
-    wait_for(lambda: train_losses(wd), proc, "step 1 logged")
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    rc, err = run.signal_and_go_on(signal.SIGTERM)
   finally:
-    proc.kill()
-  assert proc.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
+    run.kill()
+  assert rc == preemption.PREEMPTED_EXIT_CODE, err
   stopped = max(train_losses(wd))
   assert stopped < STEPS
   out = _run(cmd)

@@ -1,43 +1,65 @@
-"""The training CLI under a scheduler and a tired user: SIGTERM / Ctrl-C stop
-cleanly with a checkpoint and resume exactly; a busy workdir is refused."""
+"""The training CLI under a scheduler and a tired user: SIGKILL, SIGTERM and
+Ctrl-C (SIGINT) resume with the losses of one uninterrupted run; a busy
+workdir is refused; a finished run is left alone.
 
+One uninterrupted reference run (6 updates, 2 epochs of 3, a checkpoint at
+each epoch end) serves every check. The interrupted runs are the real CLI
+with one test hook (``PAUSE``): it stops the process, as a slow step would,
+right after ``metrics.jsonl`` receives the ``train_loss`` of a chosen step
+(helpers.Paused), so the test signals it at a known point, waiting for that
+event, not a clock.
+"""
+
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, train_losses, wait_for
-from petra_jax.training import preemption
+from helpers import REPO, Paused, config_file, override, tensorboard_scalars
+from helpers import train_in_process, train_losses, wait_for
+from petra_jax.training import checkpoint, console, loop, metrics, preemption, run_record
 
-STEPS = 100  # a run signalled once its first step is logged stops long before its end
+STEPS_PER_EPOCH, EPOCHS = 3, 2
+STEPS = STEPS_PER_EPOCH * EPOCHS
+
+def _overrides(data_dir):
+  return {"steps_per_epoch": STEPS_PER_EPOCH, "num_epochs": EPOCHS, "data_dir": data_dir,
+          "eval_examples": 500, "eval_batch_size": 500}
 
 
 def _args(data_dir, workdir, *extra):
-  return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
-          f"--config.steps_per_epoch={STEPS}", f"--config.data_dir={data_dir}",
+  """The CLI's arguments (after ``python -m petra_jax.train``)."""
+  return ["--config=configs/cifar10_cpu.py:runlocal",
+          *(f"--config.{k}={v}" for k, v in _overrides(data_dir).items()),
           f"--workdir={workdir}", *extra]
 
 
-def _start_and_signal(data_dir, workdir, sig):
-  """Starts a run, sends ``sig`` once a step is logged in metrics.jsonl."""
-  proc = subprocess.Popen(_args(data_dir, workdir), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  try:
-    wait_for(lambda: train_losses(workdir), proc, "a step logged", timeout_s=240)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=240)
-  finally:
-    proc.kill()
-  return proc.returncode, err
+def _cli(data_dir, workdir, *extra):
+  return subprocess.run([sys.executable, "-m", "petra_jax.train",
+                         *_args(data_dir, workdir, *extra)],
+                        cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(cifar10_dir, tmp_path_factory):
+  """``{step: train_loss}`` and the metrics of one uninterrupted run of the
+  CLI's config (run in this process: the same code without a start-up)."""
+  c = override(config_file("configs/cifar10_cpu.py", "runlocal"), **_overrides(cifar10_dir))
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  loop.train_and_evaluate(c, workdir)
+  losses = train_losses(workdir)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  return losses, metrics.read_metrics(workdir)
 
 
 def _check_clean_stop(rc, err, workdir, sig):
   """Exit 75, one line naming the signal and the step, a checkpoint there."""
-  assert rc == preemption.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert rc == preemption.PREEMPTED_EXIT_CODE, err
   assert "Traceback" not in err
   lines = [line for line in err.splitlines() if line.startswith("preempted by")]
-  assert len(lines) == 1 and signal.Signals(sig).name in lines[0]
+  assert len(lines) == 1 and signal.Signals(sig).name in lines[0], err
   step = int(lines[0].split(" at step ")[1].split(":")[0])
   assert 1 <= step < STEPS
   saved = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
@@ -45,44 +67,114 @@ def _check_clean_stop(rc, err, workdir, sig):
   return step
 
 
-@pytest.mark.long
-@pytest.mark.slow
-def test_sigterm_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path):
-  # Resumed for 2 more updates (max_steps), against one run of as many: a
-  # max_steps run's losses are those of the longer run up to its end.
-  rc, err = _start_and_signal(cifar10_dir, tmp_path / "run", signal.SIGTERM)
-  step = _check_clean_stop(rc, err, tmp_path / "run", signal.SIGTERM)
-  more = f"--config.max_steps={step + 2}"
-  for wd in ("run", "ref"):
-    r = subprocess.run(_args(cifar10_dir, tmp_path / wd) + [more], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-  assert sorted(train_losses(tmp_path / "ref")) == list(range(1, step + 3))
-  assert train_losses(tmp_path / "run") == train_losses(tmp_path / "ref")  # every step, exactly
+def _resume(data_dir, workdir, *extra):
+  r = _cli(data_dir, workdir, *extra)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "resumed at update" in r.stdout, r.stdout[-2000:]
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return sum('"train_loss"' in line for line in lines)  # lines, not steps: each once
 
 
 @pytest.mark.slow
-def test_ctrl_c_is_the_same_clean_stop(cifar10_dir, tmp_path):
-  rc, err = _start_and_signal(cifar10_dir, tmp_path, signal.SIGINT)
-  _check_clean_stop(rc, err, tmp_path, signal.SIGINT)
-
-
-@pytest.mark.slow
-def test_second_run_on_a_busy_workdir_is_refused(cifar10_dir, tmp_path):
-  first = subprocess.Popen(_args(cifar10_dir, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+def test_busy_workdir_is_refused_then_ctrl_c_stops_and_resumes_exactly(cifar10_dir, tmp_path,
+                                                                       reference):
+  wd = tmp_path / "run"
+  run = Paused(_args(cifar10_dir, wd), 1)
   try:
-    wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), first, "metrics.jsonl written",
-             timeout_s=120)
-    second = subprocess.run(_args(cifar10_dir, tmp_path), cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    second = _cli(cifar10_dir, wd)  # the real command, while the first holds the workdir
     assert second.returncode == 1
     assert "Traceback" not in second.stderr
     error = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and str(first.pid) in error[0], second.stderr[-1000:]
+    assert len(error) == 1 and str(run.proc.pid) in error[0], second.stderr[-1000:]
+    rc, err = run.signal_and_go_on(signal.SIGINT)
   finally:
-    first.kill()
-    first.wait()
+    run.kill()
+  _check_clean_stop(rc, err, wd, signal.SIGINT)
+  assert _resume(cifar10_dir, wd) == STEPS
+  assert train_losses(wd) == reference[0]  # every step, exactly
+
+
+@pytest.mark.slow
+def test_sigterm_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path, reference):
+  # Resumed for 1 more update (max_steps): a max_steps run's losses are those
+  # of the longer run up to its end.
+  wd = tmp_path / "run"
+  run = Paused(_args(cifar10_dir, wd), 2)
+  try:
+    rc, err = run.signal_and_go_on(signal.SIGTERM)
+  finally:
+    run.kill()
+  step = _check_clean_stop(rc, err, wd, signal.SIGTERM)
+  assert _resume(cifar10_dir, wd, f"--config.max_steps={step + 1}") == step + 1
+  losses = reference[0]
+  assert train_losses(wd) == {s: losses[s] for s in range(1, step + 2)}
+
+
+@pytest.mark.slow
+def test_sigkill_after_an_unsaved_step_resumes_exactly_then_is_left_alone(
+    cifar10_dir, tmp_path, reference, monkeypatch, capsys):
+  # Killed once update 4's loss is logged: the checkpoint of update 3 (the
+  # end of epoch 1) holds metrics.jsonl up to a point before it, so the
+  # resumed run rewrites what follows, each step once in metrics.jsonl and
+  # TensorBoard, with the uninterrupted run's losses.
+  wd = tmp_path / "run"
+  run = Paused(_args(cifar10_dir, wd), 4)
+  try:
+    wait_for(lambda: checkpoint.newest_meta(str(wd / "checkpoints")) is not None, run.proc,
+             "the checkpoint of update 3")
+    run.signal_and_go_on(signal.SIGKILL)
+  finally:
+    run.kill()
+  step, meta = checkpoint.newest_meta(str(wd / "checkpoints"))
+  assert step == 3
+  held = (wd / "metrics.jsonl").read_bytes()[:meta["extra"]["metrics_offset"]]
+  assert b'"step": 4' not in held and 4 in train_losses(wd)  # logged, not checkpointed
+  r = _cli(cifar10_dir, wd)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "resumed at update 3" in r.stdout
+  records = metrics.read_metrics(str(wd))
+  train_steps = [x["step"] for x in records if "train_loss" in x]
+  assert train_steps == list(range(1, STEPS + 1))
+  assert train_losses(wd) == reference[0]
+  assert [x["step"] for x in records if "test_loss" in x] == [3, 6]
+  want = [(x["step"], x["test_loss"]) for x in reference[1] if "test_loss" in x]
+  assert [(x["step"], x["test_loss"]) for x in records if "test_loss" in x] == want
+  tb = tensorboard_scalars(wd)
+  assert sorted(s for t, s in tb if t == "train_loss") == train_steps
+  assert sorted(s for t, s in tb if t == "test_loss") == [3, 6]
+  saved = run_record.get_config(str(wd / "config.json"))
+  assert saved.steps_per_epoch == 3 and saved.model.width == 4
+
+  # Finished: the same command (the real one) and WORKDIR/config.json (in
+  # this process) say so and change nothing.
+  size = os.path.getsize(wd / "metrics.jsonl")
+  finished = [f"already finished: {wd} holds the checkpoint of its last step (6); nothing to "
+              "do (pass --restart to train it again from scratch)."]
+  again = _cli(cifar10_dir, wd)
+  assert again.returncode == 0 and not again.stderr.strip(), again.stderr[-2000:]
+  assert again.stdout.strip().splitlines() == finished
+  again = train_in_process(capsys, f"--config={wd / 'config.json'}", f"--workdir={wd}")
+  assert again.returncode == 0 and not again.stderr.strip(), again.stderr[-2000:]
+  assert again.stdout.strip().splitlines() == finished
+  assert os.path.getsize(wd / "metrics.jsonl") == size
+
+  # A longer run with another rate: one note naming the rate, not the length.
+  c = run_record.get_config(str(wd / "config.json"))
+  c.num_epochs, c.optim.learning_rate = 3, 0.01
+  notes = []
+
+  def stop(*a):
+    raise _Stop()
+  monkeypatch.setattr(console, "warn", notes.append)
+  monkeypatch.setattr(loop, "setup", stop)
+  with pytest.raises(_Stop):
+    loop.train_and_evaluate(c, str(wd))
+  assert notes == [f"warning: resuming {wd} (step 6) with a config that differs from "
+                   "its checkpoint's: optim.learning_rate 0.05 -> 0.01."]
+
+
+class _Stop(Exception):
+  pass
 
 
 def test_processes_agree_to_stop_only_every_n_updates(monkeypatch):
@@ -90,7 +182,7 @@ def test_processes_agree_to_stop_only_every_n_updates(monkeypatch):
   # distributed.preemption_check_every only; one process checks every update.
   import types
   import ml_collections
-  from petra_jax.training import distributed, loop
+  from petra_jax.training import distributed
   calls = []
   monkeypatch.setattr(distributed, "any_process", lambda flag: calls.append(flag) or flag)
   config = ml_collections.ConfigDict({"distributed": {"preemption_check_every": 4}})

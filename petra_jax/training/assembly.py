@@ -140,8 +140,10 @@ def _open_data(config):
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
   open_fn = (data_lib.open_split if transport.is_local(distributed.devices(config)[0])
              else data_lib.open_labels)
-  train, test = (_open_split_test_cached(open_fn, config.dataset, split, config.data_dir or None)
-                 for split in (info.train_split, info.test_split))
+  train, test = (_open_split_test_cached(open_fn, config.dataset, split, config.data_dir or None,
+                                         limit)
+                 for split, limit in ((info.train_split, None),
+                                      (info.test_split, config.eval_examples or None)))
   logging.info("data: %d train / %d test images, %.1f s", len(train), len(test),
                time.time() - start)
   return info, train, test
@@ -151,8 +153,10 @@ TEST_SPLIT_CACHE = "PETRA_JAX_TEST_SPLIT_CACHE"  # set by tests/conftest.py only
 _OPEN_SPLIT = data_lib.open_split  # the hook leaves a replaced open_split alone
 
 
-def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optional[str]):
-  """``open_fn(dataset, split, data_dir, download=False)``. Test-support hook:
+def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optional[str],
+                            limit: Optional[int] = None):
+  """``open_fn(dataset, split, data_dir, limit=limit, download=False)``: the
+  split's first ``limit`` examples (None: all). Test-support hook:
   with the environment variable ``PETRA_JAX_TEST_SPLIT_CACHE`` set to a
   directory, a decoded in-memory split is saved there as ``.npy`` once and
   read back by later processes (the test session's CLI runs), byte for byte
@@ -160,20 +164,22 @@ def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optiona
   cache = os.environ.get(TEST_SPLIT_CACHE)
   if (not cache or open_fn is not _OPEN_SPLIT
       or data_lib.get_dataset_info(dataset).lazy):
-    return open_fn(dataset, split, data_dir, download=False)
+    return open_fn(dataset, split, data_dir, limit=limit, download=False)
   key = "-".join(s.replace("/", "_") for s in (
       os.path.realpath(data_dir or "default"), dataset, split)).lstrip("-")
   path = os.path.join(cache, key + ".npz")
   if os.path.exists(path):
     with np.load(path) as z:
       images, labels = z["images"], z["labels"]
-    images.flags.writeable = labels.flags.writeable = False
-    return data_lib.Split(images=images, labels=labels)
-  opened = open_fn(dataset, split, data_dir, download=False)
-  tmp = f"{path}.{os.getpid()}.tmp.npz"
-  np.savez(tmp, images=opened.images, labels=opened.labels)
-  os.replace(tmp, path)  # atomic: concurrent test processes read whole files only
-  return opened
+  else:
+    opened = open_fn(dataset, split, data_dir, download=False)
+    images, labels = opened.images, opened.labels
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, images=images, labels=labels)
+    os.replace(tmp, path)  # atomic: concurrent test processes read whole files only
+  images, labels = images[:limit], labels[:limit]
+  images.flags.writeable = labels.flags.writeable = False
+  return data_lib.Split(images=images, labels=labels)
 
 
 def _prepare_data(config) -> None:

@@ -75,6 +75,7 @@ RANGES = (
     Range("max_steps", 0, why="0: num_epochs epochs"),
     Range("eval_every", 0, why="0: evaluate at the end only"),
     Range("eval_batch_size", 1, why="images per evaluation batch"),
+    Range("eval_examples", 0, why="0: the whole test split"),
     Range("prefetch", 0, why="0: off"),
     Range("log_every", 1, why="updates between train_loss lines"),
     Range("progress_seconds", 0, why="0: no progress lines off a terminal"),
