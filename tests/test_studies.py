@@ -137,12 +137,12 @@ def test_compensation_gaps_and_equal_wall_time_by_hand(monkeypatch, tmp_path):
 
 def test_summaries_of_a_hand_written_metrics_file(tmp_path):
   records = _records([2.0, 1.0], [(10.0, 0.25), (20.0, 0.5)], recon=(1e-2, 3e-2, 2e-2))
-  assert math.isnan(studies._at_wall_time(records, 9.0))  # no evaluation yet
-  assert studies._at_wall_time(records, 10.0) == 0.25
-  assert studies._at_wall_time(records, 19.9) == 0.25
-  assert studies._at_wall_time(records, 25.0) == 0.5
-  assert studies._mean_reconstruction_error(records) == pytest.approx(2e-2)
-  assert math.isnan(studies._mean_reconstruction_error(records[:2]))
+  assert math.isnan(studies.at_wall_time(records, 9.0))  # no evaluation yet
+  assert studies.at_wall_time(records, 10.0) == 0.25
+  assert studies.at_wall_time(records, 19.9) == 0.25
+  assert studies.at_wall_time(records, 25.0) == 0.5
+  assert studies.mean_reconstruction_error(records) == pytest.approx(2e-2)
+  assert math.isnan(studies.mean_reconstruction_error(records[:2]))
 
 
 @pytest.mark.long
@@ -259,3 +259,26 @@ def test_transformers_study_reads_back_finished_runs(cifar10_dir, tmp_path, caps
   assert studies.main(argv) == 0
   assert capsys.readouterr().out.count("already finished") == 2
   assert (tmp_path / "docs" / "transformers_study.md").read_text() == first
+
+
+def test_a_study_writes_to_its_run_directory_unless_asked(monkeypatch, tmp_path):
+  """Run from a repository root (issue 39, item 8): without --out the page goes to
+  runs/studies/<study>, and docs/ is left exactly as it was; --out=docs writes there."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "ksweep.md").write_text("the committed page")
+  fake = FakeTrainer(lambda config: _records([2.0, 1.0], [(5.0, 0.3)]))
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["ksweep", "--ks=2", "--width=4", "--batch-size=16"]) == 0
+  assert (tmp_path / "docs" / "ksweep.md").read_text() == "the committed page"
+  assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["ksweep.md"]
+  assert "`petra_k2`" in (tmp_path / "runs" / "studies" / "ksweep" / "ksweep.md").read_text()
+  assert (tmp_path / "runs" / "ksweep" / "petra_k2" / "metrics.jsonl").exists()
+  assert studies.main(["ksweep", "--ks=2", "--width=4", "--batch-size=16", "--out=docs"]) == 0
+  assert "`petra_k2`" in (tmp_path / "docs" / "ksweep.md").read_text()
+
+
+def test_every_study_is_a_module_of_the_package():
+  import importlib
+  for name, (module, function) in studies.STUDIES.items():
+    assert callable(getattr(importlib.import_module(f"petra_jax.studies.{module}"), function)), name
