@@ -30,7 +30,8 @@ from petra_jax.training import validation
 # study -> (module of petra_jax.studies, its entry point taking the parsed arguments).
 STUDIES = {"table4": ("table4", "table4"), "ksweep": ("ksweep", "ksweep"),
            "compensation": ("compensation", "compensation_study"),
-           "local": ("local", "local_study"), "transformers": ("transformers", "transformers_study")}
+           "local": ("local", "local_study"), "transformers": ("transformers", "transformers_study"),
+           "depth": ("depth", "depth_study")}
 _EPOCHS = {"transformers": 6, "depth": 6}  # the others: 1
 
 
