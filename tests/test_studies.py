@@ -330,3 +330,21 @@ def test_depth_gaps_staleness_and_simulated_time_by_hand(monkeypatch, tmp_path):
   assert depth.describe("delayed_J16_k4_muon_error_feedback") == {
       "J": 16, "k": 4, "method": "delayed", "optimizer": "muon_error_feedback", "depth": 8,
       "reference": False}
+
+
+def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():
+  """configs/cifar10_vit_cpu.py:depth8 is the study's row petra_J8_k4_lookahead_own; the
+  recipe's default (its documented result) is unchanged: 4 stages, k = 8, gamma by run_max."""
+  from petra_jax import config as config_lib
+  from petra_jax.studies import depth, transformers
+  from petra_jax.training import validation
+  path = f"{REPO}/configs/cifar10_vit_cpu.py"
+  row = transformers.recipe(path)
+  config_lib.override(row, depth.ROWS["petra_J8_k4_lookahead_own"])
+  variant = transformers.recipe(path + ":depth8")
+  assert variant.to_json() == row.to_json()
+  validation.validate_config(variant, 1)
+  default = transformers.recipe(path)
+  assert (tuple(default.model.stage_sizes), default.accumulation_steps,
+          default.compensation.name, default.compensation.lookahead_rule) == (
+              (3, 2, 2, 3), 8, "adam_lookahead", "run_max")
