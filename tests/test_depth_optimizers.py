@@ -57,11 +57,11 @@ def is_kernel(path):
 
 
 def run(tx, gs):
-  """Applies ``tx`` to ``gs`` (float32); the params after each call and the last state."""
+  """Applies ``tx`` (jitted) to ``gs`` (float32); the params after each call and the last state."""
   p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params0())
-  state, out = tx.init(p), []
+  state, out, update = tx.init(p), [], jax.jit(tx.update)
   for g in gs:
-    u, state = tx.update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state, p)
+    u, state = update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state, p)
     p = optax.apply_updates(p, u)
     out.append(p)
   return out, state
@@ -110,9 +110,9 @@ def test_adam_lookahead_own_delay_per_stage_with_k2():
   c = make_config(k=2, name="adam_lookahead", lookahead_rule="own_delay")
   gs = grad_seq(8)
   txs = comp.stage_optimizers(c, SPE, 8)
-  for j, tx in enumerate(txs):
+  for j in (0, 4, 7):  # D = 7, 3, 0
     d = 7 - j
-    got, _ = run(tx, gs)
+    got, _ = run(txs[j], gs)
     b1 = min(1 - (1 - B1) / (1 + d), 0.99) if d else B1
     want = np_adamw(means(gs, 2), b1=b1, nesterov=d > 0)
     assert_close(got[-1], want[-1])
@@ -265,9 +265,10 @@ def test_muon_error_feedback_with_k2_per_stage():
   """4 stages (6, 4, 2, 0 ticks), k = 2: stage j feeds back h = D_j = (3 - j) times the
   change of its Muon update, on the mean of its micro-batch gradients."""
   c = make_config("muon", k=2, name="error_feedback")
-  gs = grad_seq(10)
-  for j, tx in enumerate(comp.stage_optimizers(c, SPE, 4)):
-    got, _ = run(tx, gs)
+  gs = grad_seq(8)
+  txs = comp.stage_optimizers(c, SPE, 4)
+  for j in (0, 2):
+    got, _ = run(txs[j], gs)
     want = np_muon(means(gs, 2), feedback=3.0 - j)
     assert_close(got[1::2], [w for w, _ in want], rtol=1e-4, atol=1e-5)
 
