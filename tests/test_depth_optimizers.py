@@ -300,3 +300,28 @@ def test_delay_scaled_learning_rate_per_stage_with_k2():
   for j, tx in enumerate(comp.stage_optimizers(c, SPE, 4)):
     got, _ = run(tx, gs)
     assert_close(got[1::2], np_adamw(means(gs, 2), lr_factor=1 / max(3.0 - j, 1.0)))
+
+
+@pytest.mark.parametrize("opt,name,rule", [("muon", "update_prediction", "run_max"),
+                                           ("nadamw", "none", "run_max")])
+def test_petra_trains_a_revvit_with_them(opt, name, rule):
+  """The training assembly on a 4-stage RevViT (delays 6, 4, 2, 0 ticks, k = 2): the config
+  validates, the delayed stages get a predictor for update_prediction, losses are finite."""
+  from helpers import batches_of, run_ticks  # pylint: disable=g-import-not-at-top
+
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import assembly, validation  # pylint: disable=g-import-not-at-top
+  c = config_lib.get_config()
+  c.model.name, c.model.width, c.model.depth, c.model.patch_size = "revvit_tiny", 2, 1, 4
+  c.model.stage_sizes, c.batch_size, c.num_epochs = (1, 1, 1, 1), 16, 1
+  c.optim.name, c.optim.learning_rate, c.optim.schedule = opt, 1e-3, "cosine"
+  c.optim.warmup_epochs, c.optim.clip_norm = 0.5, 1.0
+  c.compensation.name, c.compensation.lookahead_rule = name, rule
+  validation.validate_config(c, 1)
+  pipe, _, _ = assembly.build_pipeline(c, "/nonexistent", assembly.data_lib.DATASETS["cifar10"],
+                                       8, steps_per_epoch=10)
+  assert [p is not None for p in comp.stage_predictors(c, 10, 4)] == (
+      [True, True, True, False] if "prediction" in name else [False] * 4)
+  state = pipe.init(0, batches_of()(0)[0])
+  state, out = run_ticks(pipe, state, 12, batches_of())
+  assert len(out) == 12 and np.isfinite([float(o.loss) for o in out]).all()
