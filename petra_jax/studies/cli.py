@@ -71,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
                  help="local, transformers and depth studies: seeds")
   p.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=None,
                  help="local, transformers and depth studies: which rows, by name (default "
-                 "all; ROWS of the study's module)")
+                 "all; depth: its REFERENCES; ROWS of the study's module)")
   p.add_argument("--recipe", default="configs/cifar10_vit_cpu.py",
                  help="transformers and depth studies: the recipe every row changes")
   p.add_argument("--log-every", type=int, default=10, help="updates between loss records")
