@@ -306,16 +306,22 @@ def updates_to(records: Sequence[dict], accuracy: float) -> float:
   return float(hits[0]) if hits else float("nan")
 
 
+def simulated_ms_per_update(J: int, k: int, stage_ms: dict) -> dict:
+  """``{"stream" (PETRA), "gpipe", "1f1b": simulated ms per update}`` on J devices, k
+  micro-batches per update, from :func:`measure_stage_ms`'s costs."""
+  from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
+  return {kind: simulate.ms_per_update(kind, J, k, *stage_ms[
+      "stream" if kind == "stream" else "stored"])["simulated_ms_per_update"]
+          for kind in ("stream", "gpipe", "1f1b")}
+
+
 def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,
                         peak_bytes: dict) -> list[str]:
   """Markdown rows: per PETRA row at ``(J, k)``, the simulated seconds of PETRA, GPipe and
   1F1B to reach the best reference's final accuracy (per seed, then the mean over seeds
   where reached), their ratio and peak bytes per device. GPipe and 1F1B compute the
   synchronous gradient: they take the reference's updates."""
-  from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
-  ms = {kind: simulate.ms_per_update(kind, J, k, *stage_ms[
-      "stream" if kind == "stream" else "stored"])["simulated_ms_per_update"]
-        for kind in ("stream", "gpipe", "1f1b")}
+  ms = simulated_ms_per_update(J, k, stage_ms)
   lines = []
   for row, runs in _by_row(results).items():
     d = runs[0]
