@@ -50,7 +50,8 @@ def _compensation_config() -> ml_collections.ConfigDict:
   c.pipemare_warmup_epochs = 5.0
   c.prediction_scale = 1.0
   c.lookahead_momentum = 0.99
-  c.lookahead_delay_ref = 0.0  # 0 = stage 0's delay
+  c.lookahead_delay_ref = 0.0  # 0 = stage 0's delay (lookahead_rule "run_max")
+  c.lookahead_rule = "run_max"  # or "own_delay": b1_j from stage j's own delay D_j only
   return c
 
 
@@ -68,7 +69,7 @@ def _quantize_config() -> ml_collections.ConfigDict:
 def _optim_config() -> ml_collections.ConfigDict:
   """``config.optim``: optimizer and learning-rate schedule."""
   c = ml_collections.ConfigDict()
-  c.name = "sgd"         # "sgd", "lars", "adam" (AdamW) or "muon" (+ AdamW)
+  c.name = "sgd"         # "sgd", "lars", "adam" (AdamW), "muon" (+ AdamW), "nadamw"
   c.learning_rate = 0.0  # 0 = 0.1 * batch_size / 256 (paper Sec. 4)
   c.momentum = 0.9
   c.nesterov = True
@@ -86,6 +87,8 @@ def _optim_config() -> ml_collections.ConfigDict:
   c.adam_eps = 1e-8
   c.muon_learning_rate = 0.02  # muon: the matrices' peak rate (schedule's shape); rest: adam's
   c.muon_momentum = 0.95       # muon: beta of the matrices' momentum
+  c.momentum_decay = 0.004     # nadamw: psi of Dozat's schedule mu_t = b1 (1 - 0.96^(t psi) / 2)
+  c.clip_norm = 0.0            # nadamw: clip each stage's gradient to this global norm; 0 = off
   return c
 
 

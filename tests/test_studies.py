@@ -137,12 +137,12 @@ def test_compensation_gaps_and_equal_wall_time_by_hand(monkeypatch, tmp_path):
 
 def test_summaries_of_a_hand_written_metrics_file(tmp_path):
   records = _records([2.0, 1.0], [(10.0, 0.25), (20.0, 0.5)], recon=(1e-2, 3e-2, 2e-2))
-  assert math.isnan(studies._at_wall_time(records, 9.0))  # no evaluation yet
-  assert studies._at_wall_time(records, 10.0) == 0.25
-  assert studies._at_wall_time(records, 19.9) == 0.25
-  assert studies._at_wall_time(records, 25.0) == 0.5
-  assert studies._mean_reconstruction_error(records) == pytest.approx(2e-2)
-  assert math.isnan(studies._mean_reconstruction_error(records[:2]))
+  assert math.isnan(studies.at_wall_time(records, 9.0))  # no evaluation yet
+  assert studies.at_wall_time(records, 10.0) == 0.25
+  assert studies.at_wall_time(records, 19.9) == 0.25
+  assert studies.at_wall_time(records, 25.0) == 0.5
+  assert studies.mean_reconstruction_error(records) == pytest.approx(2e-2)
+  assert math.isnan(studies.mean_reconstruction_error(records[:2]))
 
 
 @pytest.mark.long
@@ -259,3 +259,92 @@ def test_transformers_study_reads_back_finished_runs(cifar10_dir, tmp_path, caps
   assert studies.main(argv) == 0
   assert capsys.readouterr().out.count("already finished") == 2
   assert (tmp_path / "docs" / "transformers_study.md").read_text() == first
+
+
+def test_a_study_writes_to_its_run_directory_unless_asked(monkeypatch, tmp_path):
+  """Run from a repository root (issue 39, item 8): without --out the page goes to
+  runs/studies/<study>, and docs/ is left exactly as it was; --out=docs writes there."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "ksweep.md").write_text("the committed page")
+  fake = FakeTrainer(lambda config: _records([2.0, 1.0], [(5.0, 0.3)]))
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["ksweep", "--ks=2", "--width=4", "--batch-size=16"]) == 0
+  assert (tmp_path / "docs" / "ksweep.md").read_text() == "the committed page"
+  assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["ksweep.md"]
+  assert "`petra_k2`" in (tmp_path / "runs" / "studies" / "ksweep" / "ksweep.md").read_text()
+  assert (tmp_path / "runs" / "ksweep" / "petra_k2" / "metrics.jsonl").exists()
+  assert studies.main(["ksweep", "--ks=2", "--width=4", "--batch-size=16", "--out=docs"]) == 0
+  assert "`petra_k2`" in (tmp_path / "docs" / "ksweep.md").read_text()
+
+
+def test_every_study_is_a_module_of_the_package():
+  import importlib
+  for name, (module, function) in studies.STUDIES.items():
+    assert callable(getattr(importlib.import_module(f"petra_jax.studies.{module}"), function)), name
+
+
+def test_depth_gaps_staleness_and_simulated_time_by_hand(monkeypatch, tmp_path):
+  """Rows as data: the gap to the best revprop reference (same seeds), the delayed-versus-petra
+  split, and the simulated time to the reference's accuracy from stage costs given here
+  (every stage 3 ms per micro-batch: PETRA 3 k ms per update, GPipe and 1F1B
+  3 (k + J - 1) ms, the bubble (J - 1) / (k + J - 1))."""
+  from petra_jax.studies import depth
+  accs = {("revprop", "adam"): [(10.0, 0.5), (20.0, 0.7)], ("revprop", "muon"): [(10.0, 0.6),
+                                                                                 (20.0, 0.65)],
+          ("petra", "adam"): [(10.0, 0.6), (20.0, 0.72)], ("delayed", "adam"): [(10.0, 0.5),
+                                                                                (20.0, 0.68)]}
+
+  def records(config):
+    evals = accs[(config.method, config.optim.name)]
+    out = _records([2.0, 1.0], evals, recon=(1e-3, 3e-3) if config.method == "petra" else ())
+    for r, step in zip([r for r in out if "test_accuracy" in r], (100, 200)):
+      r["step"] = step
+    return out
+  fake = FakeTrainer(records)
+  work = tmp_path / "runs"
+  work.mkdir()
+  (work / "stage_ms_J8_k2.json").write_text(json.dumps(
+      {"stream": [[1.0] * 8, [2.0] * 7 + [3.0]], "stored": [[1.0] * 8, [2.0] * 7 + [3.0]]}))
+  out = _run(monkeypatch, tmp_path, fake, [
+      "depth", "--rows=revprop_adamw,revprop_muon,petra_J8_k2_adamw,delayed_J8_k2_adamw"])
+  text = (out / "depth.md").read_text()
+  rows = _table_rows(text)
+  # Best reference: revprop_adamw (70.0 > 65.0). D_0 = 2 (8 - 1) / 2 = 7.
+  assert rows[0][:8] == ["`revprop_adamw`", "1", "-", "0.00", "0", "70.0", "70.0", "-"]
+  assert rows[2][:8] == ["`petra_J8_k2_adamw`", "8", "2", "7.00", "0", "72.0", "72.0", "-2.0"]
+  assert rows[2][9] == "2.00e-03"
+  assert rows[3][:8] == ["`delayed_J8_k2_adamw`", "8", "2", "7.00", "0", "68.0", "68.0", "+2.0"]
+  staleness = [l for l in text.splitlines() if l.startswith("| 8 | 2 |")]
+  assert [c.strip() for c in staleness[0].strip("|").split("|")] == [
+      "8", "2", "adamw", "+2.0", "-2.0", "-4.0", "2.00e-03"]
+  # PETRA reaches 70 % at update 200, as the reference: 200 * 6 ms; GPipe 200 * 27 ms.
+  sim = [r for r in rows if r[0] == "`petra_J8_k2_adamw`" and r[1] == "8" and len(r) == 10][-1]
+  assert sim[3:9] == ["1 of 1", "6 / 27 / 27", "1", "5", "5", "0.22"]
+  configs = {c.method: c for c in fake.configs}
+  assert tuple(configs["petra"].model.stage_sizes) == (2, 1, 1, 1, 1, 1, 1, 2)
+  assert configs["petra"].accumulation_steps == 2 and configs["revprop"].model.depth == 4
+  assert (out / "depth_accuracy.png").stat().st_size > 1000
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["depth", "--rows=petra_J5_k2_adamw", f"--out={tmp_path}"]) == 1
+  assert depth.describe("delayed_J16_k4_muon_error_feedback") == {
+      "J": 16, "k": 4, "method": "delayed", "optimizer": "muon_error_feedback", "depth": 8,
+      "reference": False}
+
+
+def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():
+  """configs/cifar10_vit_cpu.py:depth8 is the study's row petra_J8_k4_muon; the
+  recipe's default (its documented result) is unchanged: 4 stages, k = 8, gamma by run_max."""
+  from petra_jax import config as config_lib
+  from petra_jax.studies import depth, transformers
+  from petra_jax.training import validation
+  path = f"{REPO}/configs/cifar10_vit_cpu.py"
+  row = transformers.recipe(path)
+  config_lib.override(row, depth.ROWS["petra_J8_k4_muon"])
+  variant = transformers.recipe(path + ":depth8")
+  assert variant.to_json() == row.to_json()
+  validation.validate_config(variant, 1)
+  default = transformers.recipe(path)
+  assert (tuple(default.model.stage_sizes), default.accumulation_steps,
+          default.compensation.name, default.compensation.lookahead_rule) == (
+              (3, 2, 2, 3), 8, "adam_lookahead", "run_max")

@@ -4,6 +4,11 @@
 any optimizer. ``spike``, ``weight_prediction`` (Kosson et al., 2021),
 ``nesterov_lookahead`` (Ajanthan et al., 2025): momentum SGD/LARS.
 ``adam_prediction`` (PipeOptim), ``adam_lookahead``, ``adam_momentum``: AdamW.
+``update_prediction`` (marin #6431, weight prediction along the last update): any optimizer,
+meant for Muon. The look-aheads' momentum ``gamma(D)``: ``lookahead_rule="run_max"`` (the
+default, linear in ``D / D_ref``, ``D_ref`` the run's largest delay unless
+``lookahead_delay_ref``) or ``"own_delay"`` (:func:`momentum.own_delay_momentum`: from the
+stage's own ``D_j = tau_j / k`` only).
 """
 
 from __future__ import annotations
@@ -19,15 +24,20 @@ from petra_jax import optim
 from petra_jax.optim import adam_delay
 from petra_jax.optim.delays import delay_in_updates, stage_delays
 from petra_jax.optim.lr_scaling import scale_by_delay
-from petra_jax.optim.momentum import lookahead_momentum, spike_compensated_trace
-from petra_jax.optim.prediction import predict_params
+from petra_jax.optim.momentum import (lookahead_momentum, own_delay_momentum,
+                                      spike_compensated_trace)
+from petra_jax.optim.prediction import predict_by_update, predict_params, remember_update
 
 NAMES = ("none", "lr_scale", "pipemare", "spike", "weight_prediction", "nesterov_lookahead",
-         "adam_prediction", "adam_lookahead", "adam_momentum", "error_feedback")
+         "adam_prediction", "adam_lookahead", "adam_momentum", "error_feedback",
+         "update_prediction")
+LOOKAHEAD_RULES = ("run_max", "own_delay")
+_PREDICTIONS = ("weight_prediction", "adam_prediction", "update_prediction")
 _MOMENTUM = ("spike", "nesterov_lookahead")  # rebuild the sgd/lars chain
 _LR = ("lr_scale", "pipemare")
 _ADAM = ("adam_prediction", "adam_lookahead", "adam_momentum")
-_EXCLUSIVE = (_LR, ("weight_prediction", "adam_prediction"), ("adam_lookahead", "adam_momentum"))
+_EXCLUSIVE = (_LR, ("weight_prediction", "adam_prediction"), ("adam_lookahead", "adam_momentum"),
+              ("weight_prediction", "update_prediction"), ("adam_prediction", "update_prediction"))
 
 DEFAULTS = config_lib.get_config().compensation.to_dict()  # of ``config.compensation``
 
@@ -66,7 +76,17 @@ def _params(config, overrides: dict) -> dict:
   unknown = set(p) - set(DEFAULTS)
   if unknown:
     raise ValueError(f"Unknown compensation parameters {sorted(unknown)}.")
+  if p["lookahead_rule"] not in LOOKAHEAD_RULES:
+    raise ValueError(f"Unknown compensation.lookahead_rule {p['lookahead_rule']!r}; choose "
+                     f"one of {LOOKAHEAD_RULES}.")
   return p
+
+
+def lookahead_gamma(p: dict, base: float, d: float, d_ref: float) -> float:
+  """The look-ahead momentum of a stage ``d`` updates stale, by ``p["lookahead_rule"]``."""
+  if p["lookahead_rule"] == "own_delay":
+    return own_delay_momentum(base, p["lookahead_momentum"], d)
+  return lookahead_momentum(base, p["lookahead_momentum"], d, d_ref)
 
 
 def check_optimizer(o: ml_collections.ConfigDict, parts: tuple) -> None:
@@ -83,11 +103,11 @@ def check_optimizer(o: ml_collections.ConfigDict, parts: tuple) -> None:
 
 
 def _momentum_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tuple,
-                   d: float, d_ref: float, lookahead_max: float) -> optax.GradientTransformation:
+                   d: float, d_ref: float, p: dict) -> optax.GradientTransformation:
   """The sgd/lars chain with a spike-compensated and/or look-ahead (``gamma(d)``) trace."""
   momentum, grad_scale = o.momentum, 1.0
   if "nesterov_lookahead" in parts:
-    momentum = lookahead_momentum(o.momentum, lookahead_max, d, d_ref)
+    momentum = lookahead_gamma(p, o.momentum, d, d_ref)
     grad_scale = (1.0 - momentum) / (1.0 - o.momentum)
   core = [] if grad_scale == 1.0 else [optax.scale(grad_scale)]
   core.append(spike_compensated_trace(momentum, o.nesterov, d if "spike" in parts else 0.0))
@@ -95,9 +115,9 @@ def _momentum_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts
 
 
 def _adam_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tuple,
-               d: float, d_ref: float, lookahead_max: float) -> optax.GradientTransformation:
+               d: float, d_ref: float, p: dict) -> optax.GradientTransformation:
   """AdamW with ``b1 = gamma(d)``, Nesterov for ``adam_lookahead``; plain at ``d = 0``."""
-  b1 = lookahead_momentum(o.adam_b1, lookahead_max, d, d_ref)
+  b1 = lookahead_gamma(p, o.adam_b1, d, d_ref)
   return adam_delay.lookahead_adamw(schedule, b1, o.adam_b2, o.adam_eps, o.weight_decay,
                                     nesterov="adam_lookahead" in parts and d > 0)
 
@@ -138,15 +158,17 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
   d_ref = p["lookahead_delay_ref"] or delay_in_updates(
       delay_ticks if max_delay_ticks is None else max_delay_ticks, k)
   if any(x in parts for x in _MOMENTUM):
-    inner = _momentum_part(config.optim, schedule, parts, d, d_ref, p["lookahead_momentum"])
+    inner = _momentum_part(config.optim, schedule, parts, d, d_ref, p)
   elif any(x in parts for x in ("adam_lookahead", "adam_momentum")) and d > 0:
-    inner = _adam_part(config.optim, schedule, parts, d, d_ref, p["lookahead_momentum"])
+    inner = _adam_part(config.optim, schedule, parts, d, d_ref, p)
   else:
     inner = optim.base_optimizer(config, schedule)
   if "error_feedback" in parts and d * p["prediction_scale"] > 0:
     inner = optax.chain(inner, adam_delay.error_feedback(d * p["prediction_scale"]))
   if any(x in parts for x in _LR):
     inner = optax.chain(inner, _lr_part(p, parts, d, steps_per_epoch))
+  if "update_prediction" in parts and d * p["prediction_scale"] > 0:
+    inner = optax.chain(inner, remember_update())  # last: it keeps the update applied
   return optim.accumulate(inner, k)
 
 
@@ -155,8 +177,9 @@ def make_predictor(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
                    accumulation_steps: Optional[int] = None,
                    schedule: Optional[optax.Schedule] = None,
                    **params) -> Optional[Callable]:
-  """The stage's ``(params, opt_state) -> params`` for its forward (``weight_prediction``
-  or ``adam_prediction`` over ``prediction_scale * D`` updates), None without.
+  """The stage's ``(params, opt_state) -> params`` for its forward (``weight_prediction``,
+  ``adam_prediction`` or ``update_prediction`` over ``prediction_scale * D`` updates), None
+  without.
 
   Raises:
     ValueError: as :func:`make_compensated_optimizer`.
@@ -165,10 +188,12 @@ def make_predictor(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
   parts = parse_name(p["name"] if name is None else name)
   k = config.accumulation_steps if accumulation_steps is None else accumulation_steps
   d = delay_in_updates(delay_ticks, k)
-  kind = [x for x in parts if x in ("weight_prediction", "adam_prediction")]
+  kind = [x for x in parts if x in _PREDICTIONS]
   if not kind or d * p["prediction_scale"] == 0:
     return None
   check_optimizer(config.optim, tuple(kind))
+  if kind == ["update_prediction"]:
+    return functools.partial(predict_by_update, delay_updates=d, scale=p["prediction_scale"])
   if schedule is None:
     schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   if kind == ["weight_prediction"]:

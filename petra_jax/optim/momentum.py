@@ -50,3 +50,17 @@ def lookahead_momentum(base_momentum: float, max_momentum: float, delay_updates:
   if delay_ref <= 0:
     raise ValueError(f"lookahead delay_ref must be > 0, got {delay_ref}.")
   return base_momentum + (max_momentum - base_momentum) * min(delay_updates / delay_ref, 1.0)
+
+
+def own_delay_momentum(base_momentum: float, max_momentum: float, delay_updates: float) -> float:
+  """``min(1 - (1 - m) / (1 + D), gamma_max)``: the momentum whose horizon ``1 / (1 - gamma)``
+  is ``1 + D`` times the base one, from the stage's own delay ``D = tau_j / k`` alone (never
+  normalised by the run's largest); ``m`` at ``D = 0``, never below ``m``.
+  ValueError: ``D < 0``.
+  """
+  if delay_updates < 0:
+    raise ValueError(f"delay_updates must be >= 0, got {delay_updates}.")
+  if delay_updates == 0:
+    return base_momentum
+  grown = 1.0 - (1.0 - base_momentum) / (1.0 + float(delay_updates))
+  return max(base_momentum, min(grown, max_momentum))

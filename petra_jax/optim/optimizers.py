@@ -1,4 +1,4 @@
-"""Per-stage optimizers (optax): SGD-Nesterov, LARC, AdamW, Muon (``optim.name``)."""
+"""Per-stage optimizers (optax): SGD-Nesterov, LARC, AdamW, Muon, NAdamW (``optim.name``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import ml_collections
 import optax
 
 from petra_jax.optim.muon import muon
+from petra_jax.optim.nadam import nadamw
 from petra_jax.optim.schedules import base_learning_rate, learning_rate_schedule
 
-OPTIMIZERS = ("sgd", "lars", "adam", "muon")
+OPTIMIZERS = ("sgd", "lars", "adam", "muon", "nadamw")
 
 
 def _check_name(name: str) -> None:
@@ -94,8 +95,8 @@ def momentum_chain(o: ml_collections.ConfigDict, schedule: optax.Schedule,
 def base_optimizer(config: ml_collections.ConfigDict,
                    schedule: optax.Schedule) -> optax.GradientTransformation:
   """``optim.name``'s optimizer, one update per call: :func:`momentum_chain`,
-  ``optax.adamw(..., mask=kernel_mask)`` (decoupled decay ``lr wd theta``) or
-  :func:`petra_jax.optim.muon.muon`.
+  ``optax.adamw(..., mask=kernel_mask)`` (decoupled decay ``lr wd theta``),
+  :func:`petra_jax.optim.muon.muon` or :func:`petra_jax.optim.nadam.nadamw`.
 
   Raises:
     ValueError: unknown ``optim.name``.
@@ -109,6 +110,10 @@ def base_optimizer(config: ml_collections.ConfigDict,
     return muon(schedule, lambda n: schedule(n) * ratio, momentum=o.muon_momentum,
                 weight_decay=o.weight_decay, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                 decay_mask=kernel_mask)
+  if o.name == "nadamw":
+    return nadamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+                  weight_decay=o.weight_decay, momentum_decay=o.momentum_decay,
+                  clip=o.clip_norm, decay_mask=kernel_mask)
   return optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                      weight_decay=o.weight_decay, mask=kernel_mask)
 

@@ -1,8 +1,9 @@
-"""Linear weight prediction (Kosson et al., 2021, Sec. 4.2; SpecTrain): ``weight_prediction``."""
+"""Weight prediction: along the velocity (Kosson et al., 2021, Sec. 4.2; SpecTrain),
+``weight_prediction``; by repeating the last update (marin #6431, for Muon), ``update_prediction``."""
 
 from __future__ import annotations
 
-from typing import Union
+from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,3 +58,36 @@ def predict_params(params, opt_state, delay_updates, learning_rate=None, *, scal
   eta = current_learning_rate(opt_state, learning_rate)
   step = jnp.asarray(eta, jnp.float32) * (jnp.asarray(delay_updates, jnp.float32) * scale)
   return jax.tree.map(lambda w, v: w - (step * v).astype(w.dtype), params, velocity)
+
+
+class LastUpdateState(NamedTuple):
+  """State of :func:`remember_update`."""
+  update: optax.Updates  # u_t, the last update applied, like the params
+
+
+def remember_update() -> optax.GradientTransformation:
+  """Keeps the update it passes on unchanged (chain it last) for :func:`predict_by_update`."""
+
+  def init_fn(params):
+    return LastUpdateState(jax.tree.map(jnp.zeros_like, params))
+
+  def update_fn(updates, state, params=None):
+    del params, state
+    return updates, LastUpdateState(updates)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def predict_by_update(params, opt_state, delay_updates, *, scale: float = 1.0):
+  """``w_hat = w + (scale D) u_t``: the weights ``D`` updates ahead, each the last update
+  ``u_t`` (learning rate included) kept by :func:`remember_update` (marin #6431's weight
+  prediction for Muon, ``w - tau lr Delta W``). ``params`` itself for a Python 0.
+  ValueError: no (or several) :class:`LastUpdateState`.
+  """
+  if isinstance(delay_updates, (int, float)) and delay_updates * scale == 0:
+    return params
+  last = _find_one(opt_state, "LastUpdateState")
+  if last is None:
+    raise ValueError("update_prediction needs the optimizer's remember_update (none in state).")
+  h = jnp.asarray(delay_updates, jnp.float32) * scale
+  return jax.tree.map(lambda w, u: w + (h * u).astype(w.dtype), params, last.update)

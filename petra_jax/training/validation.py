@@ -105,6 +105,8 @@ RANGES = (
     Range("optim.adam_eps", 0, why="added to a root mean square"),
     Range("optim.muon_learning_rate", 0, low_open=True, why="muon's rate"),
     Range("optim.muon_momentum", 0, 1, why="a moving average's decay"),
+    Range("optim.momentum_decay", 0, why="nadamw's psi: 0 keeps mu_t = b1 / 2"),
+    Range("optim.clip_norm", 0, why="0: no clipping"),
     Range("compensation.lr_power", 0, why="a negative power raises the rate with the delay"),
     Range("compensation.pipemare_warmup_epochs", 0, why="pipemare's warm-up"),
     Range("compensation.prediction_scale", 0, why="a negative horizon predicts backwards"),

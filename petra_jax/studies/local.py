@@ -20,6 +20,7 @@ from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import schedule as schedule_lib
 from petra_jax.engine.quantize import nbytes
 from petra_jax.engine.stage import trace
+from petra_jax.studies.common import STAGE_SPLITS, at_wall_time, plot_accuracy, run, write_page
 
 # (row, method, forward_gradient.guess, forward_gradient.perturb); backprop first: the
 # wall-time reference.
@@ -74,7 +75,7 @@ def transfer_bytes(method: str, perturb: str = "activity", *, width: int = 64, m
   return {"backward_per_tick": sum(sent), "backward_max_link": max(sent), "stored": stored}
 
 
-def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
+def local_study(args):
   """Runs the rows per stage count and seed; writes ``OUT/local.md`` and its plots."""
   rows = []
   k = args.ks[0] if getattr(args, "ks", None) else 1
@@ -84,7 +85,7 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
       args.seed = seed
       base = None
       for name, method, guess, perturb in selected_rows(getattr(args, "rows", None)):
-        options = {"model.stage_sizes": splits[J]}
+        options = {"model.stage_sizes": STAGE_SPLITS[J]}
         if method == "forward_gradient":
           options.update({"forward_gradient.guess": guess, "forward_gradient.perturb": perturb})
         r = run(args, f"{name}_J{J}_s{seed}{suffix}", method, k, **options)
@@ -93,7 +94,7 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
         r = dict(r, name=f"{name}_J{J}_s{seed}{suffix}", stages=J, seed=seed, perturb=perturb,
                  backprop_same_time=same_time,
                  **transfer_bytes(method, perturb, width=args.width,
-                                  micro=args.batch_size // k, stage_sizes=splits[J]))
+                                  micro=args.batch_size // k, stage_sizes=STAGE_SPLITS[J]))
         rows.append(r)
   table = ["| run | J | seed | test acc. (%) | backprop at the same wall time (%) | wall (s) | "
            "backward bytes / tick | stored bytes |", "|---|---|---|---|---|---|---|---|"]
@@ -101,7 +102,7 @@ def local_study(args, run, write, plot_accuracy, at_wall_time, splits: dict):
     table.append(f"| `{r['name']}` | {r['stages']} | {r['seed']} | "
                  f"{100 * r['test_accuracy']:.1f} | {100 * r['backprop_same_time']:.1f} | "
                  f"{r['wall_time']:.0f} | {r['backward_per_tick']:,} | {r['stored']:,} |")
-  write(args, "local", "Local learning: forward gradients, DGL, PETRA and backprop", table,
+  write_page(args, "local", "Local learning: forward gradients, DGL, PETRA and backprop", table,
         rows, f"Seeds {list(args.seeds)}; bytes at this study's width and micro-batch "
         f"({args.width}, {args.batch_size}). Wall times share one CPU device "
         "(all stages on it) and a loaded machine: indicative only.")

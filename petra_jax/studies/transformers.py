@@ -15,6 +15,7 @@ import os
 
 from petra_jax import config as config_lib
 from petra_jax import train
+from petra_jax.studies.common import at_wall_time, plot_accuracy, write_page
 from petra_jax.training import metrics as metrics_lib
 
 _K2 = {"accumulation_steps": 2}
@@ -82,7 +83,7 @@ def _mean(values) -> float:
   return sum(values) / len(values) if values else float("nan")
 
 
-def table(results: list[dict], at_wall_time) -> list[str]:
+def table(results: list[dict]) -> list[str]:
   """Markdown rows: accuracy per seed and mean, gap to backprop, backprop at the same time."""
   base = {r["seed"]: r for r in results if r["row"] == "backprop"}
   lines = ["| row | seeds | test acc. per seed (%) | mean (%) | gap to backprop AdamW, same "
@@ -103,7 +104,7 @@ def table(results: list[dict], at_wall_time) -> list[str]:
   return lines
 
 
-def transformers_study(args, write_page, plot_accuracy, at_wall_time) -> list[dict]:
+def transformers_study(args) -> list[dict]:
   """Runs every selected row and seed; writes ``OUT/transformers_study.md`` and its plot."""
   rows = args.rows or list(ROWS)
   unknown = [r for r in rows if r not in ROWS]
@@ -111,9 +112,9 @@ def transformers_study(args, write_page, plot_accuracy, at_wall_time) -> list[di
     raise ValueError(f"unknown transformers-study rows {unknown}; choose from {list(ROWS)}.")
   results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
   write_page(args, "transformers_study", "PETRA on the RevViT recipe: delay-robust optimizers",
-             table(results, at_wall_time), results,
+             table(results), results,
              f"Recipe {args.recipe}, {args.epochs} epoch(s), rows changed as in "
-             "petra_jax/study_transformers.py:ROWS. Wall times are those of the runs as "
+             "petra_jax/studies/transformers.py:ROWS. Wall times are those of the runs as "
              "scheduled: compare them only between runs that shared the machine alike.")
   plot_accuracy(results, os.path.join(args.out, "transformers_study_accuracy.png"),
                 "RevViT recipe: test accuracy")

@@ -1,0 +1,378 @@
+"""The ``depth`` study: PETRA and ``delayed`` on the RevViT recipe in J = 2 to 16 stages.
+
+``python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2] [--epochs=6]
+[--recipe=configs/cifar10_vit_cpu.py]``: each row of :data:`ROWS` is the recipe with a few
+fields changed: a pipeline row ``<method>_J<J>_k<k>_<optimizer>`` (``method`` in
+``petra``, ``delayed``; the stage split :data:`SPLITS`, the optimizer :data:`OPTIMIZERS`) or a
+synchronous reference (:data:`REFERENCES`: ``revprop`` on the same reversible network, and
+the ``vit_tiny`` twin). A run finished in ``WORKDIR/<row>_s<seed>`` is read back, an
+interrupted one resumes. Writes ``OUT/depth.md``: test accuracy per seed and mean, the gap to
+the best reference of the same depth, the reconstruction error the observers logged, the
+``delayed``-versus-``petra`` split of the gap, and, with stage costs measured on this machine
+(:func:`measure_stage_ms`), the simulated time of PETRA, GPipe and 1F1B to the reference's
+accuracy with each one's per-device peak memory (:func:`simulated_time_rows`); and
+``OUT/depth_accuracy.png``, accuracy against stage 0's delay in updates ``D_0 = 2 (J-1) / k``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from petra_jax import config as config_lib  # noqa: E402
+from petra_jax import train  # noqa: E402
+from petra_jax.studies.common import mean_reconstruction_error, write_page  # noqa: E402
+from petra_jax.studies.transformers import recipe  # noqa: E402
+from petra_jax.training import metrics as metrics_lib  # noqa: E402
+
+# Stage split of the RevViT's blocks (tokenizer, 2 per transformer layer, head) per J: 10
+# blocks at depth 4, 18 at depth 8 (J = 16: one block per stage but the two ends).
+SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2), 16: (2,) + (1,) * 14 + (2,)}
+DEPTHS = {2: 4, 4: 4, 8: 4, 16: 8}
+KS = (2, 4, 8)
+# The synchronous references' learning rates, chosen on the unreported seed 100 (docs/depth.md);
+# the Muon rows use the reference's, the AdamW rows the recipe's (tuned for PETRA, 1e-3).
+REFERENCE_ADAMW_LR = 2e-3
+REFERENCE_MUON_LR = 0.02
+_MUON = {"optim.name": "muon", "optim.muon_learning_rate": REFERENCE_MUON_LR}
+# optimizer -> the recipe's fields it sets.
+OPTIMIZERS = {
+    "adamw": {"optim.name": "adam", "compensation.name": "none"},
+    "lookahead": {"optim.name": "adam", "compensation.name": "adam_lookahead"},
+    "lookahead_own": {"optim.name": "adam", "compensation.name": "adam_lookahead",
+                      "compensation.lookahead_rule": "own_delay"},
+    "nadamw_ajanthan": {"optim.name": "nadamw", "optim.adam_b1": 0.99, "optim.clip_norm": 10.0,
+                        "compensation.name": "none"},
+    "adamw_lr_scale": {"optim.name": "adam", "compensation.name": "lr_scale"},
+    "muon": dict(_MUON, **{"compensation.name": "none"}),
+    "muon_error_feedback": dict(_MUON, **{"compensation.name": "error_feedback"}),
+    "muon_prediction": dict(_MUON, **{"compensation.name": "update_prediction"}),
+}
+
+
+def _reference(name: str, depth: int, optimizer: dict) -> dict:
+  model = ({"model.name": "vit_tiny", "model.stage_sizes": ()} if name.startswith("vit_tiny")
+           else {"model.stage_sizes": SPLITS[4] if depth == 4 else SPLITS[16]})
+  method = "backprop" if name.startswith("vit_tiny") else "revprop"
+  return dict(model, method=method, **{"model.depth": depth, **optimizer})
+
+
+REFERENCES = {}
+for _depth, _suffix in ((4, ""), (8, "_depth8")):
+  REFERENCES[f"revprop_adamw{_suffix}"] = _reference("revprop", _depth, {
+      "optim.name": "adam", "optim.learning_rate": REFERENCE_ADAMW_LR,
+      "compensation.name": "none"})
+  REFERENCES[f"revprop_muon{_suffix}"] = _reference("revprop", _depth, {
+      "optim.name": "muon", "optim.muon_learning_rate": REFERENCE_MUON_LR,
+      "compensation.name": "none"})
+REFERENCES["vit_tiny_adamw"] = _reference("vit_tiny", 4, {
+    "optim.name": "adam", "optim.learning_rate": REFERENCE_ADAMW_LR, "compensation.name": "none"})
+
+
+def pipeline_row(method: str, J: int, k: int, optimizer: str) -> dict:
+  """The recipe's fields of ``<method>_J<J>_k<k>_<optimizer>``."""
+  return {"method": method, "model.depth": DEPTHS[J], "model.stage_sizes": SPLITS[J],
+          "accumulation_steps": k, **OPTIMIZERS[optimizer]}
+
+
+ROWS = dict(REFERENCES)
+for _J in SPLITS:
+  for _k in KS:
+    for _method in ("petra", "delayed"):
+      for _opt in OPTIMIZERS:
+        ROWS[f"{_method}_J{_J}_k{_k}_{_opt}"] = pipeline_row(_method, _J, _k, _opt)
+
+
+def describe(row: str) -> dict:
+  """``{"J", "k", "method", "optimizer", "depth", "reference"}`` of a row of :data:`ROWS`."""
+  fields = ROWS[row]
+  if row in REFERENCES:
+    return {"J": 1, "k": fields.get("accumulation_steps", 0), "method": fields["method"],
+            "optimizer": row.split("_")[1], "depth": fields["model.depth"], "reference": True}
+  method, j, k, optimizer = row.split("_", 3)
+  return {"J": int(j[1:]), "k": int(k[1:]), "method": method, "optimizer": optimizer,
+          "depth": fields["model.depth"], "reference": False}
+
+
+def stage0_delay(J: int, k: int) -> float:
+  """Stage 0's delay in updates, ``D_0 = tau_0 / k = 2 (J - 1) / k``."""
+  return 2.0 * (J - 1) / k if k else 0.0
+
+
+def row_config(args, row: str, seed: int):
+  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
+  if row not in ROWS:
+    raise ValueError(f"unknown depth-study row {row!r}; rows are REFERENCES "
+                     f"{list(REFERENCES)} or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
+                     f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}> (--rows=a,b).")
+  config = recipe(args.recipe)
+  config_lib.override(config, ROWS[row])
+  config.seed = seed
+  config.num_epochs = args.epochs
+  if args.steps_per_epoch:
+    config.steps_per_epoch = args.steps_per_epoch
+  if args.data_dir:
+    config.data_dir = args.data_dir
+  return config
+
+
+def run_row(args, row: str, seed: int) -> dict:
+  """Trains (or resumes, or reads back) one row and seed; returns its result and records."""
+  name = f"{row}_s{seed}"
+  workdir = os.path.join(args.workdir, name)
+  train.train_and_evaluate(row_config(args, row, seed), workdir)
+  records = metrics_lib.read_metrics(workdir)
+  evals = [r for r in records if "test_accuracy" in r]
+  losses = [r["train_loss"] for r in records if "train_loss" in r]
+  print(f"{name}: test_accuracy {evals[-1]['test_accuracy']:.4f}", flush=True)
+  return dict(describe(row), name=name, row=row, seed=seed, records=records,
+              test_accuracy=evals[-1]["test_accuracy"], wall_time=evals[-1]["wall_time"],
+              final_train_loss=losses[-1] if losses else float("nan"))
+
+
+def _mean(values) -> float:
+  values = list(values)
+  return sum(values) / len(values) if values else float("nan")
+
+
+def _by_row(results: Sequence[dict]) -> dict:
+  out = {}
+  for r in results:
+    out.setdefault(r["row"], []).append(r)
+  return out
+
+
+def best_reference(results: Sequence[dict], depth: int) -> Optional[str]:
+  """The reference row of ``depth`` (reversible network) with the best mean accuracy."""
+  means = {row: _mean(r["test_accuracy"] for r in runs) for row, runs in _by_row(results).items()
+           if runs[0]["reference"] and runs[0]["depth"] == depth and runs[0]["method"] == "revprop"}
+  return max(means, key=means.get) if means else None
+
+
+def _gap(results, runs) -> float:
+  """Best reference's mean minus the row's mean over the seeds both have (points)."""
+  ref = best_reference(results, runs[0]["depth"])
+  if ref is None:
+    return float("nan")
+  base = {r["seed"]: r for r in results if r["row"] == ref}
+  paired = [r for r in runs if r["seed"] in base]
+  return 100 * (_mean(base[r["seed"]]["test_accuracy"] for r in paired)
+                - _mean(r["test_accuracy"] for r in paired))
+
+
+def table(results: Sequence[dict]) -> list[str]:
+  """Markdown rows: J, k, D_0, accuracy per seed and mean, gap, reconstruction error."""
+  lines = ["| row | J | k | D_0 (updates) | seeds | test acc. per seed (%) | mean (%) | gap to "
+           "best reference, same seeds (points) | final train loss (mean) | mean rel. "
+           "reconstruction error |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for row, runs in _by_row(results).items():
+    d = runs[0]
+    seeds = ", ".join(str(r["seed"]) for r in runs)
+    per_seed = ", ".join(f"{100 * r['test_accuracy']:.1f}" for r in runs)
+    gap = "-" if d["reference"] else f"{_gap(results, runs):+.1f}"
+    lines.append(
+        f"| `{row}` | {d['J']} | {d['k'] or '-'} | {stage0_delay(d['J'], d['k']):.2f} | "
+        f"{seeds} | {per_seed} | {_mean(100 * r['test_accuracy'] for r in runs):.1f} | {gap} | "
+        f"{_mean(r['final_train_loss'] for r in runs):.3f} | "
+        f"{_mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
+  return lines
+
+
+def staleness_table(results: Sequence[dict]) -> list[str]:
+  """Per (J, k, optimizer) with both methods: the gap of ``delayed`` (staleness alone) and
+  ``petra`` minus ``delayed`` (the reconstruction's share), same seeds."""
+  rows = _by_row(results)
+  lines = ["| J | k | optimizer | gap of `delayed` (staleness, points) | gap of `petra` (points) "
+           "| reconstruction's share: petra - delayed (points) | petra's mean rel. "
+           "reconstruction error |", "|---|---|---|---|---|---|---|"]
+  for row, runs in rows.items():
+    if not row.startswith("petra_"):
+      continue
+    twin = rows.get("delayed_" + row[len("petra_"):])
+    if not twin:
+      continue
+    d = runs[0]
+    g_petra, g_delayed = _gap(results, runs), _gap(results, twin)
+    lines.append(f"| {d['J']} | {d['k']} | {d['optimizer']} | {g_delayed:+.1f} | {g_petra:+.1f} "
+                 f"| {g_petra - g_delayed:+.1f} | "
+                 f"{_mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
+  return lines
+
+
+def plot_accuracy_vs_delay(results: Sequence[dict], path: str):
+  """Mean test accuracy against ``D_0``, one line per (method, optimizer); references flat."""
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  lines = {}
+  for row, runs in _by_row(results).items():
+    d = runs[0]
+    acc = _mean(100 * r["test_accuracy"] for r in runs)
+    if d["reference"]:
+      ax.axhline(acc, linestyle="--", color="gray", linewidth=0.8)
+      ax.annotate(row, (0, acc), fontsize=7, color="gray")
+    else:
+      lines.setdefault(f"{d['method']} {d['optimizer']}", []).append(
+          (stage0_delay(d["J"], d["k"]), acc))
+  for label, points in sorted(lines.items()):
+    ax.plot(*zip(*sorted(points)), marker="o", label=label,
+            linestyle="-" if label.startswith("petra") else ":")
+  ax.set(xlabel="stage 0's delay D_0 = 2 (J - 1) / k (updates)", ylabel="test accuracy (%)",
+         title="RevViT, CIFAR-10: accuracy against the delay")
+  ax.grid(alpha=0.3)
+  if lines:
+    ax.legend(fontsize=7, loc="lower left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def depth_study(args) -> list[dict]:
+  """Runs every selected row and seed; writes ``OUT/depth.md`` and ``OUT/depth_accuracy.png``."""
+  rows = args.rows or list(REFERENCES)
+  unknown = [r for r in rows if r not in ROWS]
+  if unknown:
+    row_config(args, unknown[0], 0)  # raises the error naming the rows
+  results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
+  os.makedirs(args.out, exist_ok=True)
+  sim = simulation_section(args, results)
+  notes = "\n".join([
+      f"Recipe {args.recipe}, {args.epochs} epoch(s); rows as in "
+      "petra_jax/studies/depth.py:ROWS. Gap: the best `revprop` reference of the same depth "
+      "minus the row, over the seeds both ran (positive: the row is worse).", "",
+      "## Staleness or reconstruction", "", *staleness_table(results), "", *sim, "",
+      "![accuracy against the delay](depth_accuracy.png)"])
+  write_page(args, "depth", "PETRA at depth: RevViT in 2 to 16 stages", table(results), results,
+             notes)
+  plot_accuracy_vs_delay(results, os.path.join(args.out, "depth_accuracy.png"))
+  return results
+
+
+# -- what it buys on J devices --------------------------------------------------------------
+
+
+def measure_stage_ms(config, micro_batch: int, iters: int = 3) -> dict:
+  """Median ms of each stage's forward and backward on this machine's first device, for
+  ``config``'s network and split, micro-batch ``[micro_batch, 32, 32, 3]``:
+  ``{"stream": (F, B), "stored": (F, B)}``, PETRA's (``stream``) and those of the flushed
+  schedules' steps from a stored input (``stored``: GPipe, 1F1B)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+
+  from petra_jax import models  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.pipeline import Pipeline  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.timing import stage_times  # pylint: disable=g-import-not-at-top
+  m = config.model
+  stages = partition.group_stages(
+      models.build_model(m.name, width=m.width, depth=m.depth or None, num_classes=10,
+                         patch_size=m.patch_size or None, tokenizer=m.tokenizer),
+      list(m.stage_sizes))
+  rng = np.random.default_rng(0)
+  images = rng.normal(size=(micro_batch, 32, 32, 3)).astype(np.float32)
+  labels = rng.integers(0, 10, micro_batch).astype(np.int32)
+  out = {}
+  for key, method in (("stream", "petra"), ("stored", "1f1b")):
+    pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], method=method)
+    rows, _ = stage_times(pipe, pipe.init(0, images), images, labels, iters)
+    out[key] = ([r["forward"] for r in rows], [r["backward"] for r in rows])
+  return out
+
+
+def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
+  """Per method (``petra``, ``gpipe``, ``1f1b``): the largest ``params_j + stored_j`` over the
+  stages (bytes; :mod:`petra_jax.benchmarks.memory_model`, shapes only). Stage 0's images are
+  not counted for any method (re-read from the dataset, as paper Table 3)."""
+  from petra_jax import models  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import memory_model  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  m = config.model
+  stages = partition.group_stages(
+      models.build_model(m.name, width=m.width, depth=m.depth or None, num_classes=10,
+                         patch_size=m.patch_size or None, tokenizer=m.tokenizer),
+      list(m.stage_sizes))
+  sizes = memory_model.stage_bytes(stages, (32, 32, 3), micro_batch)
+  return {method: max(r["param_bytes"] + s for r, s in zip(
+      sizes, memory_model.stored_bytes(sizes, method, first_input=False, accumulation_steps=k)))
+          for method in ("petra", "gpipe", "1f1b")}
+
+
+def updates_to(records: Sequence[dict], accuracy: float) -> float:
+  """The step of the first evaluation at or above ``accuracy`` (NaN if none)."""
+  hits = [r["step"] for r in records if "test_accuracy" in r and r["test_accuracy"] >= accuracy]
+  return float(hits[0]) if hits else float("nan")
+
+
+def simulated_ms_per_update(J: int, k: int, stage_ms: dict) -> dict:
+  """``{"stream" (PETRA), "gpipe", "1f1b": simulated ms per update}`` on J devices, k
+  micro-batches per update, from :func:`measure_stage_ms`'s costs."""
+  from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
+  return {kind: simulate.ms_per_update(kind, J, k, *stage_ms[
+      "stream" if kind == "stream" else "stored"])["simulated_ms_per_update"]
+          for kind in ("stream", "gpipe", "1f1b")}
+
+
+def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,
+                        peak_bytes: dict) -> list[str]:
+  """Markdown rows: per PETRA row at ``(J, k)``, the simulated seconds of PETRA, GPipe and
+  1F1B to reach the best reference's final accuracy (per seed, then the mean over seeds
+  where reached), their ratio and peak bytes per device. GPipe and 1F1B compute the
+  synchronous gradient: they take the reference's updates."""
+  ms = simulated_ms_per_update(J, k, stage_ms)
+  lines = []
+  for row, runs in _by_row(results).items():
+    d = runs[0]
+    if d["reference"] or d["method"] != "petra" or (d["J"], d["k"]) != (J, k):
+      continue
+    ref = best_reference(results, d["depth"])
+    base = {r["seed"]: r for r in results if r["row"] == ref}
+    pairs = [(base[r["seed"]], r) for r in runs if r["seed"] in base]
+    sync = _mean(updates_to(b["records"], b["test_accuracy"]) for b, _ in pairs)
+    petra = [updates_to(r["records"], b["test_accuracy"]) for b, r in pairs]
+    reached = [u for u in petra if u == u]
+    t = {kind: u * ms[kind] / 1e3 for kind, u in (("stream", _mean(reached)), ("gpipe", sync),
+                                                  ("1f1b", sync))}
+    lines.append(
+        f"| `{row}` | {J} | {k} | {len(reached)} of {len(petra)} | "
+        f"{ms['stream']:.0f} / {ms['gpipe']:.0f} / {ms['1f1b']:.0f} | "
+        f"{t['stream']:.0f} | {t['gpipe']:.0f} | {t['1f1b']:.0f} | "
+        f"{t['stream'] / t['gpipe']:.2f} | "
+        f"{peak_bytes['petra'] / 2**20:.1f} / {peak_bytes['gpipe'] / 2**20:.1f} / "
+        f"{peak_bytes['1f1b'] / 2**20:.1f} |")
+  return lines
+
+
+def simulation_section(args, results: Sequence[dict]) -> list[str]:
+  """The simulated-time table for every (J, k) of a PETRA row with J >= 8; stage costs
+  measured once per (J, k) and kept in ``WORKDIR/stage_ms_J<J>_k<k>.json``."""
+  keys = sorted({(r["J"], r["k"]) for r in results if r["method"] == "petra" and r["J"] >= 8})
+  if not keys:
+    return []
+  lines = ["## Simulated time on J devices", "",
+           "| row | J | k | seeds reaching the reference | simulated ms per update PETRA / "
+           "GPipe / 1F1B | PETRA (s) | GPipe (s) | 1F1B (s) | PETRA / GPipe | peak MiB per "
+           "device PETRA / GPipe / 1F1B |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for J, k in keys:
+    config = row_config(args, f"petra_J{J}_k{k}_adamw", 0)
+    micro = config.batch_size // k
+    path = os.path.join(args.workdir, f"stage_ms_J{J}_k{k}.json")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        stage_ms = json.load(f)
+    else:
+      stage_ms = measure_stage_ms(config, micro)
+      os.makedirs(args.workdir, exist_ok=True)
+      with open(path, "w", encoding="utf-8") as f:
+        json.dump(stage_ms, f)
+    lines += simulated_time_rows(results, J, k, stage_ms, peak_bytes_per_device(config, micro, k))
+  lines += ["", "Stage costs: medians of each stage's jitted forward and backward on this "
+            "machine's CPU (`WORKDIR/stage_ms_J<J>_k<k>.json`), fed to "
+            "`petra_jax.benchmarks.simulate.ms_per_update`; memory: "
+            "`petra_jax.benchmarks.memory_model` (parameters + what a stage holds between "
+            "forward and backward, optimizer state excluded)."]
+  return lines
