@@ -218,7 +218,7 @@ def test_runlocal_trains_resumes_and_samples(shakespeare_dir, tmp_path, capsys):
 
 
 def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
-  from petra_jax import study_language_model as study  # pylint: disable=g-import-not-at-top
+  from petra_jax.studies import language_model as study  # pylint: disable=g-import-not-at-top
   from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
 
   class Args:
@@ -230,3 +230,11 @@ def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
   lines = study.table([dict(row="revprop", seed=0, val_loss=1.75, wall_time=1.0),
                        dict(row="petra_j4_k4", seed=0, val_loss=1.80, wall_time=1.0)])
   assert "+0.050" in lines[-1]
+
+
+def test_study_is_registered_in_the_studies_command(capsys):
+  """``python -m petra_jax.studies language_model --rows=nope``: one line naming the rows."""
+  from petra_jax.studies import cli  # pylint: disable=g-import-not-at-top
+  assert cli.main(["language_model", "--rows=nope", "--workdir=/nonexistent"]) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "revprop" in err[0], err

@@ -8,6 +8,7 @@ Commands::
   python -m petra_jax.studies local [--stages=4,10] [--seeds=0]
   python -m petra_jax.studies transformers [--rows=...] [--seeds=0,1]
   python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2]
+  python -m petra_jax.studies language_model [--rows=...] [--seeds=0,1]
 
 Each study is one module of :mod:`petra_jax.studies` (see :data:`STUDIES`). It writes its page
 (``<study>.md``, table, command, machine, date) and plots into ``--out``, by default the run
@@ -31,8 +32,10 @@ from petra_jax.training import validation
 STUDIES = {"table4": ("table4", "table4"), "ksweep": ("ksweep", "ksweep"),
            "compensation": ("compensation", "compensation_study"),
            "local": ("local", "local_study"), "transformers": ("transformers", "transformers_study"),
-           "depth": ("depth", "depth_study")}
-_EPOCHS = {"transformers": 6, "depth": 6}  # the others: 1
+           "depth": ("depth", "depth_study"),
+           "language_model": ("language_model", "language_model_study")}
+_EPOCHS = {"transformers": 6, "depth": 6, "language_model": 0}  # the others: 1; 0: the recipe's
+_RECIPES = {"language_model": "configs/shakespeare_cpu.py"}  # the others: the RevViT recipe
 
 
 def _ints(text: str) -> list[int]:
@@ -46,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("study", choices=tuple(STUDIES), help="which study to run")
   p.add_argument("--width", type=int, default=8, help="RevNet18 studies: channels of stage 0")
   p.add_argument("--epochs", type=int, default=None,
-                 help="epochs per run (default 1; transformers and depth: 6)")
+                 help="epochs per run (default 1; transformers and depth: 6; language_model: "
+                 "the recipe's)")
   p.add_argument("--steps-per-epoch", type=int, default=0, help="0 = the full split")
   p.add_argument("--batch-size", type=int, default=128, help="RevNet18 studies: images per update")
   p.add_argument("--learning-rate", type=float, default=0.05,
@@ -72,8 +76,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--rows", type=lambda s: [r for r in s.split(",") if r], default=None,
                  help="local, transformers and depth studies: which rows, by name (default "
                  "all; depth: its REFERENCES; ROWS of the study's module)")
-  p.add_argument("--recipe", default="configs/cifar10_vit_cpu.py",
-                 help="transformers and depth studies: the recipe every row changes")
+  p.add_argument("--recipe", default="",
+                 help="transformers, depth and language_model studies: the recipe every row "
+                 "changes (default configs/cifar10_vit_cpu.py; language_model: "
+                 "configs/shakespeare_cpu.py)")
   p.add_argument("--log-every", type=int, default=10, help="updates between loss records")
   p.add_argument("--data-dir", default="", help="TFDS data directory (default: the config's)")
   p.add_argument("--workdir", default="", help="where runs live (default: runs/<study>)")
@@ -90,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args.argv = argv
   args.workdir = args.workdir or f"runs/{args.study}"
   args.out = common.output_dir(args.study, args.out)
+  args.recipe = args.recipe or _RECIPES.get(args.study, "configs/cifar10_vit_cpu.py")
   if args.epochs is None:
     args.epochs = _EPOCHS.get(args.study, 1)
   if args.ks is None:

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from petra_jax import config as config_lib  # noqa: E402
 from petra_jax import train  # noqa: E402
-from petra_jax.study_transformers import recipe  # noqa: E402
+from petra_jax.studies.transformers import recipe  # noqa: E402
 from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
@@ -124,7 +124,7 @@ def language_model_study(args) -> list[dict]:
   plot(results, os.path.join(args.out, "language_model_study.png"))
   lines = ["# PETRA on a reversible decoder: tiny_shakespeare at equal tokens", "", "```",
            "python -m petra_jax.studies " + " ".join(args.argv), "```", "", *table(results), "",
-           f"Recipe {args.recipe}; rows as in petra_jax/study_language_model.py:ROWS.", "",
+           f"Recipe {args.recipe}; rows as in petra_jax/studies/language_model.py:ROWS.", "",
            "![validation curves](language_model_study.png)", ""]
   path = os.path.join(args.out, "language_model_study.md")
   with open(path, "w", encoding="utf-8") as f:
