@@ -436,3 +436,18 @@ def test_a_workdir_that_is_a_file_is_one_line_and_kept(tmp_path, capsys):
   assert cli(f"--config={CPU}", f"--workdir={tmp_path}/w") == 1
   assert "is a file; pass a directory" in capsys.readouterr().err
   assert (tmp_path / "w").read_text() == "notes"
+
+
+def test_timeline_figure_goes_to_runs_unless_asked(monkeypatch):
+  """Like the studies, the timeline never writes into docs/ by default (issue 39 item 8)."""
+  import argparse  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks import timeline  # pylint: disable=g-import-not-at-top
+  seen, real = {}, argparse.ArgumentParser.parse_args
+
+  def parse_then_stop(self, argv=None, namespace=None):
+    seen.update(vars(real(self, argv, namespace)))
+    raise SystemExit(0)
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+  with pytest.raises(SystemExit):
+    timeline.main([])
+  assert seen and not seen["out"].startswith("docs"), seen

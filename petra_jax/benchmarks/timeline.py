@@ -9,6 +9,7 @@ prints the fill ticks and idle F/B slots (bubbles).
 from __future__ import annotations
 
 import collections
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -79,6 +80,7 @@ def plot_timeline(timeline: Sequence[Event], num_stages: int, path: str,
             + [Patch(color=COLORS["idle"], label="idle (bubble)")],
             loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
   fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
@@ -124,8 +126,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--method", default="petra", choices=[m for m in METHODS if m != "backprop"],
                  help="whose schedule is drawn (default petra)")
   p.add_argument("--accumulation-steps", type=int, default=1, help="k (gpipe, 1f1b rounds)")
-  p.add_argument("--out", default="docs/timeline.png",
-                 help="the figure's path (default docs/timeline.png)")
+  p.add_argument("--out", default="runs/timeline.png",
+                 help="the figure's path (default runs/timeline.png; --out=docs/timeline.png "
+                 "updates the committed figure)")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)
   stages = cli.build(args.model, args.dataset, args.width)
