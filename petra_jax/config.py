@@ -185,6 +185,7 @@ HELP = {
     "model.bn_stats": "running BN statistics from the 'backward' recomputation or the 'forward'",
     "model.patch_size": "ViTs: the stem's patch; 0 = 4 (32x32 images), 16 (ImageNet)",
     "model.tokenizer": "ViTs: 'patch' or 'conv' (CCT's convolutions)",
+    "model.context": "text: characters per window T; 0 = the data set's (64)",
     "model.reversible_backward": "a group of reversible blocks: 'vanilla' or 'pareprop'",
     "batch_size": "images per optimizer update (k micro-batches of batch_size / k)",
     "accumulation_steps": "k: micro-batches whose gradients are averaged per update",
@@ -193,6 +194,7 @@ HELP = {
     "max_steps": "stop after this many updates; 0 = num_epochs epochs",
     "eval_every": "epochs between test evaluations; 0 = at the end only",
     "eval_batch_size": "images per evaluation batch",
+    "eval_examples": "evaluate on the first N test examples; 0 = the whole split",
     "prefetch": "micro-batches decoded ahead in background threads (ImageNet); 0 = off",
     "log_every": "updates between train_loss lines in metrics.jsonl",
     "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "
@@ -224,6 +226,8 @@ HELP = {
     "compensation.lookahead_momentum": "nesterov_lookahead: gamma of the most delayed stage",
     "compensation.lookahead_delay_ref": "the delay (updates) that gets lookahead_momentum; "
                                         "0 = stage 0's",
+    "compensation.lookahead_rule": "'run_max' (b1 scaled by the run's largest delay) or "
+                                    "'own_delay' (b1_j from stage j's own delay D_j)",
     "dtype": "float32 or bfloat16: convolutions, BatchNorm and activations",
     "stream_dtype": "the activations between blocks and stages; '' = dtype",
     "quantize.forward": "activations sent to the next stage: none, bfloat16, float16, int8",
@@ -249,6 +253,8 @@ HELP = {
     "optim.adam_eps": "adam, muon's AdamW: epsilon",
     "optim.muon_learning_rate": "muon: the matrices' peak rate",
     "optim.muon_momentum": "muon: beta of the matrices' momentum",
+    "optim.momentum_decay": "nadamw: psi of Dozat's momentum schedule",
+    "optim.clip_norm": "nadamw: clip each stage's gradient to this global norm; 0 = off",
     "auxiliary.head": "local methods' heads: linear, mlp or cnn",
     "auxiliary.hidden": "hidden width of the mlp/cnn heads",
     "forward_gradient.guess": "local (auxiliary-loss gradient) or random (Gaussian)",
