@@ -8,6 +8,7 @@ A study writes ``OUT/<study>.md`` (table, command, machine, date, wall times) an
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import platform
 from typing import Sequence
@@ -21,6 +22,33 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def recipe(path: str):
+  """The config of the recipe ``FILE[:VARIANT]``; ValueError naming the fix if absent."""
+  file, _, variant = path.partition(":")
+  if not os.path.isfile(file):
+    raise ValueError(f"no recipe at {file}: run from the repository root or pass "
+                     "--recipe=PATH/RECIPE.py.")
+  spec = importlib.util.spec_from_file_location("petra_recipe", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def row_config(args, fields: dict, seed: int):
+  """``args.recipe`` with a study row's ``fields`` (``config.override``), ``seed``, and the
+  study's length (``args.epochs``, 0: the recipe's; ``args.steps_per_epoch``) and data."""
+  config = recipe(args.recipe)
+  config_lib.override(config, fields)
+  config.seed = seed
+  if args.epochs:
+    config.num_epochs = args.epochs
+  if args.steps_per_epoch:
+    config.steps_per_epoch = args.steps_per_epoch
+  if args.data_dir:
+    config.data_dir = args.data_dir
+  return config
 
 STAGE_SPLITS = {10: (), 5: (1, 2, 2, 2, 3), 4: (1, 2, 2, 5)}  # RevNet18's 10 blocks
 

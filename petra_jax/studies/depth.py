@@ -25,10 +25,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from petra_jax import config as config_lib  # noqa: E402
 from petra_jax import train  # noqa: E402
 from petra_jax.studies.common import mean_reconstruction_error, write_page  # noqa: E402
-from petra_jax.studies.transformers import recipe  # noqa: E402
+from petra_jax.studies import common  # noqa: E402
 from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # Stage split of the RevViT's blocks (tokenizer, 2 per transformer layer, head) per J: 10
@@ -111,15 +110,7 @@ def row_config(args, row: str, seed: int):
     raise ValueError(f"unknown depth-study row {row!r}; rows are REFERENCES "
                      f"{list(REFERENCES)} or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
                      f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}> (--rows=a,b).")
-  config = recipe(args.recipe)
-  config_lib.override(config, ROWS[row])
-  config.seed = seed
-  config.num_epochs = args.epochs
-  if args.steps_per_epoch:
-    config.steps_per_epoch = args.steps_per_epoch
-  if args.data_dir:
-    config.data_dir = args.data_dir
-  return config
+  return common.row_config(args, ROWS[row], seed)
 
 
 def run_row(args, row: str, seed: int) -> dict:

@@ -19,9 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from petra_jax import config as config_lib  # noqa: E402
 from petra_jax import train  # noqa: E402
-from petra_jax.studies.transformers import recipe  # noqa: E402
+from petra_jax.studies import common  # noqa: E402
 from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
@@ -49,16 +48,7 @@ def row_config(args, row: str, seed: int):
   if row not in ROWS:
     raise ValueError(f"unknown language-model-study row {row!r}; choose from {list(ROWS)} "
                      "(--rows=a,b).")
-  config = recipe(args.recipe)
-  config_lib.override(config, ROWS[row])
-  config.seed = seed
-  if args.epochs:
-    config.num_epochs = args.epochs
-  if args.steps_per_epoch:
-    config.steps_per_epoch = args.steps_per_epoch
-  if args.data_dir:
-    config.data_dir = args.data_dir
-  return config
+  return common.row_config(args, ROWS[row], seed)
 
 
 def run_row(args, row: str, seed: int) -> dict:

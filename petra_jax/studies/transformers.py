@@ -10,12 +10,11 @@ backprop (AdamW), and backprop's accuracy at the row's wall time (same seed).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
-from petra_jax import config as config_lib
 from petra_jax import train
-from petra_jax.studies.common import at_wall_time, plot_accuracy, write_page
+from petra_jax.studies import common
+from petra_jax.studies.common import at_wall_time, plot_accuracy, recipe, write_page  # noqa: F401
 from petra_jax.training import metrics as metrics_lib
 
 _K2 = {"accumulation_steps": 2}
@@ -37,32 +36,12 @@ ROWS = {
 }
 
 
-def recipe(path: str):
-  """The config of the recipe ``FILE[:VARIANT]``; ValueError naming the fix if absent."""
-  file, _, variant = path.partition(":")
-  if not os.path.isfile(file):
-    raise ValueError(f"no recipe at {file}: run from the repository root or pass "
-                     "--recipe=PATH/cifar10_vit_cpu.py.")
-  spec = importlib.util.spec_from_file_location("petra_recipe", file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant) if variant else module.get_config()
-
-
 def row_config(args, row: str, seed: int):
   """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
   if row not in ROWS:
     raise ValueError(f"unknown transformers-study row {row!r}; choose from {list(ROWS)} "
                      "(--rows=a,b).")
-  config = recipe(args.recipe)
-  config_lib.override(config, ROWS[row])
-  config.seed = seed
-  config.num_epochs = args.epochs
-  if args.steps_per_epoch:
-    config.steps_per_epoch = args.steps_per_epoch
-  if args.data_dir:
-    config.data_dir = args.data_dir
-  return config
+  return common.row_config(args, ROWS[row], seed)
 
 
 def run_row(args, row: str, seed: int) -> dict:
