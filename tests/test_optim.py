@@ -276,8 +276,10 @@ def load_config_file(path):
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.stem)
-def test_config_file_loads_with_trainer_fields(path):
+def test_config_file_loads_with_trainer_fields(path, monkeypatch):
   from petra_jax import data
+
+  monkeypatch.syspath_prepend(str(CONFIG_DIR.parent / "docs" / "examples"))  # the recipe's PYTHONPATH
 
   c = load_config_file(path)
   default = config_lib.get_config()

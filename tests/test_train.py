@@ -319,7 +319,7 @@ def test_default_console_shows_our_lines_only(cifar10_dir, tmp_path):
   assert not [line for line in both.splitlines() if line[:1] == "I" and line[1:5].isdigit()]
   assert "petra revnet18 (width 4) on cifar10: 4 stages of [1, 2, 2, 5] blocks" in r.stdout
   assert "2 updates of 32 images (2 micro-batches each), 10 per epoch" in r.stdout
-  assert "epoch 1: train_loss " in r.stdout
+  assert "epoch 0.20: train_loss " in r.stdout  # 2 of the epoch's 10 updates
   assert f"metrics: {tmp_path / 'metrics.jsonl'}" in r.stdout
   assert f"checkpoints: {tmp_path / 'checkpoints'}" in r.stdout
 

@@ -90,7 +90,7 @@ def _losses(stages, method, formats=None, num_micro=4):
 
 
 LR = 0.05
-SYNCHRONOUS = ("backprop", "revprop", "gpipe", "1f1b")  # no stale weight at k = 1
+SYNCHRONOUS = tuple(n for n, m in methods.METHODS.items() if not m.delayed)  # no stale weight at k = 1
 
 
 def _reference_losses(blocks, params, num_micro=4):
