@@ -22,7 +22,7 @@ stage:
 
 BatchNorm normalises with batch statistics; its running statistics take the
 backward's batch statistics (paper Sec. 4: updated in the backward recomputation).
-The exact rows (``backprop``, ``gpipe``, ``1f1b``, ``revprop``) take
+The exact rows (``backprop``, ``gpipe``, ``1f1b``, ``zb_h1``, ``revprop``) take
 ``jax.grad`` of the composed model instead.
 """
 
@@ -47,8 +47,8 @@ class Row(NamedTuple):
 
 
 _EXACT = Row(False, False, False, exact=True)
-ROWS = {  # paper Table 4 (delayed? input buffer? weight buffer?), GPipe and 1F1B
-    "backprop": _EXACT, "gpipe": _EXACT, "1f1b": _EXACT, "revprop": _EXACT,
+ROWS = {  # paper Table 4 (delayed? input buffer? weight buffer?), GPipe, 1F1B and ZB-H1
+    "backprop": _EXACT, "gpipe": _EXACT, "1f1b": _EXACT, "zb_h1": _EXACT, "revprop": _EXACT,
     "petra": Row(True, True, False),              # no buffer, current weights
     "approximate_input": Row(True, True, True),   # weights stashed, input rebuilt
     "dsp": Row(True, False, False),               # input buffered, current weights

@@ -5,7 +5,7 @@ the paper's Alg. 1 and Table 4: per micro-batch and stage, which weights the
 forward used, which the backward used (stashed or current, on the buffered or
 the reconstructed input) and when each stage's update lands (``tau_j = 2(J-1-j)``
 ticks late, ``k`` gradients a step). The exact methods (``backprop``, ``gpipe``,
-``1f1b``, ``revprop``) equal ``jax.grad`` of the composed model.
+``1f1b``, ``zb_h1``, ``revprop``) equal ``jax.grad`` of the composed model.
 
 Two models: a RevNet with BatchNorm in J = 4 stages (stem | reversible |
 reversible | head: the first reversible stage rebuilds its input from the
@@ -192,9 +192,9 @@ def user_model(tmp_path_factory):
   del MODELS["user"]
 
 
-@pytest.mark.parametrize("method", ["gpipe", "1f1b", "delayed"])
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb_h1", "delayed"])
 def test_user_model_equals_the_reference(user_model, method):
-  """``1f1b`` and ``gpipe`` equal backprop by ``jax.grad`` of the composed user
+  """``1f1b``, ``gpipe`` and ``zb_h1`` equal backprop by ``jax.grad`` of the composed user
   model; ``delayed`` equals the reference with real delays."""
   test_engine_equals_the_reference(user_model, method)
 

@@ -14,6 +14,7 @@ from petra_jax.engine import pipeline
 from petra_jax.engine.schedule import FORWARD, Schedule, Task
 from petra_jax.engine.stage import Stage
 from petra_jax.engine.zero_bubble import INPUT_GRAD, LOSS_INPUT_GRAD, WEIGHT_GRAD
+import reference_loop
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
 
@@ -99,8 +100,11 @@ def _user_model():
 
 @pytest.mark.parametrize("model", ["revnet", "revvit", "user"])
 def test_updates_equal_backprop(model):
-  """k = 2 accumulated micro-batches per update, stages on 4 virtual devices: every loss and
-  the weights after 2 updates equal jax.grad of the composed model's (method backprop)."""
+  """k = 2 accumulated micro-batches per update, stages on 4 virtual devices: the losses and
+  the weights after 2 updates ``==`` jax.grad of the composed model's (method backprop) on
+  the user's model; on the RevNet and the RevViT, where XLA compiles a stage's vjp
+  differently from the whole model's, equal to float32 round-off, as for ``1f1b`` and
+  ``gpipe`` (measured: at most 5e-7 of a stage's norm)."""
   stages = {"revnet": tiny_revnet,
             "revvit": lambda: models.build_model("revvit_tiny", width=2, depth=1),
             "user": _user_model}[model]()
@@ -112,9 +116,12 @@ def test_updates_equal_backprop(model):
     state = pipe.init(0, random_batch()[0])
     state, losses = run_ticks(pipe, state, M, batches_of())
     assert state.in_flight() == 0
-    out[name] = ([float(o.loss) for o in sorted(losses)],
+    out[name] = (np.array([float(o.loss) for o in sorted(losses)]),
                  jax.device_get([s.params for s in state.train_states]))
-  np.testing.assert_allclose(out["zb_h1"][0], out["backprop"][0], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               out["zb_h1"][1], out["backprop"][1])
+  if model == "user":
+    np.testing.assert_array_equal(out["zb_h1"][0], out["backprop"][0])
+    jax.tree.map(np.testing.assert_array_equal, out["zb_h1"][1], out["backprop"][1])
+  else:
+    np.testing.assert_allclose(out["zb_h1"][0], out["backprop"][0], rtol=1e-6)
+    assert reference_loop.max_rel_diff(out["zb_h1"][1], out["backprop"][1]) < 2e-6
   assert not jnp.allclose(out["backprop"][0][0], out["backprop"][0][-1])  # it trains

@@ -69,11 +69,13 @@ class Task:
       ``count`` targets scored.
     logits_doc: the logits' shape in words, for error messages.
     integer_inputs: stage 0 takes int token ids ``[B, T]`` (else floating images).
+    examples: what one example is, plural, for the console (``"images"``).
   """
   name: str
   target_rank: int
   integer_inputs: bool = False
   logits_doc: str = "[B, num_classes]"
+  examples: str = "images"
   loss: Callable = cross_entropy
   summarize: Callable = _classification_metrics
 
@@ -92,7 +94,7 @@ class Task:
 
 CLASSIFICATION = Task("classification", 1)
 NEXT_TOKEN = Task("next_token", 2, integer_inputs=True, logits_doc="[B, T, vocab_size]",
-                  summarize=_next_token_metrics)
+                  examples="sequences", summarize=_next_token_metrics)
 TASKS = {t.name: t for t in (CLASSIFICATION, NEXT_TOKEN)}
 
 

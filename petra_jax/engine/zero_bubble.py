@@ -1,9 +1,9 @@
 """Zero bubble pipelining, ZB-H1 (Qi et al., ICLR 2024): a backward split in B and W.
 
 A non-reversible stage's backward is split in two tasks: ``input_grad`` (B)
-recomputes the forward from the kept input ``x``, sends ``dx = vjp_x(dy)``
-back, and keeps the weight-gradient vjp's residuals (and ``dy``); a later
-``weight_grad`` (W) applies ``dtheta = vjp_theta(dy)`` from those residuals,
+recomputes the forward from the kept input ``x`` once, sends ``dx`` (the input
+part of its vjp at ``dy``) back, and keeps the vjp's residuals (and ``dy``); a
+later ``weight_grad`` (W) applies the weight part ``dtheta`` from those residuals,
 without recomputing. W has no consumer on another stage, so it fills the
 ticks where 1F1B waits; a stage holds at most ``min(J, k)`` micro-batches
 (1F1B's peak, on its first stage); the last stage's ``loss_input_grad`` is its F and B,
@@ -128,24 +128,26 @@ def input_grad_step(stage: Stage, input_grad: bool, take_stats: bool, state: Sta
   """B: recompute ``F_j`` at ``x``; ``(state, dx or None, residuals)``.
 
   ``x [B, ...]`` the kept input, ``dy`` the output's cotangent; ``residuals``:
-  ``(vjp_theta, dy)``, the weight-gradient vjp (a pytree of its residuals).
+  ``(vjp, dy)``, the vjp of one forward (a pytree of its residuals), whose
+  weight part W applies. Without ``input_grad`` (stage 0) the vjp is the weights' only.
   The new BatchNorm statistics go into ``state`` here (``take_stats``).
   """
   x, dy = quantize_lib.dequantize((x, dy))
   p, bs = state.params, state.batch_stats
-  _, vjp_theta, stats = jax.vjp(lambda q: forward(stage, q, bs, x), p, has_aux=True)
-  dx = None
   if input_grad:
-    _, vjp_x, _ = jax.vjp(lambda z: forward(stage, p, bs, z), x, has_aux=True)
-    (dx,) = vjp_x(dy)
-  return state.replace(batch_stats=stats) if take_stats else state, dx, (vjp_theta, dy)
+    _, vjp, stats = jax.vjp(lambda q, z: forward(stage, q, bs, z), p, x, has_aux=True)
+    dx = vjp(dy)[1]
+  else:
+    _, vjp, stats = jax.vjp(lambda q: forward(stage, q, bs, x), p, has_aux=True)
+    dx = None
+  return state.replace(batch_stats=stats) if take_stats else state, dx, (vjp, dy)
 
 
 def loss_input_grad_step(stage: Stage, state: StageState, x, labels):
   """The last stage's F and B: ``(state, dx, loss float32, residuals)``.
 
   ``labels int32[B]``; the loss is the mean cross-entropy (Alg. 1 l. 27-30);
-  ``residuals``: ``(vjp_theta, 1.0)``. The new BatchNorm statistics go into ``state``.
+  ``residuals``: ``(vjp, 1.0)``. The new BatchNorm statistics go into ``state``.
   """
   x = quantize_lib.dequantize(x)
   p, bs = state.params, state.batch_stats
@@ -154,18 +156,16 @@ def loss_input_grad_step(stage: Stage, state: StageState, x, labels):
     logits, stats = forward(stage, q, bs, z)
     return cross_entropy(logits, labels), stats
 
-  loss, vjp_theta, stats = jax.vjp(lambda q: loss_fn(q, x), p, has_aux=True)
-  _, vjp_x, _ = jax.vjp(lambda z: loss_fn(p, z), x, has_aux=True)
+  loss, vjp, stats = jax.vjp(loss_fn, p, x, has_aux=True)
   one = jnp.ones_like(loss)
-  (dx,) = vjp_x(one)
-  return state.replace(batch_stats=stats), dx, loss, (vjp_theta, one)
+  return state.replace(batch_stats=stats), vjp(one)[1], loss, (vjp, one)
 
 
 def weight_grad_step(state: StageState, residuals) -> StageState:
-  """W: ``dtheta = vjp_theta(dy)`` from B's residuals, and the update."""
-  vjp_theta, dy = residuals
-  (grads,) = vjp_theta(dy)
-  return state.apply_gradients(grads, state.batch_stats)
+  """W: ``dtheta = vjp(dy)[0]`` from B's residuals (the input part is not computed), and
+  the update."""
+  vjp, dy = residuals
+  return state.apply_gradients(vjp(dy)[0], state.batch_stats)
 
 
 def _jit(fn: Callable, donate_argnums) -> Callable:

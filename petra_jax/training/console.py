@@ -130,16 +130,17 @@ def setup_summary(run) -> None:
   """The run in two lines: what trains where on what, and how long."""
   c, pipe = run.config, run.pipe
   sizes = [len(s.blocks) or 1 for s in pipe.stages]
+  examples = pipe.task.examples
   where = sorted({f"{d.platform}:{d.id}" for d in pipe.devices})
   say(f"{c.method} {c.model.name} (width {c.model.width}) on {c.dataset}: {pipe.num_stages} "
       f"stages of {sizes} blocks on {', '.join(where)}; {len(run.train)} train / "
-      f"{len(run.test)} test images")
+      f"{len(run.test)} test {examples}")
   say(f"data: {c.dataset} read from {os.path.abspath(data_lib.resolve_data_dir(c.data_dir))}")
   resumed = ""
   if run.restored_step is not None:
     resumed = (f", resumed at update {run.step} (resumed from "
                f"{run.checkpointer.directory}/{run.restored_step})")
-  say(f"{run.total_steps} updates of {c.batch_size} images ({c.accumulation_steps} "
+  say(f"{run.total_steps} updates of {c.batch_size} {examples} ({c.accumulation_steps} "
       f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")
   lr = optim.base_learning_rate(c)
   auto = (" (automatic: 0.1 x batch_size / 256, as optim.learning_rate = 0; set "

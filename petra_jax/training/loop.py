@@ -47,17 +47,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if _begin(config, workdir, restart):
     return run_record.last_result(workdir)
   with preemption.StopOnSignal(announce=False) as stop:
-    stop.raising = True
-    try:
-      run = setup(config, workdir)
-    except preemption.Interrupted as e:
-      message = (f"preempted by {e.signal_name} during start-up, before any training; "
-                 "re-run the same command to start again.")
-      if jax.process_count() > 1:
-        distributed.exit_now(message if jax.process_index() == 0 else "",
-                             preemption.PREEMPTED_EXIT_CODE)
-      preemption.exit_preempted(message)
-    stop.raising = False
+    run = _setup(config, workdir, stop)
     _record(run)
     if on_accepted is not None:
       on_accepted()
@@ -68,27 +58,50 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       return run_record.last_result(workdir)
     run.writer.write_text("config", "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```")
     console.setup_summary(run)
-    bar = console.progress(run.total_steps * config.batch_size, config.method, "img",
-                           initial=run.step * config.batch_size)
-    lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
-                                  run.steps_per_epoch, config.batch_size, run.step)
-    with _discard_diverged(run), contextlib.closing(bar):
-      for t in range(run.state.tick, len(run.schedule)):
-        tick = run.schedule[t]
-        run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
-        for out in outputs:
-          run.relay.add(out.micro_batch, out.loss)
-        if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
-          save_checkpoint(run)
-        if _update_fed(run, tick):
-          bar.update(config.batch_size)
-          on_update(run)
-          lines.update(run.step, run.loss_log.last_loss)
-          if _stop_requested(run, stop) and run.step < run.total_steps:
-            bar.close()
-            preempt(run, stop.signal_name or "a signal to another process")
+    _run_ticks(run, stop)
     with _discard_diverged(run):
       return finish(run)
+
+
+def _setup(config, workdir: str, stop: preemption.StopOnSignal) -> Run:
+  """:func:`setup`; a signal during it exits (75) with one line, nothing trained."""
+  stop.raising = True
+  try:
+    run = setup(config, workdir)
+  except preemption.Interrupted as e:
+    message = (f"preempted by {e.signal_name} during start-up, before any training; "
+               "re-run the same command to start again.")
+    if jax.process_count() > 1:
+      distributed.exit_now(message if jax.process_index() == 0 else "",
+                           preemption.PREEMPTED_EXIT_CODE)
+    preemption.exit_preempted(message)
+  stop.raising = False
+  return run
+
+
+def _run_ticks(run: Run, stop: preemption.StopOnSignal) -> None:
+  """The tick table from the run's tick on: every update logged, checkpointed and
+  evaluated as the config says; a stop request checkpoints and exits (75)."""
+  config = run.config
+  bar = console.progress(run.total_steps * config.batch_size, config.method,
+                         run.pipe.task.examples, initial=run.step * config.batch_size)
+  lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
+                                run.steps_per_epoch, config.batch_size, run.step)
+  with _discard_diverged(run), contextlib.closing(bar):
+    for t in range(run.state.tick, len(run.schedule)):
+      tick = run.schedule[t]
+      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+      for out in outputs:
+        run.relay.add(out.micro_batch, out.loss)
+      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+        save_checkpoint(run)
+      if _update_fed(run, tick):
+        bar.update(config.batch_size)
+        on_update(run)
+        lines.update(run.step, run.loss_log.last_loss)
+        if _stop_requested(run, stop) and run.step < run.total_steps:
+          bar.close()
+          preempt(run, stop.signal_name or "a signal to another process")
 
 
 def _begin(config, workdir: str, restart: bool) -> bool:
