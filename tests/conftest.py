@@ -1,11 +1,20 @@
-"""Test set-up: 4 virtual CPU devices, set before JAX initialises its backend."""
+"""Test set-up: 4 virtual CPU devices, set before JAX initialises its backend.
+
+The tests compile hundreds of tiny programs and run each a few times: LLVM's
+optimisation of the generated CPU code is about a third of the suite's CPU
+time and nothing the tests check, so they compile at
+``--xla_backend_optimization_level=0`` (XLA's own graph passes still run).
+Give ``XLA_FLAGS=--xla_backend_optimization_level=N`` to test at another level;
+``tests/test_xla_flags.py`` checks the YNN work-around at the default level.
+"""
 
 import os
 import pathlib
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
+_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+if "--xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent XLA compilation cache for the whole test session, inherited by
 # the CLI subprocesses: the tests build the same tiny stages many times, and

@@ -25,7 +25,9 @@ CHANCE_LOSS = math.log(10)  # cross-entropy of a uniform prediction over 10 clas
 def _run(script, *args, tmp_path):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
              TMPDIR=str(tmp_path))  # custom_linen.py's tempfile.mkdtemp workdir: removed with tmp_path
-  env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine
+  # One CPU device, as a user's machine; the other flags (conftest's) kept.
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
   r = subprocess.run([sys.executable, *script, *args], cwd=tmp_path, env=env,
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]
