@@ -45,8 +45,8 @@ class TokenEmbed(nn.Module):
 def gelu(x):
   """Exact GELU ``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2`` (torch's ``nn.GELU()``, nanoGPT's).
 
-  The same function as ``nn.gelu(x, approximate=False)``, written with ``erf``: XLA:CPU's
-  ``erfc`` there is several times slower.
+  The same function as ``nn.gelu(x, approximate=False)``, written with ``erf`` rather than
+  its ``erfc``, which XLA:CPU computes more slowly (docs/benchmarks.md, ``gpt_nano``).
   """
   return 0.5 * x * (1.0 + jax.lax.erf(x * (2.0 ** -0.5)))
 
