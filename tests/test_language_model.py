@@ -55,6 +55,34 @@ def test_future_tokens_do_not_change_past_logits(name):
     assert np.abs(other[:, t + 1] - logits[:, t + 1]).max() > 1e-4
 
 
+def test_attention_is_flax_multi_head_attention_with_a_causal_mask():
+  """Same variables (names, shapes, initial values) and outputs as flax's
+  MultiHeadDotProductAttention under nn.make_causal_mask, with non-zero biases."""
+  import flax.linen as nn  # noqa: PLC0415
+  from petra_jax.models import gpt  # noqa: PLC0415
+  x = jax.random.normal(jax.random.key(0), (3, 7, 8))
+  ours = gpt.CausalSelfAttention(heads=4)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=4, kernel_init=gpt.init)
+  v_ours, v_theirs = ours.init(jax.random.key(1), x), theirs.init(jax.random.key(1), x, x)
+  assert jax.tree.structure(v_ours) == jax.tree.structure(v_theirs)
+  for a, b in zip(jax.tree.leaves(v_ours), jax.tree.leaves(v_theirs)):
+    np.testing.assert_array_equal(a, b)
+  keys = iter(jax.random.split(jax.random.key(2), 16))
+  v = jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape), v_theirs)
+  mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+  np.testing.assert_allclose(ours.apply(v, x), theirs.apply(v, x, x, mask=mask),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_is_the_exact_gelu():
+  """x Phi(x) against float64 math.erf (torch's nn.GELU(), flax's gelu(approximate=False))."""
+  import math  # noqa: PLC0415
+  from petra_jax.models import gpt  # noqa: PLC0415
+  x = np.linspace(-8.0, 8.0, 1601, dtype=np.float32)
+  want = [0.5 * float(v) * (1.0 + math.erf(float(v) / math.sqrt(2.0))) for v in x]
+  np.testing.assert_allclose(gpt.gelu(jnp.asarray(x)), want, rtol=1e-6, atol=1e-6)
+
+
 def test_causal_reversible_blocks_reconstruct_their_input():
   stages = tiny("revgpt_nano")
   _, _, params = init(stages)
