@@ -27,19 +27,30 @@ from petra_jax.training import metrics as metrics_lib  # noqa: E402
 SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
 
 
-def _row(method: str, j: int, k: int, compensation: str = "none") -> dict:
+# compensation suffix -> the recipe's fields it sets (none, the shipped look-ahead, and the
+# look-ahead whose b1 follows each stage's own delay: optim/momentum.py:own_delay_momentum).
+COMPENSATIONS = {
+    "": {"compensation.name": "none"},
+    "_lookahead": {"compensation.name": "adam_lookahead", "compensation.lookahead_rule": "run_max"},
+    "_lookahead_own": {"compensation.name": "adam_lookahead",
+                       "compensation.lookahead_rule": "own_delay"},
+}
+
+
+def _row(method: str, j: int, k: int, compensation: str = "") -> dict:
   return {"method": method, "model.stage_sizes": SPLITS[j], "accumulation_steps": k,
-          "compensation.name": compensation}
+          **COMPENSATIONS[compensation]}
 
 
-# row -> the recipe's fields it changes (revprop first: the reference of the gaps).
+# row -> the recipe's fields it changes (revprop first: the reference of the gaps). k counts
+# the micro-batches of the recipe's 32-sequence update: stage 0 is 2 (J - 1) / k updates stale.
 ROWS = {
     "revprop": _row("revprop", 4, 4),
     "backprop_gpt": {"method": "backprop", "model.name": "gpt_nano", "model.stage_sizes": (),
                      "accumulation_steps": 1, "compensation.name": "none"},
-    **{f"{m}_j{j}_k{k}{'_lookahead' if c != 'none' else ''}": _row(m, j, k, c)
-       for m in ("petra", "delayed") for j in (2, 4, 8) for k in (1, 4)
-       for c in ("none", "adam_lookahead")},
+    **{f"{m}_j{j}_k{k}{c}": _row(m, j, k, c)
+       for m in ("petra", "delayed") for j in (2, 4, 8) for k in (1, 4, 8, 16)
+       for c in COMPENSATIONS},
 }
 
 
