@@ -4,7 +4,9 @@
   python -m petra_jax.sample --workdir=runs/shakespeare --prompt="ROMEO:" --length=500
 
 PETRA on ``revgpt_nano`` (4 layers, 4 heads, 128 wide, two streams) in 4 stages, context
-64, AdamW with Nesterov look-ahead grown with each stage's delay (``adam_lookahead``).
+64, each update's 32 sequences in k = 8 micro-batches (stage 0 is 0.75 update stale), AdamW
+with Nesterov look-ahead whose b1 follows each stage's own delay (``adam_lookahead``,
+``lookahead_rule="own_delay"``).
 Results and commands: docs/language_model.md.
 
 ``:nanogpt``: backprop on the non-reversible twin ``gpt_nano`` at nanoGPT's CPU budget
@@ -12,7 +14,8 @@ Results and commands: docs/language_model.md.
 updates, dropout 0; ``config/train_shakespeare_char.py``: AdamW at 1e-3, beta2 0.99,
 weight decay 0.1, 100 warm-up updates, cosine to 1e-4). nanoGPT also clips gradients
 at norm 1 and ties the embedding to the head; these runs do neither.
-``:revprop``: the PETRA recipe's model and budget with reversible backprop (no delays).
+``:revprop``: the PETRA recipe's model and budget with reversible backprop (no delays; k = 4:
+exact, so k only splits the same update).
 ``:runlocal``: a smoke test (a tiny model, a few updates).
 """
 
@@ -47,12 +50,13 @@ def get_config(variant: str = ""):
   c.steps_per_epoch = 250     # an "epoch" here: 250 updates between evaluations
   c.num_epochs = 12
   c.batch_size = 32
-  c.accumulation_steps = 4
+  c.accumulation_steps = 8
   c.eval_batch_size = 256
   c.log_every = 50
   c.checkpoint_every = 250
   _nanogpt_optimizer(c, c.steps_per_epoch)
   c.compensation.name = "adam_lookahead"
+  c.compensation.lookahead_rule = "own_delay"
   if variant == "nanogpt":
     c.method = "backprop"
     c.model.name = "gpt_nano"
@@ -63,6 +67,7 @@ def get_config(variant: str = ""):
     c.compensation.name = "none"
   elif variant == "revprop":
     c.method = "revprop"
+    c.accumulation_steps = 4
     c.compensation.name = "none"
   elif variant == "runlocal":
     c.model.width = 8
