@@ -10,19 +10,20 @@ import orbax.checkpoint as ocp
 import pytest
 
 from petra_jax.training import checkpoint_blocks
-from petra_jax import models
 
 from petra_jax.training import checkpoint
 
 
 from petra_jax.engine import pipeline
-from helpers import random_batch
+from helpers import random_batch, tiny_revnet
 
 FP = {"model": "revnet18", "width": 4}
 
 
 def _tiny_pipeline(method="petra"):
-  stages = models.build_model("revnet18", width=4)
+  """The tiny RevNet (J = 5: reversible, recomputing and BatchNorm stages) on
+  2 devices, SGD-momentum accumulated over k = 2 micro-batches."""
+  stages = tiny_revnet()
   tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
   pipe = pipeline.Pipeline(stages, tx, jax.devices()[:2], method=method)
   return pipe, pipe.init(0, random_batch()[0])
@@ -118,8 +119,7 @@ def test_quantised_messages_in_flight_restore_bit_exactly(tmp_path):
   from petra_jax.engine import quantize
 
   def build():
-    stages = models.build_model("revnet18", width=4)
-    pipe = pipeline.Pipeline(stages, optax.sgd(0.05, momentum=0.9), jax.devices()[:1],
+    pipe = pipeline.Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), jax.devices()[:1],
                              formats=quantize.MessageFormats("int8", "bfloat16", "int8"))
     return pipe, pipe.init(0, random_batch()[0])
 

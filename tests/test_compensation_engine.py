@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax import config as config_lib, models
+from petra_jax import config as config_lib
 
 from petra_jax.optim import compensation
 
@@ -15,7 +15,7 @@ from petra_jax.engine import pipeline
 
 from petra_jax.engine import stage as stage_lib
 from petra_jax.training import assembly
-from helpers import random_batch
+from helpers import random_batch, tiny_revnet
 
 
 def _config(name, **fields):
@@ -70,7 +70,7 @@ def test_methods_without_delay_get_the_plain_optimizer():
 def test_forward_uses_the_predicted_weights(method):
   """A predictor that shifts every weight by +0.01: stage 0's forward output
   is the forward at the shifted weights; ``delayed`` stashes those weights."""
-  stages = models.build_model("revnet18", width=4)
+  stages = tiny_revnet()
   shift = lambda p, opt_state: jax.tree.map(lambda a: a + 0.01, p)  # noqa: E731
   predictors = [shift] + [None] * (len(stages) - 1)
   pipe = pipeline.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], method=method,
@@ -110,10 +110,11 @@ def test_weight_prediction_predictor_matches_its_formula():
 
 def test_compensated_pipeline_resumes_bit_exactly(tmp_path):
   """Spike compensation and weight prediction keep all their state in the
-  optax state: a checkpoint mid-flight resumes with identical losses."""
+  optax state: a checkpoint mid-flight resumes with identical losses (tiny
+  RevNet, J = 5)."""
   from petra_jax.training import checkpoint
   c = _config("spike+weight_prediction")
-  stages = models.build_model("revnet18", width=4)
+  stages = tiny_revnet()
   J = len(stages)
 
   def build():

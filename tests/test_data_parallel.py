@@ -8,25 +8,22 @@ RevNet on 2 groups of 2 against the same stages on 2 single devices. (Two
 processes of 4 devices each: tests/test_multiprocess.py.)
 """
 
+import functools
+
 import jax
 import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from petra_jax import models
 from petra_jax.engine import placement
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import checkpoint, validation
-from helpers import random_batch
+from helpers import random_batch, tiny_revnet
 from helpers import tiny_config
 
 NUM_MICRO_BATCHES = 8
 RTOL = 1e-5  # float32: the sharded batch sums in another order
-
-
-def _stages():
-  return [models.build_model("revnet18", width=4)[i] for i in (0, 1, 2, 3, -1)]
 
 
 def _pipeline(method, data_parallel):
@@ -34,7 +31,7 @@ def _pipeline(method, data_parallel):
   if method == "backprop":
     devices = devices[:data_parallel]
   tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
-  pipe = Pipeline(_stages(), tx, devices, method=method, accumulation_steps=2,
+  pipe = Pipeline(tiny_revnet(), tx, devices, method=method, accumulation_steps=2,
                   data_parallel=data_parallel)
   return pipe, pipe.init(0, random_batch()[0])
 
@@ -46,10 +43,15 @@ def _losses(pipe, state, ticks=None):
   return state, np.array([float(o.loss) for o in sorted(out, key=lambda o: o.micro_batch)])
 
 
+@functools.lru_cache(maxsize=None)
+def _all_losses(method, data_parallel):
+  """The losses of every micro-batch of a whole run (shared by the tests)."""
+  return _losses(*_pipeline(method, data_parallel))[1]
+
+
 @pytest.mark.parametrize("method", ["petra", "1f1b", "backprop"])
 def test_two_devices_per_stage_give_the_losses_of_one(method):
-  _, one = _losses(*_pipeline(method, 1))
-  _, two = _losses(*_pipeline(method, 2))
+  one, two = _all_losses(method, 1), _all_losses(method, 2)
   assert len(one) == NUM_MICRO_BATCHES
   np.testing.assert_allclose(two, one, rtol=RTOL)
 
@@ -74,8 +76,7 @@ def test_state_is_replicated_and_messages_are_sharded_over_the_group():
 
 @pytest.mark.parametrize("saved,resumed", [(2, 1), (1, 2)])
 def test_checkpoint_mid_flight_resumes_with_another_data_parallel(tmp_path, saved, resumed):
-  pipe, state = _pipeline("petra", 1)
-  _, expected = _losses(pipe, state)
+  expected = _all_losses("petra", 1)
   pipe, state = _pipeline("petra", saved)
   state, before = _losses(pipe, state, range(7))
   assert state.in_flight() > 0

@@ -120,6 +120,14 @@ def test_a_packed_backward_and_fused_step_equal_the_unpacked_ones():
   _same(packed[1:], plain[1:])
 
 
+def _stages():
+  """The tiny RevNet without its second reversible stage: stem, rev,
+  downsample, head (J = 4), every kind of stage (reversible, recomputing,
+  loss) with BatchNorm, one fewer to compile twice (packed and unpacked)."""
+  stages = tiny_revnet()
+  return stages[:3] + stages[4:]
+
+
 @pytest.mark.parametrize("method", ["petra", "delayed"])
 def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch):
   """Same losses and states to the last bit, reading ``train_states`` (a plain
@@ -130,7 +138,7 @@ def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch
   for packs in (True, False):
     monkeypatch.setattr(pipeline_lib, "regime",
                         lambda *a, p=packs: dataclasses.replace(real(*a), pack=p))
-    pipe = Pipeline(tiny_revnet(), tx, jax.devices()[:1], method=method)
+    pipe = Pipeline(_stages(), tx, jax.devices()[:1], method=method)
     assert pipe.regime.pack is packs
     state = pipe.init(0, x)
     state, first = run_ticks(pipe, state, 6, batches_of(), num_ticks=9)
