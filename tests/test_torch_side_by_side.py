@@ -1,5 +1,6 @@
 """``torch_side_by_side --model=gpt_nano``: flags, arithmetic, shapes and our side (no torch)."""
 
+import functools
 import math
 
 import pytest
@@ -84,7 +85,11 @@ def test_the_torch_worker_imports_without_torch():
 
 
 def test_our_gpt_side_runs_one_step_at_a_tiny_size(monkeypatch):
+  from petra_jax.benchmarks import cli
   monkeypatch.setattr(sbs, "GPT_WIDTH", 2)  # 4 heads x 2 = 8 features
+  # One layer (embedding, attention, MLP, head), PETRA in 4 stages of one block each.
+  monkeypatch.setattr(cli, "build", functools.partial(cli.build, depth=1))
+  monkeypatch.setattr(sbs, "GPT_STAGE_SIZES", (1, 1, 1, 1))
   args = sbs.parse_args(["--model=gpt_nano", "--batch-size=2", "--iters=1", "--warmup=0"])
   ms = sbs._ours_gpt(args)["ms_per_step"]
   assert set(ms) == {"backprop", "petra"}
