@@ -91,6 +91,17 @@ def test_dataset_fixes_stem_and_classes(name, dataset, size, classes):
   assert rows[-1]["output_shape"] == [classes]
 
 
+def _chain_variables(stages, x):
+  """helpers.random_variables of each stage for the input ``x``, the
+  activations' shapes traced (nothing is compiled)."""
+  variables, h = [], jax.ShapeDtypeStruct(x.shape, x.dtype)
+  for i, s in enumerate(stages):
+    variables.append(_random_variables(s, h, i))
+    h = jax.eval_shape(lambda v, h, s=s: stage_lib.forward(s, v["params"], v["batch_stats"], h)[0],
+                       variables[-1], h)
+  return variables
+
+
 @pytest.mark.parametrize("name", REVNETS)
 def test_every_reversible_stage_round_trips(name):
   stages = models.build_model(name, width=4)
@@ -109,13 +120,18 @@ def test_every_reversible_stage_round_trips(name):
 
 
 def test_resnet50_forward_gives_logits():
-  # One real forward (eval_shape already traces every model in the tests
-  # above; a forward per ResNet would cost ~4 s of op compilation each).
+  # One real forward, jitted as one program (eval_shape already traces every
+  # model in the tests above; eager, each op would compile on its own).
   stages = models.build_model("resnet50", width=4, num_classes=7)
   x = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
-  for i, s in enumerate(stages):
-    v = _random_variables(s, x, i)
-    x, _ = stage_lib.forward(s, v["params"], v["batch_stats"], x)
+
+  @jax.jit
+  def run(variables, x):
+    for s, v in zip(stages, variables):
+      x, _ = stage_lib.forward(s, v["params"], v["batch_stats"], x)
+    return x
+
+  x = run(_chain_variables(stages, x), x)
   assert x.shape == (2, 7)
   assert bool(jnp.isfinite(x).all())
 
