@@ -50,6 +50,21 @@ def row_config(args, fields: dict, seed: int):
     config.data_dir = args.data_dir
   return config
 
+def train_row(args, config, row: str, seed: int) -> tuple:
+  """Trains (or resumes, or reads back) one study row with ``config`` in
+  ``args.workdir/<row>_s<seed>``: ``(name, records)``, the records of its ``metrics.jsonl``."""
+  name = f"{row}_s{seed}"
+  workdir = os.path.join(args.workdir, name)
+  train.train_and_evaluate(config, workdir)
+  return name, metrics_lib.read_metrics(workdir)
+
+
+def mean(values) -> float:
+  """The mean of ``values``; NaN for none."""
+  values = list(values)
+  return sum(values) / len(values) if values else float("nan")
+
+
 STAGE_SPLITS = {10: (), 5: (1, 2, 2, 2, 3), 4: (1, 2, 2, 5)}  # RevNet18's 10 blocks
 
 

@@ -25,10 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from petra_jax import train  # noqa: E402
 from petra_jax.studies.common import mean_reconstruction_error, write_page  # noqa: E402
 from petra_jax.studies import common  # noqa: E402
-from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # Stage split of the RevViT's blocks (tokenizer, 2 per transformer layer, head) per J: 10
 # blocks at depth 4, 18 at depth 8 (J = 16: one block per stage but the two ends).
@@ -115,10 +113,7 @@ def row_config(args, row: str, seed: int):
 
 def run_row(args, row: str, seed: int) -> dict:
   """Trains (or resumes, or reads back) one row and seed; returns its result and records."""
-  name = f"{row}_s{seed}"
-  workdir = os.path.join(args.workdir, name)
-  train.train_and_evaluate(row_config(args, row, seed), workdir)
-  records = metrics_lib.read_metrics(workdir)
+  name, records = common.train_row(args, row_config(args, row, seed), row, seed)
   evals = [r for r in records if "test_accuracy" in r]
   losses = [r["train_loss"] for r in records if "train_loss" in r]
   print(f"{name}: test_accuracy {evals[-1]['test_accuracy']:.4f}", flush=True)
@@ -126,10 +121,6 @@ def run_row(args, row: str, seed: int) -> dict:
               test_accuracy=evals[-1]["test_accuracy"], wall_time=evals[-1]["wall_time"],
               final_train_loss=losses[-1] if losses else float("nan"))
 
-
-def _mean(values) -> float:
-  values = list(values)
-  return sum(values) / len(values) if values else float("nan")
 
 
 def _by_row(results: Sequence[dict]) -> dict:
@@ -141,7 +132,7 @@ def _by_row(results: Sequence[dict]) -> dict:
 
 def best_reference(results: Sequence[dict], depth: int) -> Optional[str]:
   """The reference row of ``depth`` (reversible network) with the best mean accuracy."""
-  means = {row: _mean(r["test_accuracy"] for r in runs) for row, runs in _by_row(results).items()
+  means = {row: common.mean(r["test_accuracy"] for r in runs) for row, runs in _by_row(results).items()
            if runs[0]["reference"] and runs[0]["depth"] == depth and runs[0]["method"] == "revprop"}
   return max(means, key=means.get) if means else None
 
@@ -153,8 +144,8 @@ def _gap(results, runs) -> float:
     return float("nan")
   base = {r["seed"]: r for r in results if r["row"] == ref}
   paired = [r for r in runs if r["seed"] in base]
-  return 100 * (_mean(base[r["seed"]]["test_accuracy"] for r in paired)
-                - _mean(r["test_accuracy"] for r in paired))
+  return 100 * (common.mean(base[r["seed"]]["test_accuracy"] for r in paired)
+                - common.mean(r["test_accuracy"] for r in paired))
 
 
 def table(results: Sequence[dict]) -> list[str]:
@@ -169,9 +160,9 @@ def table(results: Sequence[dict]) -> list[str]:
     gap = "-" if d["reference"] else f"{_gap(results, runs):+.1f}"
     lines.append(
         f"| `{row}` | {d['J']} | {d['k'] or '-'} | {stage0_delay(d['J'], d['k']):.2f} | "
-        f"{seeds} | {per_seed} | {_mean(100 * r['test_accuracy'] for r in runs):.1f} | {gap} | "
-        f"{_mean(r['final_train_loss'] for r in runs):.3f} | "
-        f"{_mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
+        f"{seeds} | {per_seed} | {common.mean(100 * r['test_accuracy'] for r in runs):.1f} | {gap} | "
+        f"{common.mean(r['final_train_loss'] for r in runs):.3f} | "
+        f"{common.mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
   return lines
 
 
@@ -192,7 +183,7 @@ def staleness_table(results: Sequence[dict]) -> list[str]:
     g_petra, g_delayed = _gap(results, runs), _gap(results, twin)
     lines.append(f"| {d['J']} | {d['k']} | {d['optimizer']} | {g_delayed:+.1f} | {g_petra:+.1f} "
                  f"| {g_petra - g_delayed:+.1f} | "
-                 f"{_mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
+                 f"{common.mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
   return lines
 
 
@@ -202,7 +193,7 @@ def plot_accuracy_vs_delay(results: Sequence[dict], path: str):
   lines = {}
   for row, runs in _by_row(results).items():
     d = runs[0]
-    acc = _mean(100 * r["test_accuracy"] for r in runs)
+    acc = common.mean(100 * r["test_accuracy"] for r in runs)
     if d["reference"]:
       ax.axhline(acc, linestyle="--", color="gray", linewidth=0.8)
       ax.annotate(row, (0, acc), fontsize=7, color="gray")
@@ -323,10 +314,10 @@ def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,
     ref = best_reference(results, d["depth"])
     base = {r["seed"]: r for r in results if r["row"] == ref}
     pairs = [(base[r["seed"]], r) for r in runs if r["seed"] in base]
-    sync = _mean(updates_to(b["records"], b["test_accuracy"]) for b, _ in pairs)
+    sync = common.mean(updates_to(b["records"], b["test_accuracy"]) for b, _ in pairs)
     petra = [updates_to(r["records"], b["test_accuracy"]) for b, r in pairs]
     reached = [u for u in petra if u == u]
-    t = {kind: u * ms[kind] / 1e3 for kind, u in (("stream", _mean(reached)), ("gpipe", sync),
+    t = {kind: u * ms[kind] / 1e3 for kind, u in (("stream", common.mean(reached)), ("gpipe", sync),
                                                   ("1f1b", sync))}
     lines.append(
         f"| `{row}` | {J} | {k} | {len(reached)} of {len(petra)} | "

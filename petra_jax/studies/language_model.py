@@ -19,9 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from petra_jax import train  # noqa: E402
 from petra_jax.studies import common  # noqa: E402
-from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
 SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
@@ -64,19 +62,12 @@ def row_config(args, row: str, seed: int):
 
 def run_row(args, row: str, seed: int) -> dict:
   """Trains (or resumes, or reads back) one row and seed; returns its last validation."""
-  name = f"{row}_s{seed}"
-  workdir = os.path.join(args.workdir, name)
-  train.train_and_evaluate(row_config(args, row, seed), workdir)
-  records = metrics_lib.read_metrics(workdir)
+  name, records = common.train_row(args, row_config(args, row, seed), row, seed)
   evals = [r for r in records if "val_loss" in r]
   print(f"{name}: val_loss {evals[-1]['val_loss']:.4f}", flush=True)
   return dict(name=name, row=row, seed=seed, records=records, val_loss=evals[-1]["val_loss"],
               wall_time=evals[-1]["wall_time"])
 
-
-def _mean(values) -> float:
-  values = list(values)
-  return sum(values) / len(values) if values else float("nan")
 
 
 def table(results: list[dict]) -> list[str]:
@@ -87,11 +78,11 @@ def table(results: list[dict]) -> list[str]:
   for row in dict.fromkeys(r["row"] for r in results):
     runs = [r for r in results if r["row"] == row]
     paired = [r for r in runs if r["seed"] in base]
-    gap = _mean(r["val_loss"] - base[r["seed"]]["val_loss"] for r in paired)
+    gap = common.mean(r["val_loss"] - base[r["seed"]]["val_loss"] for r in paired)
     seeds = ", ".join(str(r["seed"]) for r in runs)
     losses = ", ".join(f"{r['val_loss']:.3f}" for r in runs)
     walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
-    lines.append(f"| `{row}` | {seeds} | {losses} | {_mean(r['val_loss'] for r in runs):.3f} | "
+    lines.append(f"| `{row}` | {seeds} | {losses} | {common.mean(r['val_loss'] for r in runs):.3f} | "
                  f"{gap:+.3f} | {walls} |")
   return lines
 

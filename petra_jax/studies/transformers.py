@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 
-from petra_jax import train
 from petra_jax.studies import common
 from petra_jax.studies.common import at_wall_time, plot_accuracy, recipe, write_page  # noqa: F401
-from petra_jax.training import metrics as metrics_lib
 
 _K2 = {"accumulation_steps": 2}
 _BACKPROP = dict(_K2, **{"method": "backprop", "model.name": "vit_tiny", "model.stage_sizes": ()})
@@ -46,20 +44,13 @@ def row_config(args, row: str, seed: int):
 
 def run_row(args, row: str, seed: int) -> dict:
   """Trains (or resumes, or reads back) one row and seed; returns its result and records."""
-  name = f"{row}_s{seed}"
-  workdir = os.path.join(args.workdir, name)
-  result = train.train_and_evaluate(row_config(args, row, seed), workdir)
-  records = metrics_lib.read_metrics(workdir)
+  name, records = common.train_row(args, row_config(args, row, seed), row, seed)
   evals = [r for r in records if "test_accuracy" in r]
-  print(f"{name}: test_accuracy {result['test_accuracy']:.4f}", flush=True)
+  print(f"{name}: test_accuracy {evals[-1]['test_accuracy']:.4f}", flush=True)
   return dict(name=name, row=row, seed=seed, records=records,
               method=ROWS[row].get("method", "petra"),
               test_accuracy=evals[-1]["test_accuracy"], wall_time=evals[-1]["wall_time"])
 
-
-def _mean(values) -> float:
-  values = list(values)
-  return sum(values) / len(values) if values else float("nan")
 
 
 def table(results: list[dict]) -> list[str]:
@@ -70,11 +61,11 @@ def table(results: list[dict]) -> list[str]:
            "|---|---|---|---|---|---|---|"]
   for row in dict.fromkeys(r["row"] for r in results):
     runs = [r for r in results if r["row"] == row]
-    mean = _mean(100 * r["test_accuracy"] for r in runs)
+    mean = common.mean(100 * r["test_accuracy"] for r in runs)
     paired = [r for r in runs if r["seed"] in base]
-    gap = _mean(100 * base[r["seed"]]["test_accuracy"] for r in paired) - _mean(
+    gap = common.mean(100 * base[r["seed"]]["test_accuracy"] for r in paired) - common.mean(
         100 * r["test_accuracy"] for r in paired)
-    same_time = _mean(100 * at_wall_time(base[r["seed"]]["records"], r["wall_time"])
+    same_time = common.mean(100 * at_wall_time(base[r["seed"]]["records"], r["wall_time"])
                       for r in paired)
     per_seed = ", ".join(f"{100 * r['test_accuracy']:.1f}" for r in runs)
     walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
