@@ -12,7 +12,9 @@ import os
 from typing import Mapping, Optional
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-KNOWN_JAXLIB = ((0, 10), (0, 13))  # [first, past-last) jaxlib (major, minor) with the flag
+# [first, past-last) jaxlib (major, minor) whose XLA knows the YNN flag (and the tests' CPU
+# compile options, tests/conftest.py).
+KNOWN_JAXLIB = ((0, 10), (0, 13))
 ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
 
 
@@ -35,6 +37,13 @@ def _minor(version: str) -> tuple:
     return (-1, -1)
 
 
+def knows_cpu_flags(jaxlib_version: Optional[str] = None) -> bool:
+  """Whether the installed (or given) jaxlib is in :data:`KNOWN_JAXLIB`: XLA aborts on unknown flags."""
+  version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
+  first, past = KNOWN_JAXLIB
+  return version is not None and first <= _minor(version) < past
+
+
 def is_cpu_run(environ: Mapping[str, str], plugins: tuple) -> bool:
   """``JAX_PLATFORMS`` is ``cpu``, or it is unset and no accelerator plugin is installed."""
   platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
@@ -50,11 +59,8 @@ def apply_cpu_workaround(environ=os.environ, jaxlib_version: Optional[str] = Non
   ``jaxlib_version`` and ``plugins`` default to what is installed; returns the new ``XLA_FLAGS``.
   """
   flags = environ.get("XLA_FLAGS", "")
-  version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
   plugins = _installed_plugins() if plugins is None else plugins
-  first, past = KNOWN_JAXLIB
-  known = version is not None and first <= _minor(version) < past
-  if YNN_FLAG not in flags and known and is_cpu_run(environ, plugins):
+  if YNN_FLAG not in flags and knows_cpu_flags(jaxlib_version) and is_cpu_run(environ, plugins):
     flags = f"{flags} {YNN_FLAG}=".strip()
     environ["XLA_FLAGS"] = flags
   return flags

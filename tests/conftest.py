@@ -1,19 +1,26 @@
 """Test set-up: 4 virtual CPU devices, set before JAX initialises its backend.
 
-The tests compile hundreds of tiny programs and run each a few times: LLVM's
-optimisation of the generated CPU code is about a third of the suite's CPU
-time and nothing the tests check, so they compile at
-``--xla_backend_optimization_level=0`` (XLA's own graph passes still run).
-Give ``XLA_FLAGS=--xla_backend_optimization_level=N`` to test at another level;
-``tests/test_xla_flags.py`` checks the YNN work-around at the default level.
+The tests compile hundreds of tiny programs and run each a few times, so
+compiling is most of the suite's time and they compile for speed of compiling
+(:data:`_COMPILE_FLAGS`: LLVM at ``-O0``, XLA:CPU's older loop emitters instead
+of its MLIR fusion emitters, one LLVM module per program; XLA's own graph passes
+still run). A flag the user set in ``XLA_FLAGS`` is kept;
+``tests/test_xla_flags.py`` checks the YNN work-around at the default options.
 """
 
 import os
 import pathlib
 
+from petra_jax import _xla_flags  # (applies the XLA-CPU work-around)
+
+# flag -> value: options that change how fast XLA:CPU compiles, not what a program computes.
+_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0",
+                  "--xla_cpu_use_fusion_emitters": "false",
+                  "--xla_cpu_parallel_codegen_split_count": "1"}
+
 _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-if "--xla_backend_optimization_level" not in _flags:
-  _flags += " --xla_backend_optimization_level=0"
+if _xla_flags.knows_cpu_flags():  # XLA aborts on a flag it does not know
+  _flags += "".join(f" {f}={v}" for f, v in _COMPILE_FLAGS.items() if f not in _flags)
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent XLA compilation cache for the whole test session, inherited by
@@ -34,7 +41,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import petra_jax  # noqa: E402,F401  (applies the XLA-CPU work-around)
 import pytest  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -61,6 +61,12 @@ def test_jaxlib_outside_the_known_range_never_gets_the_flag(version):
   env = {}
   _xla_flags.apply_cpu_workaround(env, jaxlib_version=version, plugins=())
   assert "XLA_FLAGS" not in env
+  assert not _xla_flags.knows_cpu_flags(version)  # nor the tests' compile options (conftest)
+
+
+@pytest.mark.parametrize("version", ["0.10.0", "0.10.2", "0.12.0.1"])
+def test_jaxlib_inside_the_known_range_knows_the_flags(version):
+  assert _xla_flags.knows_cpu_flags(version)
 
 
 def test_import_applies_flag_before_backend_in_fresh_process():
