@@ -348,3 +348,45 @@ def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():
   assert (tuple(default.model.stage_sizes), default.accumulation_steps,
           default.compensation.name, default.compensation.lookahead_rule) == (
               (3, 2, 2, 3), 8, "adam_lookahead", "run_max")
+
+
+def test_language_model_means_gaps_and_delays_by_hand(monkeypatch, tmp_path):
+  """Per row: J, k, stage 0's delay in updates D_0 = 2 (J - 1) / k, validation nats per
+  character per seed and mean, and the mean gap to revprop over the same seeds."""
+  val = {("revprop", 0): 1.80, ("revprop", 1): 1.90, ("petra", 0): 1.85, ("petra", 1): 2.00,
+         ("delayed", 0): 1.70, ("backprop", 0): 1.75}
+
+  def records(config):
+    loss = val[(config.method, config.seed)]
+    return [{"step": 1, "epoch": 1.0, "train_loss": 3.0},
+            {"step": 1, "epoch": 1.0, "val_loss": loss + 0.5, "wall_time": 5.0},
+            {"step": 2, "epoch": 2.0, "val_loss": loss, "wall_time": 9.0},
+            {"step": 2, "epoch": 2.0, "test_loss": 9.9, "test_accuracy": 0.0, "wall_time": 9.0}]
+  fake = FakeTrainer(records)
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  out = tmp_path / "docs"
+  for rows, seeds in (("revprop,petra_j8_k4_lookahead_own", "0,1"),
+                      ("delayed_j2_k1,backprop_gpt", "0")):
+    assert studies.main(["language_model", f"--rows={rows}", f"--seeds={seeds}", f"--out={out}",
+                         f"--workdir={tmp_path / 'runs'}"]) == 0
+    text = (out / "language_model_study.md").read_text()
+    if rows.startswith("revprop"):
+      assert _table_rows(text) == [
+          ["`revprop`", "4", "4", "0", "0, 1", "1.800, 1.900", "1.850", "+0.000", "9, 9"],
+          ["`petra_j8_k4_lookahead_own`", "8", "4", "3.5", "0, 1", "1.850, 2.000", "1.925",
+           "+0.075", "9, 9"]]
+  # Without revprop in the page there is no gap to show.
+  assert _table_rows(text) == [
+      ["`delayed_j2_k1`", "2", "1", "2", "0", "1.700", "1.700", "+nan", "9"],
+      ["`backprop_gpt`", "1", "1", "0", "0", "1.750", "1.750", "+nan", "9"]]
+  # The recipe (configs/shakespeare_cpu.py) with each row's fields: split, k, method, look-ahead.
+  assert [(c.method, c.model.name, tuple(c.model.stage_sizes), c.accumulation_steps,
+           c.compensation.name, c.seed) for c in fake.configs] == [
+      ("revprop", "revgpt_nano", (3, 2, 2, 3), 4, "none", 0),
+      ("revprop", "revgpt_nano", (3, 2, 2, 3), 4, "none", 1),
+      ("petra", "revgpt_nano", (2, 1, 1, 1, 1, 1, 1, 2), 4, "adam_lookahead", 0),
+      ("petra", "revgpt_nano", (2, 1, 1, 1, 1, 1, 1, 2), 4, "adam_lookahead", 1),
+      ("delayed", "revgpt_nano", (5, 5), 1, "none", 0),
+      ("backprop", "gpt_nano", (), 1, "none", 0)]
+  assert fake.configs[2].compensation.lookahead_rule == "own_delay"
+  assert (out / "language_model_study.png").stat().st_size > 1000

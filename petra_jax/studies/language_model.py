@@ -70,11 +70,21 @@ def run_row(args, row: str, seed: int) -> dict:
 
 
 
+def stale_updates(row: str) -> tuple:
+  """``(J, k, D_0)`` of a row: its stages, micro-batches per update, and how many updates
+  stage 0's gradient is late, ``D_0 = 2 (J - 1) / k`` (0 for the synchronous rows)."""
+  fields = ROWS[row]
+  j, k = max(len(fields["model.stage_sizes"]), 1), fields["accumulation_steps"]
+  synchronous = fields["method"] in ("revprop", "backprop")
+  return j, k, 0.0 if synchronous else 2 * (j - 1) / k
+
+
 def table(results: list[dict]) -> list[str]:
-  """Markdown rows: validation nats/char per seed and mean; gap to revprop (same seeds)."""
+  """Markdown rows: J, k, D_0; validation nats/char per seed and mean; gap to revprop
+  (mean over the seeds revprop ran)."""
   base = {r["seed"]: r for r in results if r["row"] == "revprop"}
-  lines = ["| row | seeds | val. nats/char per seed | mean | gap to revprop (nats) | wall (s) |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| row | J | k | D_0 | seeds | val. nats/char per seed | mean | gap to revprop (nats) "
+           "| wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
   for row in dict.fromkeys(r["row"] for r in results):
     runs = [r for r in results if r["row"] == row]
     paired = [r for r in runs if r["seed"] in base]
@@ -82,20 +92,31 @@ def table(results: list[dict]) -> list[str]:
     seeds = ", ".join(str(r["seed"]) for r in runs)
     losses = ", ".join(f"{r['val_loss']:.3f}" for r in runs)
     walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
-    lines.append(f"| `{row}` | {seeds} | {losses} | {common.mean(r['val_loss'] for r in runs):.3f} | "
-                 f"{gap:+.3f} | {walls} |")
+    j, k, d0 = stale_updates(row)
+    lines.append(f"| `{row}` | {j} | {k} | {d0:g} | {seeds} | {losses} | "
+                 f"{common.mean(r['val_loss'] for r in runs):.3f} | {gap:+.3f} | {walls} |")
   return lines
 
 
 def plot(results: list[dict], path: str) -> None:
-  """Validation nats per character against updates, one line per run."""
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for r in results:
-    ev = [x for x in r["records"] if "val_loss" in x]
-    ax.plot([x["step"] for x in ev], [x["val_loss"] for x in ev], label=r["name"])
-  ax.set(xlabel="optimizer updates", ylabel="validation loss (nats/char)",
-         title="tiny_shakespeare, revgpt_nano: validation loss")
-  ax.legend(fontsize=7)
+  """Validation nats per character against updates: one panel per stage count J, each with
+  its rows and the synchronous references (``revprop``, ``backprop_gpt``) for comparison."""
+  splits = sorted({stale_updates(r["row"])[0] for r in results if stale_updates(r["row"])[2]})
+  splits = splits or [0]
+  fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4.5), squeeze=False,
+                           sharey=True)
+  for ax, j in zip(axes[0], splits):
+    for r in results:
+      rj, _, d0 = stale_updates(r["row"])
+      if d0 and rj != j:
+        continue
+      ev = [x for x in r["records"] if "val_loss" in x]
+      ax.plot([x["step"] for x in ev], [x["val_loss"] for x in ev], label=r["name"],
+              linestyle="--" if not d0 else "-")
+    ax.set(xlabel="optimizer updates", title=f"J = {j}" if j else "synchronous")
+    ax.legend(fontsize=6)
+  axes[0][0].set_ylabel("validation loss (nats/char)")
+  fig.suptitle("tiny_shakespeare, revgpt_nano: validation loss at equal tokens")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
