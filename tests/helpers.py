@@ -223,6 +223,15 @@ def tensorboard_scalars(workdir):
   return out
 
 
+def without_virtual_devices(environ) -> dict:
+  """A copy of ``environ`` whose ``XLA_FLAGS`` keeps conftest's compile options but not its 4
+  virtual CPU devices: for subprocesses that choose their own device count."""
+  env = dict(environ)
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  return env
+
+
 def wait_for(condition, proc=None, what="the condition", timeout_s=300.0):
   """Polls ``condition()`` until true; fails if ``proc`` (a Popen) exits first
   or after ``timeout_s`` (a hang guard, not a measurement)."""

@@ -18,7 +18,7 @@ from petra_jax.engine.partition import balanced_partition, equal_partition, grou
 from petra_jax.engine.timing import stage_cost
 
 from helpers import tiny_revnet
-from helpers import REPO
+from helpers import REPO, without_virtual_devices
 
 
 IMAGE = (8, 8, 3)
@@ -314,8 +314,7 @@ SCALING_TINY = ["--processes=2", "--model=revnet_fixed", "--depth=2", "--width=2
 
 
 def _scaling(args, timeout=240):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # conftest's 4 virtual devices are not for these processes
+  env = without_virtual_devices(os.environ)  # these processes choose their own device count
   return subprocess.run([sys.executable, "-m", "petra_jax.benchmarks.scaling", *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import petra_jax
-from helpers import random_batch
+from helpers import random_batch, without_virtual_devices
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "docs" / "examples"
@@ -23,11 +23,10 @@ CHANCE_LOSS = math.log(10)  # cross-entropy of a uniform prediction over 10 clas
 
 
 def _run(script, *args, tmp_path):
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+  # One CPU device, as a user's machine; conftest's compile options kept.
+  env = dict(without_virtual_devices(os.environ),
+             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
              TMPDIR=str(tmp_path))  # custom_linen.py's tempfile.mkdtemp workdir: removed with tmp_path
-  # One CPU device, as a user's machine; the other flags (conftest's) kept.
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
   r = subprocess.run([sys.executable, *script, *args], cwd=tmp_path, env=env,
                      capture_output=True, text=True, timeout=600)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, without_virtual_devices
 from petra_jax.engine import diagnostics
 
 LAUNCH = os.path.join(REPO, "launch", "local.sh")
@@ -32,8 +32,7 @@ TIMEOUT_S = 240  # per run; a hang fails the test instead of blocking the suite
 
 @pytest.fixture(scope="module")
 def worker_env(tmp_path_factory):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # conftest's 4 virtual devices are not for these processes
+  env = without_virtual_devices(os.environ)  # these processes choose their own device count
   env.update(PYTHON=sys.executable, PETRA_MODULE="tests.multiprocess_worker",
              JAX_PLATFORMS="cpu",
              JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),

@@ -43,8 +43,10 @@ def _args(data_dir, workdir, *extra):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+  # XLA's default options, not conftest's: with LLVM at -O0 and the loop emitters, the resumed
+  # 2-process run's first loss differs from the 1-process run's in the last bit.
   e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)  # conftest's 4 virtual devices are not for these processes
+  e.pop("XLA_FLAGS", None)  # (and not conftest's 4 virtual devices: launch/local.sh sets them)
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "PETRA_MODULE"):
     e.pop(k, None)
   e.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", LOCAL_GRACE_S="30")
