@@ -5,8 +5,8 @@
 AdamW with Nesterov look-ahead grown with each stage's delay (``adam_lookahead``) and k = 8
 micro-batches per update (delays of at most 0.75 update), the best setting of docs/transformers.md. Results and the backprop baseline: docs/recipes.md.
 ``:runlocal``: a smoke test. ``:depth8``: the same network in 8 stages (stage 0 3.5 updates
-stale at k = 4) with Muon, the depth study's row ``petra_J8_k4_muon``: docs/depth.md says what
-was measured.
+stale at k = 4) with Muon and weight prediction, the best 8-stage row of the depth study
+(``petra_J8_k4_muon_prediction``): docs/depth.md says what was measured.
 """
 
 from petra_jax import config as default
@@ -34,12 +34,12 @@ def get_config(variant: str = ""):
   c.optim.warmup_epochs = 0.5
   c.compensation.name = "adam_lookahead"
   c.accumulation_steps = 8
-  if variant == "depth8":  # petra_jax/studies/depth.py's row petra_J8_k4_muon
+  if variant == "depth8":  # petra_jax/studies/depth.py's row petra_J8_k4_muon_prediction
     c.model.stage_sizes = (2, 1, 1, 1, 1, 1, 1, 2)
     c.accumulation_steps = 4
     c.optim.name = "muon"
     c.optim.muon_learning_rate = 0.02
-    c.compensation.name = "none"
+    c.compensation.name = "update_prediction"
   if variant == "runlocal":
     c.model.width = 8
     c.model.depth = 1

@@ -333,14 +333,14 @@ def test_depth_gaps_staleness_and_simulated_time_by_hand(monkeypatch, tmp_path):
 
 
 def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():
-  """configs/cifar10_vit_cpu.py:depth8 is the study's row petra_J8_k4_muon; the
+  """configs/cifar10_vit_cpu.py:depth8 is the study's row petra_J8_k4_muon_prediction; the
   recipe's default (its documented result) is unchanged: 4 stages, k = 8, gamma by run_max."""
   from petra_jax import config as config_lib
   from petra_jax.studies import depth, transformers
   from petra_jax.training import validation
   path = f"{REPO}/configs/cifar10_vit_cpu.py"
   row = transformers.recipe(path)
-  config_lib.override(row, depth.ROWS["petra_J8_k4_muon"])
+  config_lib.override(row, depth.ROWS["petra_J8_k4_muon_prediction"])
   variant = transformers.recipe(path + ":depth8")
   assert variant.to_json() == row.to_json()
   validation.validate_config(variant, 1)
