@@ -12,8 +12,7 @@ import os
 from typing import Mapping, Optional
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
-# [first, past-last) jaxlib (major, minor) whose XLA knows the YNN flag (and the tests' CPU
-# compile options, tests/conftest.py).
+# [first, past-last) jaxlib (major, minor) whose XLA knows the YNN flag.
 KNOWN_JAXLIB = ((0, 10), (0, 13))
 ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
 
@@ -37,11 +36,16 @@ def _minor(version: str) -> tuple:
     return (-1, -1)
 
 
+def jaxlib_in(known: tuple, jaxlib_version: Optional[str] = None) -> bool:
+  """Whether the installed (or given) jaxlib's (major, minor) is in ``known = (first, past)``."""
+  version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
+  first, past = known
+  return version is not None and first <= _minor(version) < past
+
+
 def knows_cpu_flags(jaxlib_version: Optional[str] = None) -> bool:
   """Whether the installed (or given) jaxlib is in :data:`KNOWN_JAXLIB`: XLA aborts on unknown flags."""
-  version = _jaxlib_version() if jaxlib_version is None else jaxlib_version
-  first, past = KNOWN_JAXLIB
-  return version is not None and first <= _minor(version) < past
+  return jaxlib_in(KNOWN_JAXLIB, jaxlib_version)
 
 
 def is_cpu_run(environ: Mapping[str, str], plugins: tuple) -> bool:

@@ -13,14 +13,15 @@ import pathlib
 
 from petra_jax import _xla_flags  # (applies the XLA-CPU work-around)
 
-# flag -> value: options that change how fast XLA:CPU compiles, not what a program computes.
-_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0",
-                  "--xla_cpu_use_fusion_emitters": "false",
-                  "--xla_cpu_parallel_codegen_split_count": "1"}
+# flag -> (value, the [first, past) jaxlib (major, minor) whose XLA knows it, checked: XLA aborts
+# on a flag it does not know): options that change how fast XLA:CPU compiles, not what it computes.
+_COMPILE_FLAGS = {"--xla_backend_optimization_level": ("0", ((0, 10), (0, 13))),
+                  "--xla_cpu_use_fusion_emitters": ("false", ((0, 10), (0, 11))),  # gone in 0.12
+                  "--xla_cpu_parallel_codegen_split_count": ("1", ((0, 10), (0, 13)))}
 
 _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-if _xla_flags.knows_cpu_flags():  # XLA aborts on a flag it does not know
-  _flags += "".join(f" {f}={v}" for f, v in _COMPILE_FLAGS.items() if f not in _flags)
+_flags += "".join(f" {f}={v}" for f, (v, known) in _COMPILE_FLAGS.items()
+                  if f not in _flags and _xla_flags.jaxlib_in(known))
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 # One persistent XLA compilation cache for the whole test session, inherited by

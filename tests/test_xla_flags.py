@@ -61,12 +61,14 @@ def test_jaxlib_outside_the_known_range_never_gets_the_flag(version):
   env = {}
   _xla_flags.apply_cpu_workaround(env, jaxlib_version=version, plugins=())
   assert "XLA_FLAGS" not in env
-  assert not _xla_flags.knows_cpu_flags(version)  # nor the tests' compile options (conftest)
+  assert not _xla_flags.knows_cpu_flags(version)
 
 
-@pytest.mark.parametrize("version", ["0.10.0", "0.10.2", "0.12.0.1"])
-def test_jaxlib_inside_the_known_range_knows_the_flags(version):
-  assert _xla_flags.knows_cpu_flags(version)
+@pytest.mark.parametrize("version, inside", [("0.10.0", True), ("0.10.2", True), ("0.12.0.1", True),
+                                             ("0.9.9", False), ("0.13.0", False), ("x", False)])
+def test_jaxlib_in_reads_major_and_minor(version, inside):
+  assert _xla_flags.jaxlib_in(((0, 10), (0, 13)), version) is inside
+  assert _xla_flags.knows_cpu_flags(version) is inside
 
 
 def test_import_applies_flag_before_backend_in_fresh_process():
