@@ -50,6 +50,10 @@ OPTIMIZERS = {
     "muon": dict(_MUON, **{"compensation.name": "none"}),
     "muon_error_feedback": dict(_MUON, **{"compensation.name": "error_feedback"}),
     "muon_prediction": dict(_MUON, **{"compensation.name": "update_prediction"}),
+    # Weight prediction with PipeMare's T1 on top: stage j's rate x max(D_j, 1)^-p, p = 1, 1/2.
+    "muon_prediction_lr_scale": dict(_MUON, **{"compensation.name": "lr_scale+update_prediction"}),
+    "muon_prediction_lr_sqrt": dict(_MUON, **{"compensation.name": "lr_scale+update_prediction",
+                                              "compensation.lr_power": 0.5}),
 }
 
 
