@@ -202,10 +202,11 @@ def np_newton_schulz(x, steps=5, coeffs=(3.4445, -4.775, 2.0315), eps=1e-8):
   return x.T if transposed else x
 
 
-def np_muon(gs, feedback=0.0):
+def np_muon(gs, feedback=0.0, lr_factor=1.0):
   """Float64 Muon (Jordan et al., 2024) on the kernels (the 3-D query kernel a 4 x 6
   matrix), AdamW on the rest, with error feedback applied_t = u_t + h (u_t - u_{t-1})
-  (Zmushko et al., 2026; none at t = 1). The params and the applied updates per update."""
+  (Zmushko et al., 2026; none at t = 1), every step times ``lr_factor``. The params and the
+  applied updates per update."""
   p = params0()
   mom, m, v = {}, {}, {}
   prev, out = None, []
@@ -229,6 +230,7 @@ def np_muon(gs, feedback=0.0):
         _set(v, keys, vt)
         step = -lr_at(t - 1) * (mt / (1 - B1 ** t)) / (np.sqrt(vt / (1 - B2 ** t)) + EPS)
       _set(u, keys, step)
+    u = jax.tree.map(lambda a: lr_factor * a, u)
     applied = u if prev is None else jax.tree.map(lambda a, b: a + feedback * (a - b), u, prev)
     prev = u
     p = jax.tree.map(np.add, p, applied)
@@ -286,6 +288,20 @@ def test_update_prediction_with_muon(scale):
   w, u = want[-1]
   assert_close(predict(got[-1], state), jax.tree.map(lambda w, u: w + scale * 2.0 * u, w, u),
                rtol=1e-4, atol=1e-5)
+
+
+def test_update_prediction_with_a_delay_scaled_muon_rate():
+  """lr_scale+update_prediction, p = 1/2, D = 8 / 2 = 4: every Muon step times 4^-1/2, and the
+  forward's w_hat = w + D u_t along that scaled step (the update actually applied)."""
+  c = make_config("muon", k=2, name="lr_scale+update_prediction", lr_power=0.5)
+  gs = grad_seq(8)
+  tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=8)
+  got, state = run(tx, gs)
+  want = np_muon(means(gs, 2), lr_factor=0.5)
+  assert_close(got[1::2], [w for w, _ in want], rtol=1e-4, atol=1e-5)
+  w, u = want[-1]
+  assert_close(comp.make_predictor(c, SPE, delay_ticks=8)(got[-1], state),
+               jax.tree.map(lambda w, u: w + 4.0 * u, w, u), rtol=1e-4, atol=1e-5)
 
 
 def test_update_prediction_excludes_the_other_predictions():
