@@ -390,3 +390,21 @@ def test_language_model_means_gaps_and_delays_by_hand(monkeypatch, tmp_path):
       ("backprop", "gpt_nano", (), 1, "none", 0)]
   assert fake.configs[2].compensation.lookahead_rule == "own_delay"
   assert (out / "language_model_study.png").stat().st_size > 1000
+
+
+def test_depth_finished_only_reads_back_and_trains_nothing_else(monkeypatch, tmp_path):
+  """--finished-only: a page from the (row, seed) runs with an evaluation at --epochs; a run
+  stopped after epoch 1 of 2 and a run never started are skipped, not trained."""
+  work = tmp_path / "runs"
+  _write_metrics(work / "revprop_muon_s0", _records([2.0, 1.0], [(5.0, 0.5), (9.0, 0.6)]))
+  _write_metrics(work / "revprop_muon_s1", _records([2.0, 1.0], [(5.0, 0.4)]))
+  fake = FakeTrainer(lambda config: _records([2.0, 1.0], [(5.0, 0.5), (9.0, 0.6)]))
+  out = _run(monkeypatch, tmp_path, fake, ["depth", "--rows=revprop_muon", "--seeds=0,1,2",
+                                           "--epochs=2", "--finished-only"])
+  assert [c.seed for c in fake.configs] == [0]
+  rows = _table_rows((out / "depth.md").read_text())
+  assert [r[:7] for r in rows] == [["`revprop_muon`", "1", "-", "0.00", "0", "60.0", "60.0"]]
+  monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  assert studies.main(["depth", "--rows=revprop_adamw", "--epochs=2", "--finished-only",
+                       f"--workdir={work}", f"--out={tmp_path / 'x'}"]) == 1
+  assert len(fake.configs) == 1

@@ -1,7 +1,7 @@
 """The ``depth`` study: PETRA and ``delayed`` on the RevViT recipe in J = 2 to 16 stages.
 
 ``python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2] [--epochs=6]
-[--recipe=configs/cifar10_vit_cpu.py]``: each row of :data:`ROWS` is the recipe with a few
+[--recipe=configs/cifar10_vit_cpu.py] [--finished-only]``: each row of :data:`ROWS` is the recipe with a few
 fields changed: a pipeline row ``<method>_J<J>_k<k>_<optimizer>`` (``method`` in
 ``petra``, ``delayed``; the stage split :data:`SPLITS`, the optimizer :data:`OPTIMIZERS`) or a
 synchronous reference (:data:`REFERENCES`: ``revprop`` on the same reversible network, and
@@ -54,6 +54,15 @@ OPTIMIZERS = {
     "muon_prediction_lr_scale": dict(_MUON, **{"compensation.name": "lr_scale+update_prediction"}),
     "muon_prediction_lr_sqrt": dict(_MUON, **{"compensation.name": "lr_scale+update_prediction",
                                               "compensation.lr_power": 0.5}),
+    # The prediction's reach (w + s D_j u_t), Muon's momentum, and both Muon corrections.
+    "muon_prediction_scale0.5": dict(_MUON, **{"compensation.name": "update_prediction",
+                                               "compensation.prediction_scale": 0.5}),
+    "muon_prediction_scale1.5": dict(_MUON, **{"compensation.name": "update_prediction",
+                                               "compensation.prediction_scale": 1.5}),
+    "muon_prediction_b0.98": dict(_MUON, **{"compensation.name": "update_prediction",
+                                            "optim.muon_momentum": 0.98}),
+    "muon_prediction_error_feedback": dict(_MUON, **{
+        "compensation.name": "error_feedback+update_prediction"}),
 }
 
 
@@ -113,6 +122,17 @@ def row_config(args, row: str, seed: int):
                      f"{list(REFERENCES)} or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
                      f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}> (--rows=a,b).")
   return common.row_config(args, ROWS[row], seed)
+
+
+def finished(args, row: str, seed: int) -> bool:
+  """Whether ``WORKDIR/<row>_s<seed>`` holds an evaluation at ``--epochs`` (or later)."""
+  path = os.path.join(args.workdir, f"{row}_s{seed}", "metrics.jsonl")
+  if not os.path.exists(path):
+    return False
+  epochs = row_config(args, row, seed).num_epochs
+  with open(path, encoding="utf-8") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return any("test_accuracy" in r and r.get("epoch", 0) >= epochs - 1e-6 for r in records)
 
 
 def run_row(args, row: str, seed: int) -> dict:
@@ -223,7 +243,13 @@ def depth_study(args) -> list[dict]:
   unknown = [r for r in rows if r not in ROWS]
   if unknown:
     row_config(args, unknown[0], 0)  # raises the error naming the rows
-  results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
+  pairs = [(row, seed) for row in rows for seed in args.seeds]
+  if getattr(args, "finished_only", False):
+    pairs = [(row, seed) for row, seed in pairs if finished(args, row, seed)]
+    if not pairs:
+      raise ValueError(f"no finished run of these rows and seeds under {args.workdir}; "
+                       "drop --finished-only to train them.")
+  results = [run_row(args, row, seed) for row, seed in pairs]
   os.makedirs(args.out, exist_ok=True)
   sim = simulation_section(args, results)
   notes = "\n".join([
