@@ -398,13 +398,22 @@ def test_depth_finished_only_reads_back_and_trains_nothing_else(monkeypatch, tmp
   work = tmp_path / "runs"
   _write_metrics(work / "revprop_muon_s0", _records([2.0, 1.0], [(5.0, 0.5), (9.0, 0.6)]))
   _write_metrics(work / "revprop_muon_s1", _records([2.0, 1.0], [(5.0, 0.4)]))
+  _write_metrics(work / "petra_J8_k2_muon_s0", _records([2.0, 1.0], [(5.0, 0.5), (9.0, 0.6)]))
+  from petra_jax.studies import depth  # pylint: disable=g-import-not-at-top
+
+  def no_measuring(*args, **kwargs):
+    raise AssertionError("--finished-only measured stage costs")
+  monkeypatch.setattr(depth, "measure_stage_ms", no_measuring)
   fake = FakeTrainer(lambda config: _records([2.0, 1.0], [(5.0, 0.5), (9.0, 0.6)]))
-  out = _run(monkeypatch, tmp_path, fake, ["depth", "--rows=revprop_muon", "--seeds=0,1,2",
-                                           "--epochs=2", "--finished-only"])
-  assert [c.seed for c in fake.configs] == [0]
-  rows = _table_rows((out / "depth.md").read_text())
-  assert [r[:7] for r in rows] == [["`revprop_muon`", "1", "-", "0.00", "0", "60.0", "60.0"]]
+  out = _run(monkeypatch, tmp_path, fake, ["depth", "--rows=revprop_muon,petra_J8_k2_muon",
+                                           "--seeds=0,1,2", "--epochs=2", "--finished-only"])
+  assert [(c.method, c.seed) for c in fake.configs] == [("revprop", 0), ("petra", 0)]
+  text = (out / "depth.md").read_text()
+  rows = _table_rows(text)
+  assert [r[:7] for r in rows] == [["`revprop_muon`", "1", "-", "0.00", "0", "60.0", "60.0"],
+                                   ["`petra_J8_k2_muon`", "8", "2", "7.00", "0", "60.0", "60.0"]]
+  assert "No stage costs stored for J = 8, k = 2" in text
   monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
   assert studies.main(["depth", "--rows=revprop_adamw", "--epochs=2", "--finished-only",
                        f"--workdir={work}", f"--out={tmp_path / 'x'}"]) == 1
-  assert len(fake.configs) == 1
+  assert len(fake.configs) == 2

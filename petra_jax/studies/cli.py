@@ -84,8 +84,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--data-dir", default="", help="TFDS data directory (default: the config's)")
   p.add_argument("--workdir", default="", help="where runs live (default: runs/<study>)")
   p.add_argument("--finished-only", action="store_true",
-                 help="depth study: train nothing; the page from the (row, seed) runs already "
-                 "finished under --workdir, skipping the others")
+                 help="depth study: train and measure nothing; the page from the (row, seed) runs "
+                 "already finished under --workdir (the others skipped) and the stage costs "
+                 "stored there")
   p.add_argument("--out", default="",
                  help="where the page and plots go (default: runs/studies/<study>; "
                  "--out=docs to update the committed docs)")

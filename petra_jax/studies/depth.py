@@ -361,7 +361,8 @@ def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,
 
 def simulation_section(args, results: Sequence[dict]) -> list[str]:
   """The simulated-time table for every (J, k) of a PETRA row with J >= 8; stage costs
-  measured once per (J, k) and kept in ``WORKDIR/stage_ms_J<J>_k<k>.json``."""
+  measured once per (J, k) and kept in ``WORKDIR/stage_ms_J<J>_k<k>.json`` (with
+  ``--finished-only``, only the stored ones: nothing is measured)."""
   keys = sorted({(r["J"], r["k"]) for r in results if r["method"] == "petra" and r["J"] >= 8})
   if not keys:
     return []
@@ -369,6 +370,7 @@ def simulation_section(args, results: Sequence[dict]) -> list[str]:
            "| row | J | k | seeds reaching the reference | simulated ms per update PETRA / "
            "GPipe / 1F1B | PETRA (s) | GPipe (s) | 1F1B (s) | PETRA / GPipe | peak MiB per "
            "device PETRA / GPipe / 1F1B |", "|---|---|---|---|---|---|---|---|---|---|"]
+  missing = []
   for J, k in keys:
     config = row_config(args, f"petra_J{J}_k{k}_adamw", 0)
     micro = config.batch_size // k
@@ -376,6 +378,9 @@ def simulation_section(args, results: Sequence[dict]) -> list[str]:
     if os.path.exists(path):
       with open(path, encoding="utf-8") as f:
         stage_ms = json.load(f)
+    elif getattr(args, "finished_only", False):
+      missing.append(f"J = {J}, k = {k}")
+      continue
     else:
       stage_ms = measure_stage_ms(config, micro)
       os.makedirs(args.workdir, exist_ok=True)
@@ -387,4 +392,7 @@ def simulation_section(args, results: Sequence[dict]) -> list[str]:
             "`petra_jax.benchmarks.simulate.ms_per_update`; memory: "
             "`petra_jax.benchmarks.memory_model` (parameters + what a stage holds between "
             "forward and backward, optimizer state excluded)."]
+  if missing:
+    lines += ["", f"No stage costs stored for {'; '.join(missing)} (`--finished-only` measures "
+              "nothing: run without it to measure them)."]
   return lines
