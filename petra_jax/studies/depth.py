@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from petra_jax.studies.common import mean_reconstruction_error, write_page  # noqa: E402
 from petra_jax.studies import common  # noqa: E402
+from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # Stage split of the RevViT's blocks (tokenizer, 2 per transformer layer, head) per J: 10
 # blocks at depth 4, 18 at depth 8 (J = 16: one block per stage but the two ends).
@@ -130,8 +131,7 @@ def finished(args, row: str, seed: int) -> bool:
   if not os.path.exists(path):
     return False
   epochs = row_config(args, row, seed).num_epochs
-  with open(path, encoding="utf-8") as f:
-    records = [json.loads(line) for line in f if line.strip()]
+  records = metrics_lib.read_metrics(os.path.dirname(path))
   return any("test_accuracy" in r and r.get("epoch", 0) >= epochs - 1e-6 for r in records)
 
 
