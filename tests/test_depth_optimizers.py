@@ -205,8 +205,8 @@ def np_newton_schulz(x, steps=5, coeffs=(3.4445, -4.775, 2.0315), eps=1e-8):
 def np_muon(gs, feedback=0.0, lr_factor=1.0):
   """Float64 Muon (Jordan et al., 2024) on the kernels (the 3-D query kernel a 4 x 6
   matrix), AdamW on the rest, with error feedback applied_t = u_t + h (u_t - u_{t-1})
-  (Zmushko et al., 2026; none at t = 1), every step times ``lr_factor``. The params and the
-  applied updates per update."""
+  (Zmushko et al., 2026; none at t = 1), every step times ``lr_factor`` (a float, or a
+  function of the update number t >= 1). The params and the applied updates per update."""
   p = params0()
   mom, m, v = {}, {}, {}
   prev, out = None, []
@@ -230,7 +230,8 @@ def np_muon(gs, feedback=0.0, lr_factor=1.0):
         _set(v, keys, vt)
         step = -lr_at(t - 1) * (mt / (1 - B1 ** t)) / (np.sqrt(vt / (1 - B2 ** t)) + EPS)
       _set(u, keys, step)
-    u = jax.tree.map(lambda a: lr_factor * a, u)
+    factor = lr_factor(t) if callable(lr_factor) else lr_factor
+    u = jax.tree.map(lambda a: factor * a, u)
     applied = u if prev is None else jax.tree.map(lambda a, b: a + feedback * (a - b), u, prev)
     prev = u
     p = jax.tree.map(np.add, p, applied)
@@ -298,6 +299,20 @@ def test_update_prediction_with_a_delay_scaled_muon_rate():
   tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=8)
   got, state = run(tx, gs)
   want = np_muon(means(gs, 2), lr_factor=0.5)
+  assert_close(got[1::2], [w for w, _ in want], rtol=1e-4, atol=1e-5)
+  w, u = want[-1]
+  assert_close(comp.make_predictor(c, SPE, delay_ticks=8)(got[-1], state),
+               jax.tree.map(lambda w, u: w + 4.0 * u, w, u), rtol=1e-4, atol=1e-5)
+
+
+def test_update_prediction_with_pipemare_annealed_muon_rate():
+  """pipemare+update_prediction, K = 1 epoch = 4 updates, D = 8 / 2 = 4: update t's Muon step
+  times 4^-(1 - min((t - 1) / K, 1)) (PipeMare's T1, Yang et al., 2021), the prediction along it."""
+  c = make_config("muon", k=2, name="pipemare+update_prediction", pipemare_warmup_epochs=1.0)
+  gs = grad_seq(12)
+  tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=8)
+  got, state = run(tx, gs)
+  want = np_muon(means(gs, 2), lr_factor=lambda t: 4.0 ** -(1.0 - min((t - 1) / SPE, 1.0)))
   assert_close(got[1::2], [w for w, _ in want], rtol=1e-4, atol=1e-5)
   w, u = want[-1]
   assert_close(comp.make_predictor(c, SPE, delay_ticks=8)(got[-1], state),

@@ -1,4 +1,4 @@
-"""Per-stage optimizers (optax): SGD-Nesterov, LARC, AdamW, Muon, NAdamW (``optim.name``)."""
+"""Per-stage optimizers (optax): SGD-Nesterov, LARC, AdamW, Muon, NAdamW, PSGD Kron (``optim.name``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from petra_jax.optim.kron import kron
 from petra_jax.optim.muon import muon
 from petra_jax.optim.nadam import nadamw
 from petra_jax.optim.schedules import base_learning_rate, learning_rate_schedule
 
-OPTIMIZERS = ("sgd", "lars", "adam", "muon", "nadamw")
+OPTIMIZERS = ("sgd", "lars", "adam", "muon", "nadamw", "kron")
 
 
 def _check_name(name: str) -> None:
@@ -96,10 +97,12 @@ def base_optimizer(config: ml_collections.ConfigDict,
                    schedule: optax.Schedule) -> optax.GradientTransformation:
   """``optim.name``'s optimizer, one update per call: :func:`momentum_chain`,
   ``optax.adamw(..., mask=kernel_mask)`` (decoupled decay ``lr wd theta``),
-  :func:`petra_jax.optim.muon.muon` or :func:`petra_jax.optim.nadam.nadamw`.
+  :func:`petra_jax.optim.muon.muon`, :func:`petra_jax.optim.nadam.nadamw` or
+  :func:`petra_jax.optim.kron.kron` (momentum ``adam_b1``).
 
   Raises:
     ValueError: unknown ``optim.name``.
+    ImportError: ``kron`` without the ``psgdax`` package.
   """
   o = config.optim
   _check_name(o.name)
@@ -114,6 +117,8 @@ def base_optimizer(config: ml_collections.ConfigDict,
     return nadamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                   weight_decay=o.weight_decay, momentum_decay=o.momentum_decay,
                   clip=o.clip_norm, decay_mask=kernel_mask)
+  if o.name == "kron":
+    return kron(schedule, b1=o.adam_b1, weight_decay=o.weight_decay, decay_mask=kernel_mask)
   return optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                      weight_decay=o.weight_decay, mask=kernel_mask)
 

@@ -64,6 +64,20 @@ OPTIMIZERS = {
                                             "optim.muon_momentum": 0.98}),
     "muon_prediction_error_feedback": dict(_MUON, **{
         "compensation.name": "error_feedback+update_prediction"}),
+    # Less momentum under delay (asynchrony acts as momentum: Mitliagkas et al., 2016), a lower
+    # rate, and PipeMare's annealed rate (T1 with q_t = 1 - min(t / K, 1), K = 1 epoch).
+    "muon_prediction_b0.9": dict(_MUON, **{"compensation.name": "update_prediction",
+                                           "optim.muon_momentum": 0.9}),
+    "muon_prediction_b0.8": dict(_MUON, **{"compensation.name": "update_prediction",
+                                           "optim.muon_momentum": 0.8}),
+    "muon_prediction_lr0.01": dict(_MUON, **{"compensation.name": "update_prediction",
+                                             "optim.muon_learning_rate": 0.01}),
+    "muon_prediction_pipemare": dict(_MUON, **{"compensation.name": "pipemare+update_prediction",
+                                               "compensation.pipemare_warmup_epochs": 1.0}),
+    # PSGD Kron (Kronecker-factored, Shampoo-style; psgdax) at the recipe's rate, plain and with
+    # weight prediction.
+    "kron": {"optim.name": "kron", "compensation.name": "none"},
+    "kron_prediction": {"optim.name": "kron", "compensation.name": "update_prediction"},
 }
 
 
@@ -82,6 +96,8 @@ for _depth, _suffix in ((4, ""), (8, "_depth8")):
   REFERENCES[f"revprop_muon{_suffix}"] = _reference("revprop", _depth, {
       "optim.name": "muon", "optim.muon_learning_rate": REFERENCE_MUON_LR,
       "compensation.name": "none"})
+REFERENCES["revprop_kron"] = _reference("revprop", 4, {"optim.name": "kron",
+                                                      "compensation.name": "none"})
 REFERENCES["vit_tiny_adamw"] = _reference("vit_tiny", 4, {
     "optim.name": "adam", "optim.learning_rate": REFERENCE_ADAMW_LR, "compensation.name": "none"})
 
