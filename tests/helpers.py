@@ -19,6 +19,18 @@ import optax
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
 
 
+def run_optimizer(tx, gs, params):
+  """Applies ``tx`` (jitted) to the gradients ``gs`` (cast to float32) from ``params``; the
+  params after each call and the last state."""
+  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+  state, out, update = tx.init(p), [], jax.jit(tx.update)
+  for g in gs:
+    u, state = update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state, p)
+    p = optax.apply_updates(p, u)
+    out.append(p)
+  return out, state
+
+
 def random_batch(batch=8, size=16, num_classes=10, seed=0):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.normal(size=(batch, size, size, 3)), jnp.float32)

@@ -3,10 +3,9 @@ transcriptions of their papers' equations, with k > 1 (``optax.MultiSteps``) and
 per-stage hyper-parameters; and bit for bit the plain optimizer at delay 0."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import run_optimizer
 
 from petra_jax import optim
 from petra_jax.optim import compensation as comp
@@ -58,13 +57,7 @@ def is_kernel(path):
 
 def run(tx, gs):
   """Applies ``tx`` (jitted) to ``gs`` (float32); the params after each call and the last state."""
-  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params0())
-  state, out, update = tx.init(p), [], jax.jit(tx.update)
-  for g in gs:
-    u, state = update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state, p)
-    p = optax.apply_updates(p, u)
-    out.append(p)
-  return out, state
+  return run_optimizer(tx, gs, params0())
 
 
 def assert_close(got, want, rtol=1e-5, atol=1e-6):

@@ -4,10 +4,9 @@ with k = 2 (``optax.MultiSteps``); the optimizer the config builds (precondition
 the package's annealed probability) against the package's own, bit for bit."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from helpers import run_optimizer
 
 pytest.importorskip("psgdax")
 
@@ -39,13 +38,7 @@ def grad_seq(n, scale=1.0):
 
 
 def run(tx, gs):
-  p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params0())
-  state, out, update = tx.init(p), [], jax.jit(tx.update)
-  for g in gs:
-    u, state = update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), g), state, p)
-    p = optax.apply_updates(p, u)
-    out.append(p)
-  return out
+  return run_optimizer(tx, gs, params0())[0]
 
 
 def np_kron_identity(gs):

@@ -78,6 +78,8 @@ OPTIMIZERS = {
     # weight prediction.
     "kron": {"optim.name": "kron", "compensation.name": "none"},
     "kron_prediction": {"optim.name": "kron", "compensation.name": "update_prediction"},
+    "kron_prediction_lr3e-3": {"optim.name": "kron", "optim.learning_rate": 3e-3,
+                               "compensation.name": "update_prediction"},
 }
 
 
@@ -96,8 +98,9 @@ for _depth, _suffix in ((4, ""), (8, "_depth8")):
   REFERENCES[f"revprop_muon{_suffix}"] = _reference("revprop", _depth, {
       "optim.name": "muon", "optim.muon_learning_rate": REFERENCE_MUON_LR,
       "compensation.name": "none"})
-REFERENCES["revprop_kron"] = _reference("revprop", 4, {"optim.name": "kron",
-                                                      "compensation.name": "none"})
+for _lr, _suffix in ((1e-3, ""), (3e-3, "_lr3e-3")):
+  REFERENCES[f"revprop_kron{_suffix}"] = _reference("revprop", 4, {
+      "optim.name": "kron", "optim.learning_rate": _lr, "compensation.name": "none"})
 REFERENCES["vit_tiny_adamw"] = _reference("vit_tiny", 4, {
     "optim.name": "adam", "optim.learning_rate": REFERENCE_ADAMW_LR, "compensation.name": "none"})
 
