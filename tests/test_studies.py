@@ -317,7 +317,7 @@ def test_depth_gaps_staleness_and_simulated_time_by_hand(monkeypatch, tmp_path):
   assert rows[3][:8] == ["`delayed_J8_k2_adamw`", "8", "2", "7.00", "0", "68.0", "68.0", "+2.0"]
   staleness = [l for l in text.splitlines() if l.startswith("| 8 | 2 |")]
   assert [c.strip() for c in staleness[0].strip("|").split("|")] == [
-      "8", "2", "adamw", "+2.0", "-2.0", "-4.0", "2.00e-03"]
+      "8", "2", "adamw", "0", "+2.0", "-2.0", "-4.0", "2.00e-03"]
   # PETRA reaches 70 % at update 200, as the reference: 200 * 6 ms; GPipe 200 * 27 ms.
   sim = [r for r in rows if r[0] == "`petra_J8_k2_adamw`" and r[1] == "8" and len(r) == 10][-1]
   assert sim[3:9] == ["1 of 1", "6 / 27 / 27", "1", "5", "5", "0.22"]
@@ -330,6 +330,25 @@ def test_depth_gaps_staleness_and_simulated_time_by_hand(monkeypatch, tmp_path):
   assert depth.describe("delayed_J16_k4_muon_error_feedback") == {
       "J": 16, "k": 4, "method": "delayed", "optimizer": "muon_error_feedback", "depth": 8,
       "reference": False}
+
+
+def test_depth_staleness_split_uses_only_the_seeds_both_methods_ran():
+  """PETRA on seeds 0 and 1, its ``delayed`` twin on seed 0 only: the split is taken on seed 0
+  (reference 80, delayed 77, PETRA 75: gaps +3.0 and +5.0, reconstruction's share +2.0),
+  not on PETRA's mean over both seeds (70)."""
+  from petra_jax.studies import depth
+
+  def run(row, seed, acc, recon=()):
+    return dict(depth.describe(row), row=row, seed=seed, test_accuracy=acc,
+                records=_records([1.0], [(1.0, acc)], recon))
+  results = [run("revprop_muon", 0, 0.80), run("revprop_muon", 1, 0.80),
+             run("petra_J8_k4_muon_prediction", 0, 0.75, recon=(1e-3,)),
+             run("petra_J8_k4_muon_prediction", 1, 0.65, recon=(5e-3,)),
+             run("delayed_J8_k4_muon_prediction", 0, 0.77)]
+  lines = depth.staleness_table(results)
+  assert len(lines) == 3
+  assert [c.strip() for c in lines[2].strip("|").split("|")] == [
+      "8", "4", "muon_prediction", "0", "+3.0", "+5.0", "+2.0", "1.00e-03"]
 
 
 def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():

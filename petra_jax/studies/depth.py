@@ -211,20 +211,22 @@ def table(results: Sequence[dict]) -> list[str]:
 
 def staleness_table(results: Sequence[dict]) -> list[str]:
   """Per (J, k, optimizer) with both methods: the gap of ``delayed`` (staleness alone) and
-  ``petra`` minus ``delayed`` (the reconstruction's share), same seeds."""
+  ``petra`` minus ``delayed`` (the reconstruction's share), over the seeds both ran."""
   rows = _by_row(results)
-  lines = ["| J | k | optimizer | gap of `delayed` (staleness, points) | gap of `petra` (points) "
-           "| reconstruction's share: petra - delayed (points) | petra's mean rel. "
-           "reconstruction error |", "|---|---|---|---|---|---|---|"]
+  lines = ["| J | k | optimizer | seeds | gap of `delayed` (staleness, points) | gap of `petra` "
+           "(points) | reconstruction's share: petra - delayed (points) | petra's mean rel. "
+           "reconstruction error |", "|---|---|---|---|---|---|---|---|"]
   for row, runs in rows.items():
-    if not row.startswith("petra_"):
+    twin = rows.get("delayed_" + row[len("petra_"):]) if row.startswith("petra_") else None
+    seeds = sorted({r["seed"] for r in runs} & {r["seed"] for r in twin or ()})
+    if not seeds:
       continue
-    twin = rows.get("delayed_" + row[len("petra_"):])
-    if not twin:
-      continue
+    runs = [r for r in runs if r["seed"] in seeds]
+    twin = [r for r in twin if r["seed"] in seeds]
     d = runs[0]
     g_petra, g_delayed = _gap(results, runs), _gap(results, twin)
-    lines.append(f"| {d['J']} | {d['k']} | {d['optimizer']} | {g_delayed:+.1f} | {g_petra:+.1f} "
+    lines.append(f"| {d['J']} | {d['k']} | {d['optimizer']} | {', '.join(map(str, seeds))} "
+                 f"| {g_delayed:+.1f} | {g_petra:+.1f} "
                  f"| {g_petra - g_delayed:+.1f} | "
                  f"{common.mean(mean_reconstruction_error(r['records']) for r in runs):.2e} |")
   return lines
