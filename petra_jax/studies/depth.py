@@ -74,9 +74,6 @@ OPTIMIZERS = {
                                              "optim.muon_learning_rate": 0.01}),
     "muon_prediction_pipemare": dict(_MUON, **{"compensation.name": "pipemare+update_prediction",
                                                "compensation.pipemare_warmup_epochs": 1.0}),
-    # A longer warm-up (the recipe's 0.5 epoch x 3): the gap is set while the rate is high.
-    "muon_prediction_warmup1.5": dict(_MUON, **{"compensation.name": "update_prediction",
-                                                "optim.warmup_epochs": 1.5}),
     # PSGD Kron (Kronecker-factored, Shampoo-style; psgdax) at the recipe's rate, plain and with
     # weight prediction.
     "kron": {"optim.name": "kron", "compensation.name": "none"},
