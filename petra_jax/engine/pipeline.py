@@ -216,8 +216,28 @@ class Pipeline:
     """
     if batches is not None:
       batches = input_checks.checked(batches, self.input_spec)
-    state, outputs, run, pairs = state.successor(), [], self._run_task, self._pairs
-    losses = self.method.schedule.losses
+    state = state.successor()
+    outputs = self.run_tasks(state, tick, batches)
+    if self.regime.defer:
+      self.messages.flush()
+      resolve(state.inbox)
+      resolve(state.grad_inbox)
+    state.tick += 1
+    return state, outputs
+
+  def run_tasks(self, state: PipelineState, tick: schedule_lib.Tick,
+                batches: Optional[Batches], plan: Optional[tuple] = None) -> list[TickOutput]:
+    """Runs ``tick``'s tasks in order on ``state``, in place; returns the tick's losses.
+
+    A forward directly followed by the same stage's backward runs as one fused
+    call where the regime fuses. ``plan``: ``(tasks, pairs)`` of :meth:`plan`
+    to run instead of this pipeline's own (the compiled executor's traced feed);
+    ``batches`` is called unchecked.
+    """
+    tasks_by_kind, pairs = (self._tasks, self._pairs) if plan is None else plan
+    run = self._run_task if plan is None else (
+        lambda st, task, b: tasks_by_kind[task.kind][task.stage](st, task.micro_batch, b))
+    outputs, losses = [], self.method.schedule.losses
     i, n = 0, len(tick)
     while i < n:
       task = tick[i]
@@ -231,12 +251,7 @@ class Pipeline:
       if result.loss is not None or (self.multiprocess and task.kind in losses):
         outputs.append(TickOutput(task.micro_batch, result.loss))
       i += 1
-    if self.regime.defer:
-      self.messages.flush()
-      resolve(state.inbox)
-      resolve(state.grad_inbox)
-    state.tick += 1
-    return state, outputs
+    return outputs
 
   def run(self, state: PipelineState, ticks, batches: Batches):
     """Runs every tick of ``ticks``; returns ``(new_state, outputs)``."""
@@ -257,15 +272,29 @@ class Pipeline:
       obs.after_task(self, state, task, result)
     return result
 
-  def _plan(self) -> dict:
+  def _plan(self, contexts: Optional[Sequence] = None) -> dict:
     """``{kind: [stage j's task or None]}`` from the method row's ``tasks``."""
     J, family = self.num_stages, self.method.schedule
+    contexts = self.contexts if contexts is None else contexts
     out = {}
     for kind, build in self.method.tasks.items():
       out[kind] = [None] * J
       for j in family.stages(kind, J):
-        out[kind][j] = build(self.contexts[j])
+        out[kind][j] = build(contexts[j])
     return out
+
+  def plan(self, feed: Callable) -> tuple:
+    """``(tasks, pairs)`` as the pipeline's own, with stage 0's ``feed`` replaced.
+
+    ``feed(state, m, batches)`` puts micro-batch ``m``'s input in ``state.inbox[0]``
+    and its labels in ``state.labels`` (the compiled executor's traced feed). States
+    are taken as they are, never packed (packing pays for dispatches, not in a program).
+    """
+    contexts = [dataclasses.replace(c, feed=feed if c.feed is not None else None,
+                                    state_of=context_lib.state_getter(c.j, False))
+                for c in self.contexts]
+    pairs = [tasks.pair_task(c) for c in contexts[:-1]] if self.regime.fuse else None
+    return self._plan(contexts), pairs
 
   def predict(self, state: PipelineState, images) -> Optional[jax.Array]:
     """Logits ``float32[B, K]`` (running statistics) from ``images float32[B, H, W, C]``.

@@ -21,6 +21,7 @@ import optax
 from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.models import auxiliary
+from petra_jax.engine import compiled
 from petra_jax.engine import forward_gradient as fg_lib
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import objective
@@ -71,6 +72,7 @@ class Run:
   drain_points: dict = dataclasses.field(default_factory=dict)
   relay: Optional[LossRelay] = None  # the losses on their way to loss_log
   last_save: float = dataclasses.field(default_factory=time.time)
+  executor: Any = None  # runs the ticks (:mod:`petra_jax.engine.compiled`)
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -110,13 +112,17 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   if restored is not None and jax.process_index() == 0:  # (the losses live on process 0)
     loss_log.restore(extra["loss_log"], extra_arrays)
   schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
+  try:
+    executor = compiled.executor(pipe, config.executor, config.periods_per_dispatch)
+  except compiled.Unsupported as e:
+    raise validation.ConfigError(str(e)) from None
   return Run(config, workdir, info, train, test, pipe, state, schedule,
              batch_source.batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
              steps_per_epoch, total_steps, step=step,
              restored_step=None if restored is None else step,
              reconstruction=probes.get("reconstruction"),
              grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points,
-             relay=_loss_relay(pipe, loss_log))
+             relay=_loss_relay(pipe, loss_log), executor=executor)
 
 
 def _loss_relay(pipe: Pipeline, loss_log: LossLog) -> LossRelay:

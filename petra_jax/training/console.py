@@ -151,6 +151,8 @@ def setup_summary(run) -> None:
                                            f"{c.checkpoint_minutes:g} min")
   say(f"{c.optim.name} at learning rate {lr:g}{auto}; checkpoints "
       f"{every or 'off'}")
+  if run.executor is not None:
+    say(f"executor: {run.executor.describe()}")
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:

@@ -88,20 +88,39 @@ def _run_ticks(run: Run, stop: preemption.StopOnSignal) -> None:
   lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
                                 run.steps_per_epoch, config.batch_size, run.step)
   with _discard_diverged(run), contextlib.closing(bar):
-    for t in range(run.state.tick, len(run.schedule)):
-      tick = run.schedule[t]
-      run.state, outputs = run.pipe.run_tick(run.state, tick, run.batches)
+    t = run.state.tick
+    while t < len(run.schedule):
+      run.state, outputs, n = run.executor.advance(
+          run.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
+          last_micro_batch=_next_due_step(run) * config.accumulation_steps - 1)
       for out in outputs:
         run.relay.add(out.micro_batch, out.loss)
-      if t + 1 in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+      # A call runs several updates only up to the next one whose hooks act (log,
+      # evaluation, checkpoint): the hooks then see the state of that very update.
+      fed = sum(_update_fed(run, run.schedule[u]) for u in range(t, t + n))
+      t += n
+      if t in run.drain_points:  # (checkpoint_drain) the pipeline is empty
         save_checkpoint(run)
-      if _update_fed(run, tick):
-        bar.update(config.batch_size)
+      if fed:
+        bar.update(fed * config.batch_size)
         on_update(run)
         lines.update(run.step, run.loss_log.last_loss)
         if _stop_requested(run, stop) and run.step < run.total_steps:
           bar.close()
           preempt(run, stop.signal_name or "a signal to another process")
+
+
+def _next_drain_point(run: Run, t: int) -> int:
+  """The first tick after ``t`` at which the pipeline is drained (checkpoint_drain), or the end."""
+  return min([p for p in run.drain_points if p > t] + [len(run.schedule)])
+
+
+def _next_due_step(run: Run) -> int:
+  """The next update after ``run.step`` at which a hook acts: a train_loss line, an epoch's
+  end (evaluation, checkpoint), ``checkpoint_every``, or the last update."""
+  c, s = run.config, run.step
+  every = [c.log_every, run.steps_per_epoch] + ([c.checkpoint_every] if c.checkpoint_every else [])
+  return min([(s // n + 1) * n for n in every] + [run.total_steps])
 
 
 def _begin(config, workdir: str, restart: bool) -> bool:

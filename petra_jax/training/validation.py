@@ -16,6 +16,7 @@ import ml_collections
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
+from petra_jax.engine import compiled
 from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine import precision as precision_lib
@@ -69,6 +70,7 @@ RANGES = (
     Range("model.num_stages", 0, why="0: one block per stage"),
     Range("model.patch_size", 0, why="0: the ViT's default patch"),
     Range("batch_size", 1, why="images per update"),
+    Range("periods_per_dispatch", 1, why="periods per compiled call"),
     Range("accumulation_steps", 1, why="micro-batches per update"),
     Range("num_epochs", 1, why="0 epochs is a run with no training steps"),
     Range("steps_per_epoch", 0, why="0: the whole training split"),
@@ -206,6 +208,7 @@ def _check_choices(config) -> None:
       ("stage-balancing cost", config.model.balance_by, config_lib.BALANCE_BY,
        "model.balance_by"),
       ("platform", config.platform, config_lib.PLATFORMS, "platform"),
+      ("executor", config.executor, compiled.EXECUTORS, "executor"),
       ("reversible backward", config.model.reversible_backward,
        stage_lib.REVERSIBLE_BACKWARDS, "model.reversible_backward"),
       ("tokenizer", config.model.tokenizer, sorted(models.TOKENIZERS), "model.tokenizer")):

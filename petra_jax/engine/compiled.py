@@ -1,0 +1,297 @@
+"""The compiled executor: a schedule's steady-state periods as one jitted ``lax.scan``.
+
+The host executor (:meth:`Pipeline.run_tick`) dispatches each task of each
+stage on every tick: about two jitted calls per stage and tick, so on an
+accelerator the host sets the pace. Here one *period* of the tick table is
+traced once into one program, with the very task functions the host executor
+calls (their jitted steps inline): for the stream (PETRA and the delayed
+methods, paper Alg. 1) one steady-state tick, where every stage runs a
+forward and a backward; for a flushed schedule (GPipe, 1F1B, ZB-H1,
+revprop's drained round, backprop's step) one whole round, which starts and
+ends with nothing in flight. ``N`` periods run as one ``lax.scan``: one
+dispatch per ``N`` periods. Filling and draining (ticks unlike the period)
+run on the host executor.
+
+Why one program is exact: in the steady state, tick ``t`` runs tick ``t0``'s
+tasks with every micro-batch shifted by ``s = t - t0`` (a round: by ``k``),
+and the messages in flight at its start (activations waiting one tick,
+cotangents, kept inputs, stashed weights, labels) are ``t0``'s shifted by
+``s``. The scan's carry holds them keyed by ``m - s``, so every period sees
+the same keys and the same program runs all of them; after a period the keys
+move down by its micro-batches. Whether a state has that shape is checked
+once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
+
+Supported: one process, every stage on one device (or one group of
+``data_parallel`` devices), methods whose cotangents travel back
+(``updates == "backward"``), unquantised messages, no observers. Anything
+else raises :class:`Unsupported` naming what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from petra_jax.engine import input_checks
+from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine.pipeline_state import PipelineState, ScheduleError, message_fields
+from petra_jax.engine.tasks import TickOutput
+
+_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
+EXECUTORS = ("auto", "compiled", "host")
+
+
+class Unsupported(ValueError):
+  """The compiled executor cannot run this pipeline (the message names what is missing)."""
+
+
+def unsupported(pipe) -> Optional[str]:
+  """Why ``pipe`` cannot run compiled, or None if it can."""
+  if pipe.multiprocess:
+    return "its stages live in several processes"
+  if len(set(pipe.placements)) > 1:
+    return (f"its stages are on {len(set(pipe.placements))} devices (it runs pipelines whose "
+            "stages share one device or one data-parallel group)")
+  if pipe.observers:
+    return "observers (gradient-quality or reconstruction probes) run around every task"
+  if pipe.method.updates != "backward":
+    return f"method {pipe.method.name!r} sends no cotangent back (local updates)"
+  if pipe.formats.active:
+    return "quantised messages (--config.messages.*) draw per-micro-batch rounding keys"
+  return None
+
+
+def require_supported(pipe) -> None:
+  """Raises :class:`Unsupported` (one line, naming the host executor) if ``pipe`` cannot run."""
+  why = unsupported(pipe)
+  if why is not None:
+    raise Unsupported(f"the compiled executor cannot run method {pipe.method.name!r} here: "
+                      f"{why}; use --config.executor=host.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Period:
+  """One period of a tick table: its ``ticks`` (canonical micro-batches), the micro-batches
+  it feeds, in order, and ``shift``, the micro-batches by which the next period moves."""
+  ticks: tuple
+  fed: tuple
+  shift: int
+
+
+def period_of(family: type, num_stages: int, accumulation_steps: int) -> Period:
+  """The repeating unit of ``family``'s tick table: a round, or the stream's steady tick."""
+  J, k = num_stages, accumulation_steps
+  size = family.round_size(k)
+  if size:
+    ticks = tuple(family.round(J, k))
+  else:
+    t0 = schedule_lib.drain_ticks(J)  # the first tick on which every stage works
+    ticks = (family.tick(t0, J, t0 + 1, k),)
+    size = 1
+  fed = tuple(m for m in (schedule_lib.fed(tick) for tick in ticks) if m is not None)
+  return Period(ticks, fed, size)
+
+
+def _shifted(tick, s: int) -> tuple:
+  return tuple(task._replace(micro_batch=task.micro_batch + s) for task in tick)
+
+
+def _rekey(box: dict, s: int) -> dict:
+  return {m + s: v for m, v in box.items()}
+
+
+def to_carry(state: PipelineState, s: int) -> tuple:
+  """``(stage_states, boxes)`` with every box keyed by ``m - s`` (a pytree)."""
+  boxes = {}
+  for name, per_stage in _BOXES:
+    box = getattr(state, name)
+    boxes[name] = [_rekey(b, -s) for b in box] if per_stage else _rekey(box, -s)
+  return list(state.stage_states), boxes
+
+
+def from_carry(carry: tuple, s: int, tick: int) -> PipelineState:
+  """The :class:`PipelineState` at ``tick`` of ``carry`` keyed by ``m - s``."""
+  stage_states, boxes = carry
+  fields = {name: [_rekey(b, s) for b in boxes[name]] if per_stage else _rekey(boxes[name], s)
+            for name, per_stage in _BOXES}
+  return PipelineState(stage_states=list(stage_states), tick=tick, **fields)
+
+
+def _traced_feed(state: PipelineState, m: int, batches) -> None:
+  """Stage 0's feed inside the program: micro-batch ``m``'s arrays, on their one device."""
+  images, labels = batches(m)
+  state.inbox[0][m] = images
+  state.labels[m] = labels
+
+
+class CompiledExecutor:
+  """Runs a :class:`Pipeline`'s ticks, its steady-state periods ``N`` at a time in one call.
+
+  Args:
+    pipe: a pipeline :func:`unsupported` accepts.
+    periods_per_dispatch: ``N``, periods per ``lax.scan`` (a stream's period is one tick).
+
+  Raises:
+    Unsupported: ``pipe`` cannot run compiled.
+    ValueError: ``periods_per_dispatch < 1``.
+  """
+
+  def __init__(self, pipe, periods_per_dispatch: int = 16):
+    require_supported(pipe)
+    if periods_per_dispatch < 1:
+      raise ValueError(f"periods_per_dispatch must be >= 1, got {periods_per_dispatch}.")
+    self.pipe, self.n = pipe, periods_per_dispatch
+    self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
+    self._plan = pipe.plan(_traced_feed)
+    self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
+    self.dispatches = 0  # compiled calls made (a counter for tests and benchmarks)
+
+  def describe(self) -> str:
+    """One phrase for the run's summary."""
+    family = self.pipe.method.schedule
+    unit = "rounds" if family.round_size(self.pipe.accumulation_steps) else "ticks"
+    return f"compiled ({self.n} steady-state {unit} per call)"
+
+  def _body(self, out_mbs: list) -> Callable:
+    """One period: ``(carry, inputs) -> (carry, losses)``; records the losses' micro-batches."""
+    period, pipe, plan = self.period, self.pipe, self._plan
+
+    def body(carry, inputs):
+      state = from_carry(carry, 0, 0)
+      batch = dict(zip(period.fed, inputs))
+      outputs = []
+      for tick in period.ticks:
+        outputs += pipe.run_tasks(state, tick, batch.__getitem__, plan)
+      out_mbs[:] = [o.micro_batch for o in outputs]
+      return to_carry(state, period.shift), tuple(o.loss for o in outputs)
+    return body
+
+  def _program(self, carry, inputs, periods: int):
+    """The jitted program for ``periods`` periods from ``carry``'s structure, or None if the
+    period does not map that structure to itself (not a steady state)."""
+    leaves, treedef = jax.tree.flatten(carry)
+    key = (treedef, tuple((x.shape, x.dtype) for x in leaves), periods)
+    if key not in self._programs:
+      self._programs[key] = self._build(carry, inputs, periods)
+    return self._programs[key]
+
+  def _build(self, carry, inputs, periods: int):
+    out_mbs: list = []
+    body = self._body(out_mbs)
+    try:
+      out = jax.eval_shape(body, carry, inputs[0])
+    except ScheduleError:
+      return None
+    if jax.tree.structure(out[0]) != jax.tree.structure(carry) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(carry))):
+      return None
+    mbs = tuple(out_mbs)
+
+    def run(carry, inputs_per_period):
+      if periods == 1:
+        return body(carry, inputs_per_period[0])
+      xs = jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period)
+      carry, losses = jax.lax.scan(body, carry, xs)
+      return carry, tuple(loss[i] for i in range(periods) for loss in losses)
+    return jax.jit(run, donate_argnums=0), mbs
+
+  def steady_periods(self, schedule, t: int, limit: int,
+                     last_micro_batch: Optional[int] = None) -> tuple[int, int]:
+    """``(periods, shift)``: how many periods (at most ``N``) from tick ``t`` match the
+    period shifted by ``shift + i * period.shift`` micro-batches, end by tick ``limit`` and
+    feed no micro-batch after ``last_micro_batch``."""
+    P, period = len(self.period.ticks), self.period
+    first = schedule[t] if t < len(schedule) else ()
+    if not first or len(first) != len(period.ticks[0]):
+      return 0, 0
+    s = first[0].micro_batch - period.ticks[0][0].micro_batch
+    last = float("inf") if last_micro_batch is None else last_micro_batch
+    count = 0
+    while count < self.n and t + (count + 1) * P <= limit:
+      shift = s + count * period.shift
+      if max(period.fed, default=-1) + shift > last or any(
+          schedule[t + count * P + u] != _shifted(period.ticks[u], shift) for u in range(P)):
+        break
+      count += 1
+    return count, s
+
+  def advance(self, state: PipelineState, schedule, t: int, batches,
+              limit: Optional[int] = None, last_micro_batch: Optional[int] = None) -> tuple:
+    """Runs ticks from ``t`` (``state.tick == t``): ``N`` periods in one call where the table
+    and the state are steady, else one tick on the host executor.
+
+    Args:
+      schedule: the tick table (``schedule[t]``: tick ``t``'s tasks).
+      batches: ``m -> (images float32[B, H, W, C], labels int32[B])``.
+      limit: run no tick at or after it (default: the table's end).
+      last_micro_batch: feed no micro-batch after it (a compiled call ends there).
+
+    Returns:
+      ``(state, outputs, ticks run)``; ``state``'s arrays are donated.
+    """
+    limit = len(schedule) if limit is None else limit
+    periods, s = self.steady_periods(schedule, t, limit, last_micro_batch)
+    if periods:
+      result = self._run_compiled(state, s, self.n if periods == self.n else 1, batches)
+      if result is not None:
+        return result
+    state, outputs = self.pipe.run_tick(state, schedule[t], batches)
+    return state, outputs, 1
+
+  def _run_compiled(self, state: PipelineState, s: int, periods: int, batches):
+    period, checked = self.period, input_checks.checked(batches, self.pipe.input_spec)
+    inputs = tuple(tuple(checked(m + s + i * period.shift) for m in period.fed)
+                   for i in range(periods))
+    carry = to_carry(state, s)
+    program = self._program(carry, inputs, periods)
+    if program is None:
+      return None
+    fn, mbs = program
+    carry, losses = fn(carry, inputs)
+    self.dispatches += 1
+    end = s + periods * period.shift
+    outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])
+               for i in range(periods) for q, m in enumerate(mbs)]
+    ticks = periods * len(period.ticks)
+    return from_carry(carry, end, state.tick + ticks), outputs, ticks
+
+
+class HostExecutor:
+  """Today's loop behind :meth:`CompiledExecutor.advance`'s interface: one tick per call."""
+
+  def __init__(self, pipe, why_not_compiled: Optional[str] = None):
+    self.pipe, self.why_not_compiled = pipe, why_not_compiled
+
+  def describe(self) -> str:
+    """One phrase for the run's summary."""
+    why = self.why_not_compiled
+    return "host (a jitted call per task)" + (f"; not compiled: {why}" if why else "")
+
+  def advance(self, state: PipelineState, schedule, t: int, batches,
+              limit: Optional[int] = None, last_micro_batch: Optional[int] = None) -> tuple:
+    """Runs tick ``t`` with :meth:`Pipeline.run_tick`: ``(state, outputs, 1)``."""
+    del limit, last_micro_batch
+    state, outputs = self.pipe.run_tick(state, schedule[t], batches)
+    return state, outputs, 1
+
+
+def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16):
+  """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe``.
+
+  ``auto``: compiled where :func:`unsupported` finds nothing missing, else host.
+
+  Raises:
+    Unsupported: ``compiled`` for a pipeline it cannot run.
+    ValueError: an unknown name.
+  """
+  if name not in EXECUTORS:
+    raise ValueError(f"Unknown executor {name!r}; choose one of {EXECUTORS}.")
+  if name == "host":
+    return HostExecutor(pipe)
+  if name == "auto" and unsupported(pipe) is not None:
+    return HostExecutor(pipe, unsupported(pipe))
+  return CompiledExecutor(pipe, periods_per_dispatch)
