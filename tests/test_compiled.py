@@ -1,0 +1,152 @@
+"""The compiled executor against the host executor (the reference): same losses, same
+weights, a fraction of the dispatches, no implicit transfer, no wait inside a call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from petra_jax.engine import compiled
+from petra_jax.engine import quantize
+from petra_jax.engine.observers import GradientProbe
+from petra_jax.engine.pipeline import Pipeline
+
+from helpers import tiny_revnet
+
+IMAGE = (8, 8, 3)
+# Every method whose cotangents travel back (the compiled executor's scope).
+METHODS = ("backprop", "revprop", "petra", "approximate_input", "dsp", "delayed", "gpipe",
+           "1f1b", "zb_h1")
+
+
+def _batches(batch_size=4):
+  cache = {}
+
+  def batches(m):
+    if m not in cache:
+      rng = np.random.default_rng(m)
+      cache[m] = (jnp.asarray(rng.normal(size=(batch_size, *IMAGE)), jnp.float32),
+                  jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32))
+    return cache[m]
+  return batches
+
+
+def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_parallel=1):
+  """``({m: loss}, final params, executor)`` of ``micro_batches`` micro-batches."""
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02, momentum=0.9), devices or jax.devices()[:1],
+                  method=method, accumulation_steps=k, data_parallel=data_parallel)
+  batches = _batches(4 * data_parallel)
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(micro_batches), compiled.executor(pipe, executor, n)
+  t, losses = 0, {}
+  while t < len(table):
+    state, outputs, ran = ex.advance(state, table, t, batches)
+    losses.update({o.micro_batch: float(o.loss) for o in outputs})
+    t += ran
+  return losses, [s.params for s in state.train_states], ex
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_losses_and_weights_equal_the_host_executors(method):
+  host, host_params, _ = _train(method, "host")
+  comp, comp_params, ex = _train(method, "compiled")
+  assert ex.dispatches > 0
+  assert sorted(comp) == sorted(host) == list(range(16))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_on_a_data_parallel_group_of_four_devices():
+  devices = jax.devices()[:4]
+  host, _, _ = _train("petra", "host", devices=devices, data_parallel=4)
+  comp, _, ex = _train("petra", "compiled", devices=devices, data_parallel=4)
+  assert ex.dispatches > 0
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+
+
+def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
+  """PETRA's steady ticks (2(J-1) .. M-1) run in calls of N ticks; once compiled, no
+  jitted step of the host executor runs in between (tracing called them once)."""
+  n, M, J = 8, 48, 5
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(M), compiled.CompiledExecutor(pipe, n)
+  t, ticks = 0, []
+  while ex.dispatches < 1:  # filling on the host executor, then the first call compiles
+    state, _, ran = ex.advance(state, table, t, batches)
+    ticks.append(ran)
+    t += ran
+  assert t == 2 * (J - 1) + n and ticks == [1] * 2 * (J - 1) + [n]
+  host_calls = []
+  for fns in (pipe.steps._forward, pipe.steps._backward, pipe.steps._fused):
+    for j, fn in enumerate(fns):
+      fns[j] = lambda *a, fn=fn: host_calls.append(1) or fn(*a)
+  steady = (M - 2 * (J - 1)) // n * n
+  while t < 2 * (J - 1) + steady:
+    state, _, ran = ex.advance(state, table, t, batches)
+    assert ran == n
+    t += ran
+  assert ex.dispatches == steady // n and not host_calls
+
+
+def test_steady_state_calls_make_no_implicit_transfer():
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(64), compiled.CompiledExecutor(pipe, 4)
+  for m in range(64):
+    batches(m)  # on the device before the guard
+  t = 0
+  while ex.dispatches < 1:  # fill and compile
+    state, _, ran = ex.advance(state, table, t, batches)
+    t += ran
+  with jax.transfer_guard("disallow"):
+    for _ in range(3):
+      state, outputs, ran = ex.advance(state, table, t, batches)
+      t += ran
+  assert ran == 4 and len(outputs) == 4
+
+
+def test_a_call_returns_before_the_device_has_finished():
+  """Dispatch is asynchronous: the host does not wait inside a call, so host and device
+  time overlap. With a large micro-batch, the call's losses are not ready when it returns."""
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
+  batches = _batches(batch_size=2048)
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, 8)
+  t = 0
+  while ex.dispatches < 1:
+    state, outputs, ran = ex.advance(state, table, t, batches)
+    t += ran
+  jax.block_until_ready(outputs[-1].loss)
+  state, outputs, ran = ex.advance(state, table, t, batches)
+  assert ran == 8
+  assert not outputs[-1].loss.is_ready()
+  jax.block_until_ready(outputs[-1].loss)
+
+
+@pytest.mark.parametrize("build, missing", [
+    (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:4]), "on 4 devices"),
+    (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1],
+                      observers=[GradientProbe(1, 1)]), "observers"),
+    (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1], method="local"),
+     "sends no cotangent"),
+    (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1],
+                      formats=quantize.MessageFormats(forward="int8")), "quantised"),
+])
+def test_unsupported_pipeline_is_one_line_naming_the_host_executor(build, missing):
+  pipe = build()
+  with pytest.raises(compiled.Unsupported) as e:
+    compiled.executor(pipe, "compiled")
+  message = str(e.value)
+  assert "\n" not in message and missing in message and "--config.executor=host" in message
+  assert isinstance(compiled.executor(pipe, "auto"), compiled.HostExecutor)
+
+
+def test_unknown_executor_name():
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1])
+  with pytest.raises(ValueError, match="choose one of"):
+    compiled.executor(pipe, "fast")
