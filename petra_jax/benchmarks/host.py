@@ -38,8 +38,12 @@ import numpy as np
 import optax
 
 from petra_jax.engine import schedule
+from petra_jax.engine import compiled
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stage import Stage
+
+
+EXECUTORS = tuple(e for e in compiled.EXECUTORS if e != "auto")  # each timed side by side
 
 
 def noop_step(fn: Callable) -> Callable:
@@ -57,22 +61,23 @@ def hollow_pipeline(stages: Sequence[Stage], tx, device, method: str = "petra") 
 
 
 class _Driver:
-  """One pipeline run tick after tick over a long stream table."""
+  """One pipeline run over a long stream table by an executor (``host`` or ``compiled``)."""
 
-  def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int):
+  def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int,
+               executor: str = "host", periods: int = 16):
     self.pipe, self.batch = pipe, (lambda m: (images, labels))
     self.state = pipe.init(seed, images)
     self.table = pipe.schedule(num_ticks)
+    self.executor = compiled.executor(pipe, executor, periods)
     self.next = 0
 
   def run(self, n: int) -> float:
-    """Seconds to run the next ``n`` ticks, waited for at the end."""
-    ticks = [self.table[t] for t in range(self.next, self.next + n)]
-    self.next += n
+    """Seconds to run the next ``n`` ticks (at least), waited for at the end."""
+    end, state = self.next + n, self.state
     start = time.perf_counter()
-    state = self.state
-    for tick in ticks:
-      state, _ = self.pipe.run_tick(state, tick, self.batch)
+    while self.next < end:
+      state, _, ran = self.executor.advance(state, self.table, self.next, self.batch, limit=end)
+      self.next += ran
     jax.block_until_ready(state.stage_states)  # as stored (packed)
     self.state = state
     return time.perf_counter() - start
@@ -92,7 +97,8 @@ def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -
 
 
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
-              batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0) -> dict:
+              batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0,
+              periods: int = 16) -> dict:
   """Host cost per stage and tick, and the real PETRA tick against backprop.
 
   Args:
@@ -103,11 +109,13 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     ticks: ticks (or backprop steps) per timed round.
     repeats: timed rounds; every figure is their median.
     seed: initialisation and data seed.
+    periods: the compiled executor's ticks per call.
 
   Returns:
     A JSON-able dict: ``host_us_per_stage_tick``, ``ticks_per_second``,
     ``petra_ms_per_tick``, ``backprop_ms_per_step``,
-    ``ratio_petra_backprop``, ``num_stages``, ``ticks``, ``repeats``,
+    ``ratio_petra_backprop``, the same three with the compiled executor
+    (``compiled_*``), ``num_stages``, ``ticks``, ``repeats``,
     ``batch_size``, ``device`` and the per-round lists ``rounds_*``.
   """
   J, device = len(stages), jax.devices()[0]
@@ -118,27 +126,35 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
   tx = optax.sgd(1e-3, momentum=0.9)
   fill = schedule.drain_ticks(J) + 2
   total = fill + (repeats + 1) * ticks + 1
-  drivers = {"hollow": _Driver(hollow_pipeline(stages, tx, device), images, labels, total, seed),
-             "petra": _Driver(Pipeline(stages, tx, [device]), images, labels, total, seed)}
+  drivers = {}
+  for executor in EXECUTORS:
+    suffix = "" if executor == "host" else "_" + executor
+    drivers["hollow" + suffix] = _Driver(hollow_pipeline(stages, tx, device), images, labels,
+                                         total, seed, executor, periods)
+    drivers["petra" + suffix] = _Driver(Pipeline(stages, tx, [device]), images, labels, total,
+                                        seed, executor, periods)
   backprop = Pipeline(stages, tx, [device], method="backprop")
   bp_state = [backprop.init(seed, images)]
   for d in drivers.values():  # fill, compile and warm up
     d.run(fill)
     d.run(ticks)
   _backprop_seconds(backprop, bp_state, images, labels, max(2, ticks // 10))
-  rounds = {"hollow": [], "petra": [], "backprop": []}
+  rounds = {name: [] for name in [*drivers, "backprop"]}
   for _ in range(repeats):
     for name, d in drivers.items():
       rounds[name].append(d.run(ticks) / ticks)
     rounds["backprop"].append(_backprop_seconds(backprop, bp_state, images, labels, ticks) / ticks)
   med = {k: statistics.median(v) for k, v in rounds.items()}
-  host_us = 1e6 * med["hollow"] / J
   return {
-      "host_us_per_stage_tick": host_us,
+      "host_us_per_stage_tick": 1e6 * med["hollow"] / J,
       "ticks_per_second": 1.0 / med["hollow"],
       "petra_ms_per_tick": 1e3 * med["petra"],
       "backprop_ms_per_step": 1e3 * med["backprop"],
       "ratio_petra_backprop": med["petra"] / med["backprop"],
+      "compiled_host_us_per_stage_tick": 1e6 * med["hollow_compiled"] / J,
+      "compiled_petra_ms_per_tick": 1e3 * med["petra_compiled"],
+      "compiled_ratio_petra_backprop": med["petra_compiled"] / med["backprop"],
+      "periods_per_dispatch": periods,
       "num_stages": J, "ticks": ticks, "repeats": repeats, "batch_size": batch_size,
       "device": str(device),
       **{f"rounds_{k}_ms": [1e3 * x for x in v] for k, v in rounds.items()},
@@ -153,6 +169,10 @@ def print_report(r: dict, name: str) -> None:
         f"  ({r['ticks_per_second']:.0f} ticks/s at {r['num_stages']} stages)")
   print(f"  PETRA tick {r['petra_ms_per_tick']:.3f} ms, backprop step "
         f"{r['backprop_ms_per_step']:.3f} ms: {r['ratio_petra_backprop']:.2f}x")
+  print(f"  compiled executor ({r['periods_per_dispatch']} ticks per call): host cost per stage "
+        f"and tick {r['compiled_host_us_per_stage_tick']:8.1f} us, PETRA tick "
+        f"{r['compiled_petra_ms_per_tick']:.3f} ms: {r['compiled_ratio_petra_backprop']:.2f}x "
+        "backprop")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ def period_of(family: type, num_stages: int, accumulation_steps: int) -> Period:
 
 
 def _shifted(tick, s: int) -> tuple:
-  return tuple(task._replace(micro_batch=task.micro_batch + s) for task in tick)
+  """``tick``'s tasks as plain tuples, micro-batches shifted by ``s`` (equal to the tasks)."""
+  return tuple((j, kind, m + s) for j, kind, m in tick)
 
 
 def _rekey(box: dict, s: int) -> dict:
@@ -118,6 +119,21 @@ def from_carry(carry: tuple, s: int, tick: int) -> PipelineState:
   fields = {name: [_rekey(b, s) for b in boxes[name]] if per_stage else _rekey(boxes[name], s)
             for name, per_stage in _BOXES}
   return PipelineState(stage_states=list(stage_states), tick=tick, **fields)
+
+
+def _split(carry: tuple) -> tuple:
+  """``(donated, kept)``: what the caller fed is not donated (it may feed one array for
+  several micro-batches): the labels, and stage 0's kept inputs (its buffered images)."""
+  stage_states, boxes = carry
+  rest = {k: v for k, v in boxes.items() if k not in ("labels", "buffers")}
+  return ((stage_states, rest, boxes["buffers"][1:]),
+          (boxes["labels"], boxes["buffers"][0]))
+
+
+def _join(donated: tuple, kept: tuple) -> tuple:
+  """The carry :func:`_split` split."""
+  (stage_states, rest, later_buffers), (labels, first_buffer) = donated, kept
+  return stage_states, {**rest, "labels": labels, "buffers": [first_buffer, *later_buffers]}
 
 
 def _traced_feed(state: PipelineState, m: int, batches) -> None:
@@ -191,7 +207,8 @@ class CompiledExecutor:
       return None
     mbs = tuple(out_mbs)
 
-    def run(carry, inputs_per_period):
+    def run(donated, kept, inputs_per_period):
+      carry = _join(donated, kept)
       if periods == 1:
         return body(carry, inputs_per_period[0])
       xs = jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period)
@@ -251,7 +268,7 @@ class CompiledExecutor:
     if program is None:
       return None
     fn, mbs = program
-    carry, losses = fn(carry, inputs)
+    carry, losses = fn(*_split(carry), inputs)
     self.dispatches += 1
     end = s + periods * period.shift
     outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])
