@@ -22,9 +22,10 @@ class Diverged(FloatingPointError):
 class LossLog:
   """Collects per-micro-batch losses (device scalars) and writes train lines.
 
-  A line is written once its updates' k losses exist (PETRA's arrive ``J-1``
-  ticks late, so reading them costs no wait): the float32 mean over the
-  ``log_every`` updates since the last line.
+  A line is the float32 mean over the ``log_every`` updates since the last
+  line. It is read from the device one line late (once the next line's losses
+  exist, or at :meth:`finish`, :meth:`check_finite` and :meth:`state`), so
+  the host never waits for the computation it has just dispatched.
   """
 
   def __init__(self, writer, k, log_every, steps_per_epoch, schedule):
@@ -33,6 +34,7 @@ class LossLog:
     self.losses: dict[int, jax.Array] = {}
     self.next_step = 0
     self.window: list = []
+    self.lines: list = []  # (step, window) complete, not yet read
     self.last_loss = float("nan")
 
   def add(self, micro_batch: int, loss: jax.Array):
@@ -46,12 +48,18 @@ class LossLog:
       self.window.extend(self.losses.pop(s * self.k + i) for i in range(self.k))
       self.next_step += 1
       if self.next_step % self.log_every == 0 or self.next_step == final_step:
-        self._write(s + 1)
+        self.lines.append((s + 1, self.window))
+        self.window = []
+    self._write_lines(keep=1)
 
-  def _write(self, step):
-    value = float(np.mean(jax.device_get(self.window)))
-    first = step - len(self.window) // self.k + 1
-    self.window = []
+  def _write_lines(self, keep: int = 0):
+    """Reads and writes the complete lines but the newest ``keep``."""
+    while len(self.lines) > keep:
+      self._write(*self.lines.pop(0))
+
+  def _write(self, step, window):
+    value = float(np.mean(jax.device_get(window)))
+    first = step - len(window) // self.k + 1
     if not math.isfinite(value):
       raise Diverged(value, first)
     self.last_loss = value
@@ -62,10 +70,13 @@ class LossLog:
     """Writes what is left after the last update ``final_step``."""
     self._flush(final_step)
     if self.window:
-      self._write(self.next_step)
+      self.lines.append((self.next_step, self.window))
+      self.window = []
+    self._write_lines()
 
   def check_finite(self):
     """Raises :class:`Diverged` if a pending loss is NaN/Inf (a host sync)."""
+    self._write_lines()
     window = np.asarray(jax.device_get(self.window))
     if window.size and not np.all(np.isfinite(window)):
       bad = int(np.argmin(np.isfinite(window)))
@@ -75,7 +86,9 @@ class LossLog:
         raise Diverged(float(loss), m // self.k + 1)
 
   def state(self):
-    """``(json, arrays)``: what a checkpoint needs to resume the log exactly."""
+    """``(json, arrays)``: what a checkpoint needs to resume the log exactly (every
+    complete line written first)."""
+    self._write_lines()
     arrays = dict(self.losses)
     arrays.update({-(i + 1): v for i, v in enumerate(self.window)})
     return {"next_step": self.next_step, "window": len(self.window),
