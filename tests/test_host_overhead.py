@@ -117,7 +117,8 @@ def test_host_report_from_a_scripted_clock(monkeypatch):
   monkeypatch.setattr(host, "time", types.SimpleNamespace(perf_counter=perf_counter))
   monkeypatch.setattr(host, "Pipeline", _ScriptedPipeline)
   monkeypatch.setattr(_ScriptedPipeline, "built", [])
-  r = host.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=2, ticks=4, repeats=3)
+  r = host.benchmark(_tiny_revnet(), IMAGE, 10, batch_size=2, ticks=4, repeats=3,
+                     executors=("host",))
   # hollow per tick 1, 0.5, 2 ms: median 1 ms over 5 stages; petra 10, 20, 15
   # ms: 15; backprop 5, 5, 25 ms: 5.
   assert r["rounds_hollow_ms"] == pytest.approx([1.0, 0.5, 2.0])

@@ -151,7 +151,7 @@ def setup_summary(run) -> None:
                                            f"{c.checkpoint_minutes:g} min")
   say(f"{c.optim.name} at learning rate {lr:g}{auto}; checkpoints "
       f"{every or 'off'}")
-  if run.executor is not None:
+  if getattr(run, "executor", None) is not None:
     say(f"executor: {run.executor.describe()}")
 
 
