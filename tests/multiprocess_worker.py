@@ -75,11 +75,11 @@ def _received_dtypes(pipe, state) -> set:
   came from a stage of another process."""
   out = set()
   for j in range(pipe.num_stages):
-    if not pipe.local[j]:
+    if not pipe.owned[j]:
       continue
-    if j > 0 and not pipe.local[j - 1]:
+    if j > 0 and not pipe.owned[j - 1]:
       out |= {str(l.dtype) for p in state.inbox[j].values() for l in jax.tree.leaves(p)}
-    if j + 1 < pipe.num_stages and not pipe.local[j + 1]:
+    if j + 1 < pipe.num_stages and not pipe.owned[j + 1]:
       out |= {str(l.dtype) for p in state.grad_inbox[j].values() for l in jax.tree.leaves(p)}
   return out
 
@@ -94,7 +94,7 @@ def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1
                   formats=quantize.MessageFormats(forward=fmt, backward=fmt),
                   data_parallel=data_parallel)
   info = data_lib.get_dataset_info("cifar10")
-  open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
+  open_fn = data_lib.load_split if pipe.owned[0] else data_lib.open_labels
   n_train = MICRO_BATCH * NUM_MICRO_BATCHES
   train_split = open_fn("cifar10", "train", data_dir, limit=n_train)
   test_split = open_fn("cifar10", "test", data_dir, limit=NUM_TEST)
@@ -105,7 +105,7 @@ def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1
 
   def batches(m):
     idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
-    if pipe.local[0]:
+    if pipe.owned[0]:
       return batch_fn(train_split, idx, jax.random.fold_in(key, m))
     return None, data_lib.read_labels(train_split, idx)
 

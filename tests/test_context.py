@@ -6,9 +6,9 @@ import inspect
 
 import pytest
 
-from petra_jax.engine import context, forward_gradient_tasks, local, tasks, zero_bubble
+from petra_jax.engine import context, forward_gradient_tasks, local_learning, tasks, zero_bubble
 
-BUILDER_MODULES = (tasks, local, forward_gradient_tasks, zero_bubble)
+BUILDER_MODULES = (tasks, local_learning, forward_gradient_tasks, zero_bubble)
 
 
 def _builders():

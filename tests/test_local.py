@@ -66,7 +66,7 @@ def test_local_stream_has_no_backward_tasks_and_stores_nothing():
   pipe = pipeline.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], method="local")
   table = pipe.schedule(6)
   assert len(table) == 6 + len(stages) - 1
-  assert all(t.kind != schedule.BACKWARD for tick in table for t in tick)
+  assert all(t.kind != schedule.TaskKind.BACKWARD for tick in table for t in tick)
   state = pipe.init(0, random_batch()[0])
   state, outs = run_ticks(pipe, state, 6, batches_of(), num_ticks=len(stages) + 1)
   assert state.stored_bytes() == [0] * len(stages)

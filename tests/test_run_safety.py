@@ -208,7 +208,7 @@ def test_summary_names_the_automatic_learning_rate(capsys):
   c.batch_size, c.optim.learning_rate = 512, 0.0
   stage = types.SimpleNamespace(blocks=[1])
   pipe = types.SimpleNamespace(stages=[stage] * 2, devices=jax.devices()[:1], num_stages=2,
-                               task=objective.CLASSIFICATION)
+                               objective=objective.CLASSIFICATION)
   run = types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
                               restored_step=None, total_steps=4, steps_per_epoch=2)
   console.setup_summary(run)

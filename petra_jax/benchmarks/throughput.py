@@ -152,14 +152,14 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
   """
   J, out = len(rows), {}
   for method, r in (("gpipe", rows_stored), ("1f1b", rows_stored), ("petra", rows)):
-    kind = "stream" if method == "petra" else method
+    name = "stream" if method == "petra" else method
     out[method] = {}
     for k in ks:
       sim = simulate.ms_per_update(
-          kind, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
+          name, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
           [x.get("send_forward", 0.0) for x in r], [x.get("send_backward", 0.0) for x in r])
       sim["stored_bytes_per_stage"] = stored_bytes(sizes, method, accumulation_steps=k)
-      sim["formula_bubble_fraction"] = 0.0 if kind == "stream" else (J - 1) / (k + J - 1)
+      sim["formula_bubble_fraction"] = 0.0 if name == "stream" else (J - 1) / (k + J - 1)
       out[method][str(k)] = sim
   return out
 

@@ -182,7 +182,7 @@ def _gpt_pipelines() -> dict:
   stages = {m: cli.build(name, GPT_DATASET, GPT_WIDTH) for m, name in GPT_MODELS.items()}
   stages["petra"] = partition.group_stages(stages["petra"], GPT_STAGE_SIZES)
   tx = optax.adamw(**GPT_OPTIMIZER)
-  return {m: Pipeline(s, tx, jax.devices()[:1], method=m, task=objective.NEXT_TOKEN)
+  return {m: Pipeline(s, tx, jax.devices()[:1], method=m, objective=objective.NEXT_TOKEN)
           for m, s in stages.items()}
 
 

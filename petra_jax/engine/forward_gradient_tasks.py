@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 
 from petra_jax.engine import forward_gradient as fg
-from petra_jax.engine import local
+from petra_jax.engine import local_learning
 from petra_jax.engine.pipeline_state import PipelineState, take
 from petra_jax.engine.stage import forward
 from petra_jax.engine.stage_state import StageState
@@ -70,7 +70,7 @@ def forward_task(ctx: StageContext) -> Callable:
   base = jax.random.key(o.seed + 3)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    x, labels, *rest = local.inputs_with_labels(ctx, state, m, batches)
+    x, labels, *rest = local_learning.inputs_with_labels(ctx, state, m, batches)
     tangents = rest[0] if rest else None
     key = jax.random.fold_in(jax.random.fold_in(base, m), j)
     if keeps_input:

@@ -12,18 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from petra_jax.engine import forward_gradient_tasks, local, tasks, zero_bubble
+from petra_jax.engine import forward_gradient_tasks, local_learning, tasks, zero_bubble
 from petra_jax.engine.context import Keeps
-from petra_jax.engine.schedule import (BACKPROP, BACKWARD, FORWARD, LOSS, Drained, ForwardOnly,
-                                       GPipe, OneFOneB, Sequential, Stream, TickTable)
+from petra_jax.engine.schedule import (Drained, ForwardOnly, GPipe, OneFOneB, Sequential, Stream,
+                                       TaskKind, TickTable)
 
 # Task builders ``StageContext -> task`` per task kind.
-BACKWARD_TASKS = {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
-                  LOSS: tasks.loss_task, BACKPROP: tasks.backprop_task}
-LOCAL_TASKS = {FORWARD: local.forward_task, LOSS: local.loss_task}
-FORWARD_GRADIENT_TASKS = {FORWARD: forward_gradient_tasks.forward_task,
-                          BACKWARD: forward_gradient_tasks.backward_task,
-                          LOSS: forward_gradient_tasks.loss_task}
+BACKWARD_TASKS = {TaskKind.FORWARD: tasks.forward_task, TaskKind.BACKWARD: tasks.backward_task,
+                  TaskKind.LOSS: tasks.loss_task, TaskKind.BACKPROP: tasks.backprop_task}
+LOCAL_TASKS = {TaskKind.FORWARD: local_learning.forward_task, TaskKind.LOSS: local_learning.loss_task}
+FORWARD_GRADIENT_TASKS = {TaskKind.FORWARD: forward_gradient_tasks.forward_task,
+                          TaskKind.BACKWARD: forward_gradient_tasks.backward_task,
+                          TaskKind.LOSS: forward_gradient_tasks.loss_task}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,13 +23,9 @@ from petra_jax.engine import quantize as quantize_lib
 from petra_jax.engine import tasks
 from petra_jax.engine.context import StageContext
 from petra_jax.engine.pipeline_state import PipelineState, take
-from petra_jax.engine.schedule import (BACKWARD, FORWARD, LOSS, Task, TickTable,
-                                       as_soon_as_possible)
+from petra_jax.engine.schedule import Task, TaskKind, TickTable, as_soon_as_possible
 from petra_jax.engine.stage import Stage, cross_entropy, forward
 from petra_jax.engine.stage_state import StageState
-
-INPUT_GRAD, WEIGHT_GRAD = "input_grad", "weight_grad"
-LOSS_INPUT_GRAD = "loss_input_grad"  # the last stage's F and B (its W later)
 
 
 class ZeroBubbleH1(TickTable):
@@ -42,19 +38,19 @@ class ZeroBubbleH1(TickTable):
   of a stage's backward cost that is W in :meth:`cost` (the simulator).
   """
   name, flushed = "zb_h1", True
-  sends: ClassVar[dict] = {FORWARD: "forward", INPUT_GRAD: "backward", LOSS_INPUT_GRAD: "backward"}
-  holds: ClassVar[tuple] = (FORWARD, LOSS_INPUT_GRAD)
-  frees: ClassVar[str] = WEIGHT_GRAD
-  losses: ClassVar[tuple] = (LOSS, LOSS_INPUT_GRAD)
-  letters: ClassVar[dict] = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W", LOSS_INPUT_GRAD: "FB"}
+  sends: ClassVar[dict] = {TaskKind.FORWARD: "forward", TaskKind.INPUT_GRAD: "backward", TaskKind.LOSS_INPUT_GRAD: "backward"}
+  holds: ClassVar[tuple] = (TaskKind.FORWARD, TaskKind.LOSS_INPUT_GRAD)
+  frees: ClassVar[str] = TaskKind.WEIGHT_GRAD
+  losses: ClassVar[tuple] = (TaskKind.LOSS, TaskKind.LOSS_INPUT_GRAD)
+  letters: ClassVar[dict] = {TaskKind.FORWARD: "F", TaskKind.INPUT_GRAD: "B", TaskKind.WEIGHT_GRAD: "W", TaskKind.LOSS_INPUT_GRAD: "FB"}
   weight_share: ClassVar[float] = 0.5
 
   @classmethod
   def stages(cls, kind: str, num_stages: int) -> range:
     """W on every stage, the loss's F and B on the last; the others as :class:`TickTable`."""
-    if kind == WEIGHT_GRAD:
+    if kind == TaskKind.WEIGHT_GRAD:
       return range(num_stages)
-    if kind == LOSS_INPUT_GRAD:
+    if kind == TaskKind.LOSS_INPUT_GRAD:
       return range(num_stages - 1, num_stages)
     return TickTable.stages(kind, num_stages)
 
@@ -62,12 +58,12 @@ class ZeroBubbleH1(TickTable):
   def dependency(task: Task, num_stages: int) -> Optional[Task]:
     """F: the previous stage's F; B: the next stage's B (or the loss); W: none (its own B)."""
     j, kind, m = task
-    if kind == INPUT_GRAD:
-      return Task(j + 1, LOSS_INPUT_GRAD if j == num_stages - 2 else INPUT_GRAD, m)
-    if kind == WEIGHT_GRAD:
+    if kind == TaskKind.INPUT_GRAD:
+      return Task(j + 1, TaskKind.LOSS_INPUT_GRAD if j == num_stages - 2 else TaskKind.INPUT_GRAD, m)
+    if kind == TaskKind.WEIGHT_GRAD:
       return None
-    if kind == LOSS_INPUT_GRAD:
-      return Task(num_stages - 2, FORWARD, m)
+    if kind == TaskKind.LOSS_INPUT_GRAD:
+      return Task(num_stages - 2, TaskKind.FORWARD, m)
     return TickTable.dependency(task, num_stages)
 
   @classmethod
@@ -83,9 +79,9 @@ class ZeroBubbleH1(TickTable):
     loss: the rest; F as :class:`TickTable`."""
     j, last = task.stage, task.stage == len(backward_ms) - 1
     w = cls.weight_share * (backward_ms[j] - (forward_ms[j] if last else 0.0))
-    if task.kind == WEIGHT_GRAD:
+    if task.kind == TaskKind.WEIGHT_GRAD:
       return w
-    if task.kind in (INPUT_GRAD, LOSS_INPUT_GRAD):
+    if task.kind in (TaskKind.INPUT_GRAD, TaskKind.LOSS_INPUT_GRAD):
       return backward_ms[j] - w
     return TickTable.cost(task, forward_ms, backward_ms)
 
@@ -98,9 +94,9 @@ def stage_orders(J: int, k: int, dependency: Callable) -> list:
   while nw != [k] * J:
     start, j, task = min(_next(j, J, k, nf[j], nb[j], nw[j], free[j], done, dependency)
                          for j in range(J) if nw[j] < k)
-    free[j] = done[task] = start + (2 if task.kind == LOSS_INPUT_GRAD else 1)
+    free[j] = done[task] = start + (2 if task.kind == TaskKind.LOSS_INPUT_GRAD else 1)
     order[j].append(task)
-    counter = {INPUT_GRAD: nb, WEIGHT_GRAD: nw}.get(task.kind, nf)
+    counter = {TaskKind.INPUT_GRAD: nb, TaskKind.WEIGHT_GRAD: nw}.get(task.kind, nf)
     counter[j] += 1
   return order
 
@@ -109,12 +105,12 @@ def _next(j, J, k, nf, nb, nw, free, done, dependency) -> tuple:
   """``(start, j, task)``: stage ``j``'s next task (start ``inf`` if none is ready yet)."""
   last, candidates = j == J - 1, []
   if not last and nb < nf:
-    candidates.append(Task(j, INPUT_GRAD, nb))
+    candidates.append(Task(j, TaskKind.INPUT_GRAD, nb))
   if nf < k and nf - nw < min(J, k):
-    candidates.append(Task(j, LOSS_INPUT_GRAD if last else FORWARD, nf))
+    candidates.append(Task(j, TaskKind.LOSS_INPUT_GRAD if last else TaskKind.FORWARD, nf))
   if nw < (nf if last else nb):
-    candidates.append(Task(j, WEIGHT_GRAD, nw))
-  best = (float("inf"), j, Task(j, WEIGHT_GRAD, nw))
+    candidates.append(Task(j, TaskKind.WEIGHT_GRAD, nw))
+  best = (float("inf"), j, Task(j, TaskKind.WEIGHT_GRAD, nw))
   for task in candidates:
     dep = dependency(task, J)
     if dep is None or dep in done:
@@ -174,14 +170,14 @@ def _jit(fn: Callable, donate_argnums) -> Callable:
 
 def input_grad_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s B: ``(None, dx)`` to ``j - 1``; the residuals kept for its W."""
-  j, local, send, get = ctx.j, ctx.local, ctx.send_back, ctx.state_of
+  j, owned, send, get = ctx.j, ctx.owned, ctx.send_back, ctx.state_of
   take_stats = not ctx.steps.stats_in_forward
   step = _jit(functools.partial(input_grad_step, ctx.stage, j > 0, take_stats), 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     _, dy = take(state.grad_inbox[j], m, "cotangent", j)
     dx = None
-    if local:
+    if owned:
       x = take(state.buffers[j], m, "buffered input", j)
       state.stage_states[j], dx, state.weight_stash[j][m] = step(get(state), x, dy)
     if send is not None:
@@ -192,11 +188,11 @@ def input_grad_task(ctx: StageContext) -> Callable:
 
 def weight_grad_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s W: the update from the residuals its B kept."""
-  j, local, get = ctx.j, ctx.local, ctx.state_of
+  j, owned, get = ctx.j, ctx.owned, ctx.state_of
   step = _jit(weight_grad_step, 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
-    if local:
+    if owned:
       residuals = take(state.weight_stash[j], m, "weight-gradient residuals", j)
       state.stage_states[j] = step(get(state), residuals)
     return tasks.NOTHING
@@ -205,12 +201,12 @@ def weight_grad_task(ctx: StageContext) -> Callable:
 
 def loss_input_grad_task(ctx: StageContext) -> Callable:
   """The last stage's F and B: ``(None, dx)`` to ``J - 2``; the residuals kept for its W."""
-  j, local, send, get, loss_home = ctx.j, ctx.local, ctx.send_back, ctx.state_of, ctx.loss_home
+  j, owned, send, get, loss_home = ctx.j, ctx.owned, ctx.send_back, ctx.state_of, ctx.loss_home
   step = _jit(functools.partial(loss_input_grad_step, ctx.stage), 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     x, loss, dx = take(state.inbox[j], m, "input", j), None, None
-    if local:
+    if owned:
       labels = take(state.labels, m, "labels", j)
       state.stage_states[j], dx, loss, state.weight_stash[j][m] = step(get(state), x, labels)
     state.grad_inbox[j - 1][m] = send(None, dx, m)
@@ -221,6 +217,6 @@ def loss_input_grad_task(ctx: StageContext) -> Callable:
 
 
 # The split tasks, and the whole backward and loss for tables without W (``drained``).
-TASKS = {FORWARD: tasks.forward_task, INPUT_GRAD: input_grad_task, WEIGHT_GRAD: weight_grad_task,
-         LOSS_INPUT_GRAD: loss_input_grad_task, BACKWARD: tasks.backward_task,
-         LOSS: tasks.loss_task}
+TASKS = {TaskKind.FORWARD: tasks.forward_task, TaskKind.INPUT_GRAD: input_grad_task, TaskKind.WEIGHT_GRAD: weight_grad_task,
+         TaskKind.LOSS_INPUT_GRAD: loss_input_grad_task, TaskKind.BACKWARD: tasks.backward_task,
+         TaskKind.LOSS: tasks.loss_task}

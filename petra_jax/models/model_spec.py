@@ -26,7 +26,7 @@ class ModelSpec:
     return self.family in REVERSIBLE_FAMILIES
 
   @property
-  def task(self) -> str:
+  def objective(self) -> str:
     """The objective it is built for (``petra_jax.engine.objective``)."""
     return "next_token" if self.family in LANGUAGE_FAMILIES else "classification"
 

@@ -345,9 +345,9 @@ def simulated_ms_per_update(J: int, k: int, stage_ms: dict) -> dict:
   """``{"stream" (PETRA), "gpipe", "1f1b": simulated ms per update}`` on J devices, k
   micro-batches per update, from :func:`measure_stage_ms`'s costs."""
   from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
-  return {kind: simulate.ms_per_update(kind, J, k, *stage_ms[
-      "stream" if kind == "stream" else "stored"])["simulated_ms_per_update"]
-          for kind in ("stream", "gpipe", "1f1b")}
+  return {name: simulate.ms_per_update(name, J, k, *stage_ms[
+      "stream" if name == "stream" else "stored"])["simulated_ms_per_update"]
+          for name in ("stream", "gpipe", "1f1b")}
 
 
 def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,

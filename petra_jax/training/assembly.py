@@ -92,7 +92,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     total_steps = min(total_steps, config.max_steps)
   lr = optim.learning_rate_schedule(config, steps_per_epoch)  # built once per run
   pipe, sizes, probes = build_pipeline(config, workdir, info, config.batch_size // k,
-                                       steps_per_epoch, schedule=lr)
+                                       steps_per_epoch, lr_schedule=lr)
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
@@ -134,7 +134,7 @@ def _open_data(config):
   start = time.time()
   info = data_lib.get_dataset_info(config.dataset)
   _prepare_data(config)
-  if info.task != "classification":  # text: every process reads the characters
+  if info.objective != "classification":  # text: every process reads the characters
     return data_lib.open_text(config.dataset, config.model.context or info.image_shape[0],
                               config.data_dir or None, download=False)
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
@@ -240,9 +240,10 @@ def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_clas
 
 
 def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
-                   schedule: Optional[optax.Schedule] = None):
+                   lr_schedule: Optional[optax.Schedule] = None):
   """The stages (grouped as configured), their pipeline and observers; every
-  stage's optimizer and predictor share ``schedule`` (built here when None).
+  stage's optimizer and predictor share the learning-rate schedule ``lr_schedule``
+  (built here when None).
 
   Returns:
     ``(pipe, sizes, probes)``: the :class:`Pipeline`, the blocks per stage
@@ -272,17 +273,17 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   # Each stage's optimizer (and forward weights) compensate its own delay
   # tau_j in the grouped pipeline; methods without delay get the plain ones.
   delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   stages, options = method_setup(config, stages, info.num_classes)
   pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
-                                                        delays, schedule=schedule), devices,
+                                                        delays, lr_schedule=lr_schedule), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
-                                                           delays, schedule=schedule),
+                                                           delays, lr_schedule=lr_schedule),
                   formats=message_formats(config), send_losses=False,
-                  data_parallel=config.data_parallel, task=objective.get(info.task), **options)
+                  data_parallel=config.data_parallel, objective=objective.get(info.objective), **options)
   return pipe, sizes, probes
 
 
@@ -315,7 +316,7 @@ def checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.
           dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
           seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,
-          quantize=[config.quantize[k] for k in quantize_lib.KINDS]
+          quantize=[config.quantize[k] for k in quantize_lib.PAYLOADS]
           + [config.quantize.per_channel, config.quantize.stochastic]),
       block_counts=[len(s.blocks) or 1 for s in pipe.stages])
 
