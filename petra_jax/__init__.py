@@ -21,15 +21,15 @@ __all__ = [
 
 def _engine() -> dict:
   """The engine's public names (imports JAX and Flax)."""
-  from petra_jax.engine.nnx_modules import update_nnx
-  from petra_jax.engine.objective import CLASSIFICATION, NEXT_TOKEN, Objective
-  from petra_jax.engine.partition import group_stages
+  from petra_jax.engine.stages.nnx_modules import update_nnx
+  from petra_jax.engine.stages.objective import CLASSIFICATION, NEXT_TOKEN, Objective
+  from petra_jax.engine.stages.partition import group_stages
   from petra_jax.engine.pipeline import Pipeline
-  from petra_jax.engine.pipeline_state import PipelineState
-  from petra_jax.engine.schedule import Schedule
-  from petra_jax.engine.stage import Stage, composed_loss
-  from petra_jax.engine.stage_checks import check_stages, trained_variables
-  from petra_jax.engine.stage_state import StageState
+  from petra_jax.engine.transport.pipeline_state import PipelineState
+  from petra_jax.engine.schedules import Schedule
+  from petra_jax.engine.stages.stage import Stage, composed_loss
+  from petra_jax.engine.stages.stage_checks import check_stages, trained_variables
+  from petra_jax.engine.stages.stage_state import StageState
   return {"update_nnx": update_nnx, "CLASSIFICATION": CLASSIFICATION, "NEXT_TOKEN": NEXT_TOKEN,
           "Objective": Objective, "group_stages": group_stages, "Pipeline": Pipeline,
           "PipelineState": PipelineState, "Schedule": Schedule, "Stage": Stage,
@@ -57,7 +57,7 @@ _LOADERS = {"build_model": _models, "get_config": _config, "train_and_evaluate":
 
 def __getattr__(name):
   if name == "Task":
-    from petra_jax.engine import objective
+    from petra_jax.engine.stages import objective
     return objective.deprecated_task()
   if name not in __all__:
     raise AttributeError(f"module 'petra_jax' has no attribute {name!r}")

@@ -42,11 +42,11 @@ from petra_jax import models, train
 from petra_jax.engine import timing
 from petra_jax.training import assembly, distributed
 from petra_jax.engine import observers
-from petra_jax.engine import quantize
-from petra_jax.engine import schedule
-from petra_jax.engine import transport
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 
 WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
 PROBE_EVERY = 3  # micro-batches 0, 3, 6

@@ -176,7 +176,7 @@ def test_user_model_with_wrong_head_is_refused_at_validation(user_module):
 
 
 def test_task_is_the_deprecated_name_of_objective():
-  from petra_jax.engine import objective  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import objective  # pylint: disable=g-import-not-at-top
   with pytest.warns(DeprecationWarning, match="Objective"):
     assert petra_jax.Task is petra_jax.Objective
   with pytest.warns(DeprecationWarning, match="Objective"):

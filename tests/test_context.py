@@ -6,7 +6,11 @@ import inspect
 
 import pytest
 
-from petra_jax.engine import context, forward_gradient_tasks, local_learning, tasks, zero_bubble
+from petra_jax.engine.methods import context
+from petra_jax.engine.methods import forward_gradient_tasks
+from petra_jax.engine.methods import local_learning
+from petra_jax.engine.methods import tasks
+from petra_jax.engine.methods import zero_bubble
 
 BUILDER_MODULES = (tasks, local_learning, forward_gradient_tasks, zero_bubble)
 

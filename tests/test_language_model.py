@@ -14,9 +14,9 @@ import pytest
 from helpers import composed_logits, composed_loss, drained_step, rel_err
 from petra_jax import models, sample
 from petra_jax.data import text
-from petra_jax.engine import objective
+from petra_jax.engine.stages import objective
 from petra_jax.engine import pipeline
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.training import evaluate
 
 V, T = 11, 8

@@ -12,10 +12,10 @@ import pytest
 
 from petra_jax.engine import observers
 from petra_jax.engine import pipeline
-from petra_jax.engine import schedule
-from petra_jax.engine import pipeline_state as state_lib
-from petra_jax.engine import steps as steps_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.transport import pipeline_state as state_lib
+from petra_jax.engine.stages import steps as steps_lib
+from petra_jax.engine.stages.stage import Stage
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
 LR = 0.1

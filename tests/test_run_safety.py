@@ -21,7 +21,8 @@ from tqdm import tqdm
 from petra_jax.training import checkpoint_blocks
 from petra_jax import config as config_lib
 from petra_jax import models, train
-from petra_jax.engine import objective, pipeline
+from petra_jax.engine.stages import objective
+from petra_jax.engine import pipeline
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
 from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process

@@ -6,8 +6,8 @@ import pytest
 
 from petra_jax.benchmarks import simulate
 from petra_jax.benchmarks import memory_model
-from petra_jax.engine import schedule
-from petra_jax.engine.schedule import Schedule, TaskKind
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.schedules import Schedule, TaskKind
 
 
 def _when(table):

@@ -11,8 +11,8 @@ from petra_jax import models
 from petra_jax.benchmarks import memory_model
 from petra_jax.benchmarks import simulate
 from petra_jax.engine import pipeline
-from petra_jax.engine.schedule import Schedule, Task, TaskKind
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.schedules import Schedule, Task, TaskKind
+from petra_jax.engine.stages.stage import Stage
 import reference_loop
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax.engine import schedule
+from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 
 
 def noop_step(fn: Callable) -> Callable:

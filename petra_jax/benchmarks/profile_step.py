@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.models import layers
 import flax.linen as nn
 import jax

@@ -16,12 +16,12 @@ import jax
 import numpy as np
 import optax
 
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.benchmarks.scaling_processes import available_cores, pin_to_cores
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule
 from petra_jax.engine import timing
 from petra_jax.engine.pipeline import Pipeline
 
@@ -186,7 +186,7 @@ def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
 
   Every process calls it; ``round_trip_ms`` is set on the owner of stage ``b-1``.
   """
-  from petra_jax.engine import transport  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.transport import transfers as transport  # pylint: disable=g-import-not-at-top
   specs = pipe.message_specs(images)
   fwd_spec = specs[b]
   bwd_spec = (specs[b] if pipe.reconstructs[b - 1] else None, specs[b])

@@ -1,15 +1,15 @@
 """Event-driven time of a schedule with one device per stage.
 
 Costs, dependencies and messages come from the schedule's family
-(:class:`petra_jax.engine.schedule.TickTable`).
+(:class:`petra_jax.engine.schedules.TickTable`).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine.schedule import Schedule, Task
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.schedules import Schedule, Task
 
 
 def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float],

@@ -29,15 +29,15 @@ import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 from petra_jax.benchmarks import simulate  # noqa: E402
-from petra_jax.engine import partition  # noqa: E402
+from petra_jax.engine.stages import partition  # noqa: E402
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
-from petra_jax.engine import quantize as quantize_lib  # noqa: E402
-from petra_jax.engine import schedule  # noqa: E402
-from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
+from petra_jax.engine.arrays import quantize as quantize_lib  # noqa: E402
+from petra_jax.engine import schedules as schedule  # noqa: E402
+from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
-from petra_jax.engine.stage import Stage, has_reversible  # noqa: E402
+from petra_jax.engine.stages.stage import Stage, has_reversible  # noqa: E402
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

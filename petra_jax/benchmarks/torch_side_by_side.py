@@ -175,7 +175,8 @@ def _gpt_command(args) -> tuple:
 def _gpt_pipelines() -> dict:
   """``{"backprop": gpt_nano, "petra": revgpt_nano in 4 stages}`` on one device, AdamW."""
   from petra_jax.benchmarks import cli  # noqa: PLC0415
-  from petra_jax.engine import objective, partition  # noqa: PLC0415
+  from petra_jax.engine.stages import objective
+  from petra_jax.engine.stages import partition  # noqa: PLC0415
   from petra_jax.engine.pipeline import Pipeline  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import optax  # noqa: PLC0415

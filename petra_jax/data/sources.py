@@ -32,7 +32,7 @@ class DatasetInfo:
     auto_download: tfds downloads it when missing with ``download=None``.
     manual_archives: files tfds needs in ``<data_dir>/downloads/manual``.
     size: download size, for messages.
-    objective: the objective's name (``petra_jax.engine.objective``): ``"classification"``, or
+    objective: the objective's name (``petra_jax.engine.stages.objective``): ``"classification"``, or
       ``"next_token"`` for text (``image_shape`` ``(T,)`` and ``num_classes`` ``V`` are set
       when the text is opened: ``data.text.open_text``).
     eval_prefix: the metrics' prefix of evaluations on ``test_split`` during training.

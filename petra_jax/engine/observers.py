@@ -13,13 +13,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import diagnostics
-from petra_jax.engine import quantize
-from petra_jax.engine import transport
+from petra_jax.engine.stages import diagnostics
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.schedule import Task, TaskKind
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.tasks import TaskResult, copy_tree
+from petra_jax.engine.schedules import Task, TaskKind
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.methods.tasks import TaskResult, copy_tree
 
 
 class Observer:
@@ -82,7 +82,7 @@ class GradientProbe(Observer):
   """Applied, delayed and end-to-end gradients of probed micro-batches (paper App. B).
 
   Multi-process, each stage sends its part to stage 0's device at its backward
-  (:func:`petra_jax.engine.transport.transfer`); only stage 0's process has results.
+  (:func:`petra_jax.engine.transport.transfers.transfer`); only stage 0's process has results.
   """
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):

@@ -14,23 +14,26 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import context as context_lib
-from petra_jax.engine import forward_gradient as fg_lib
-from petra_jax.engine import input_checks, local_learning, tasks, transport
+from petra_jax.engine.methods import context as context_lib
+from petra_jax.engine.methods import forward_gradient as fg_lib
+from petra_jax.engine.stages import input_checks
+from petra_jax.engine.methods import local_learning
+from petra_jax.engine.methods import tasks
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import objective as objective_lib
-from petra_jax.engine import stage_checks
-from petra_jax.engine import placement as placement_lib
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.messages import Messenger, resolve
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.schedule import Schedule, TaskKind
-from petra_jax.engine.stage import Stage, trace
-from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.steps import BN_POLICIES, OneStage, StageSteps
-from petra_jax.engine.tasks import TaskResult, TickOutput
+from petra_jax.engine.stages import objective as objective_lib
+from petra_jax.engine.stages import stage_checks
+from petra_jax.engine.transport import placement as placement_lib
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.transport.messages import Messenger, resolve
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.schedules import Schedule, TaskKind
+from petra_jax.engine.stages.stage import Stage, trace
+from petra_jax.engine.stages.stage_state import StageState
+from petra_jax.engine.stages.steps import BN_POLICIES, OneStage, StageSteps
+from petra_jax.engine.methods.tasks import TaskResult, TickOutput
 
 Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
@@ -214,7 +217,7 @@ class Pipeline:
     Raises:
       ScheduleError: a task's input has not arrived.
       ValueError: images or labels unlike the model's declared input
-        (:mod:`~petra_jax.engine.input_checks`: layout, dtype, label form).
+        (:mod:`~petra_jax.engine.stages.input_checks`: layout, dtype, label form).
     """
     if batches is not None:
       batches = input_checks.checked(batches, self.input_spec)

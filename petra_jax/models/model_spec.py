@@ -27,7 +27,7 @@ class ModelSpec:
 
   @property
   def objective(self) -> str:
-    """The objective it is built for (``petra_jax.engine.objective``)."""
+    """The objective it is built for (``petra_jax.engine.stages.objective``)."""
     return "next_token" if self.family in LANGUAGE_FAMILIES else "classification"
 
   @property

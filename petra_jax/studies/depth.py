@@ -298,7 +298,7 @@ def measure_stage_ms(config, micro_batch: int, iters: int = 3) -> dict:
   import optax  # pylint: disable=g-import-not-at-top
 
   from petra_jax import models  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
   from petra_jax.engine.pipeline import Pipeline  # pylint: disable=g-import-not-at-top
   from petra_jax.engine.timing import stage_times  # pylint: disable=g-import-not-at-top
   m = config.model
@@ -323,7 +323,7 @@ def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
   not counted for any method (re-read from the dataset, as paper Table 3)."""
   from petra_jax import models  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import memory_model  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
   m = config.model
   stages = partition.group_stages(
       models.build_model(m.name, width=m.width, depth=m.depth or None, num_classes=10,

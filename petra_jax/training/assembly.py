@@ -21,16 +21,16 @@ import optax
 from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.models import auxiliary
-from petra_jax.engine import forward_gradient as fg_lib
+from petra_jax.engine.methods import forward_gradient as fg_lib
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import objective
+from petra_jax.engine.stages import objective
 from petra_jax.engine import observers
-from petra_jax.engine import partition
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import partition
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine import timing
-from petra_jax.engine import transport
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.optim import compensation
 from petra_jax.training import batch_source
@@ -195,13 +195,13 @@ def _prepare_data(config) -> None:
 
 
 def precision(config) -> stage_lib.Precision:
-  """The stages' :class:`~petra_jax.engine.stage.Precision` from ``config.dtype``
+  """The stages' :class:`~petra_jax.engine.stages.stage.Precision` from ``config.dtype``
   and ``config.stream_dtype``."""
   return stage_lib.Precision(config.dtype, config.stream_dtype or config.dtype)
 
 
 def message_formats(config) -> quantize_lib.MessageFormats:
-  """The engine's :class:`~petra_jax.engine.quantize.MessageFormats` from ``config.quantize``."""
+  """The engine's :class:`~petra_jax.engine.arrays.quantize.MessageFormats` from ``config.quantize``."""
   q = config.quantize
   return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel,
                                      q.stochastic)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from petra_jax import data as data_lib
-from petra_jax.engine import objective, transport
+from petra_jax.engine.stages import objective
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import console
 

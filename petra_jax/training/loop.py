@@ -11,8 +11,8 @@ import jax
 import ml_collections
 
 from petra_jax import data as data_lib
-from petra_jax.engine import diagnostics
-from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine.stages import diagnostics
+from petra_jax.engine import schedules as schedule_lib
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
 from petra_jax.training import distributed

@@ -18,10 +18,10 @@ from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import precision as precision_lib
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.arrays import precision as precision_lib
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.optim import compensation
 
 
@@ -302,7 +302,7 @@ def _check_local(config) -> None:
   """``config.forward_gradient`` and ``config.auxiliary``: their values, that
   they are set only for a method that reads them, and what the local methods
   (``local``, ``forward_gradient``) do not support."""
-  from petra_jax.engine import forward_gradient  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.methods import forward_gradient  # pylint: disable=g-import-not-at-top
   from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
   fg, aux = config.forward_gradient, config.auxiliary
   try:

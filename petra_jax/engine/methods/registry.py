@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from petra_jax.engine import forward_gradient_tasks, local_learning, tasks, zero_bubble
-from petra_jax.engine.context import Keeps
-from petra_jax.engine.schedule import (Drained, ForwardOnly, GPipe, OneFOneB, Sequential, Stream,
-                                       TaskKind, TickTable)
+from petra_jax.engine.methods import forward_gradient_tasks, local_learning, tasks, zero_bubble
+from petra_jax.engine.methods.context import Keeps
+from petra_jax.engine.schedules import (Drained, ForwardOnly, GPipe, OneFOneB, Sequential, Stream,
+                                        TaskKind, TickTable, ZeroBubbleH1)
 
 # Task builders ``StageContext -> task`` per task kind.
 BACKWARD_TASKS = {TaskKind.FORWARD: tasks.forward_task, TaskKind.BACKWARD: tasks.backward_task,
@@ -76,7 +76,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("delayed", Stream, stashes_weights=True, reconstructs=False),
     Method("gpipe", GPipe, stashes_weights=False, reconstructs=False),
     Method("1f1b", OneFOneB, stashes_weights=False, reconstructs=False),
-    Method("zb_h1", zero_bubble.ZeroBubbleH1, stashes_weights=False, reconstructs=False,
+    Method("zb_h1", ZeroBubbleH1, stashes_weights=False, reconstructs=False,
            tasks=zero_bubble.TASKS),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)

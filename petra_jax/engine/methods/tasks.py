@@ -12,8 +12,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine.context import StageContext
-from petra_jax.engine.pipeline_state import PipelineState, take
+from petra_jax.engine.methods.context import StageContext
+from petra_jax.engine.transport.pipeline_state import PipelineState, take
 
 PyTree = Any
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)

@@ -2,7 +2,7 @@
 
 A payload (``forward``: output to stage ``j+1``; ``backward``:
 ``(y_{j-1} or None, delta_j)`` to stage ``j-1``; ``buffer``: a kept input) is
-encoded in its kind's format, then moved by :mod:`petra_jax.engine.transport`.
+encoded in its kind's format, then moved by :mod:`petra_jax.engine.transport.transfers`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import transport
-from petra_jax.engine.stage import Stage, trace
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.transport import transfers as transport
+from petra_jax.engine.stages.stage import Stage, trace
 
 PyTree = Any
 
@@ -34,7 +34,7 @@ class Messenger:
   """Encodes, shapes and moves the payloads of one pipeline's stages (all ``[B, ...]``).
 
   Args:
-    placements: each stage's :class:`petra_jax.engine.placement.Placement`.
+    placements: each stage's :class:`petra_jax.engine.transport.placement.Placement`.
     owned: per stage, whether this process runs it.
   """
 

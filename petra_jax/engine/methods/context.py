@@ -11,10 +11,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
-from petra_jax.engine import packing, transport
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.stage import Stage
-from petra_jax.engine.steps import OneStage
+from petra_jax.engine.arrays import packing
+from petra_jax.engine.transport import transfers as transport
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.stages.stage import Stage
+from petra_jax.engine.stages.steps import OneStage
 
 
 
@@ -34,7 +35,7 @@ class StageContext:
   Attributes:
     j: the stage's index; ``last``: whether it is ``J - 1`` (the loss stage).
     stage: the :class:`Stage` (its module, for the local methods' own steps).
-    steps: its jitted steps (:class:`petra_jax.engine.steps.OneStage`).
+    steps: its jitted steps (:class:`petra_jax.engine.stages.steps.OneStage`).
     owned: whether this process runs it.
     keeps: what it holds between forward and backward (paper Table 4).
     send: its output to ``j + 1`` (None on the last stage).

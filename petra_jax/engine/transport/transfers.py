@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from petra_jax.engine import placement as placement_lib
+from petra_jax.engine.transport import placement as placement_lib
 
 PyTree = Any
 _AXIS = "pair"

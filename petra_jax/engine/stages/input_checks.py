@@ -2,7 +2,7 @@
 the input the model declared (``Pipeline.init``'s ``sample_input``).
 
 Images must be floating ``[B, H, W, C]`` (NHWC) as that sample; labels int ``[B]``
-class indices (a :class:`~petra_jax.engine.objective.Objective` with ``integer_inputs``, e.g.
+class indices (a :class:`~petra_jax.engine.stages.objective.Objective` with ``integer_inputs``, e.g.
 next-token prediction, takes int token ids ``[B, T]`` and int targets ``[B, T]``). A mismatch is one ``ValueError`` line saying what was expected and
 the fix (channels-first images, raw uint8 pixels, one-hot labels), instead of NaN
 losses or a traceback deep in a stage. Only shapes and dtypes are read: nothing
@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from petra_jax.engine import objective as objective_lib
+from petra_jax.engine.stages import objective as objective_lib
 
 
 @dataclasses.dataclass(frozen=True)

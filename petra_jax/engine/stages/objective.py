@@ -1,7 +1,7 @@
 """What a pipeline is trained for: an :class:`Objective` (its loss, targets' shape and metrics).
 
 Both objectives share one loss, the mean softmax cross-entropy over every target
-position (:func:`petra_jax.engine.stage.cross_entropy`), so every method,
+position (:func:`petra_jax.engine.stages.stage.cross_entropy`), so every method,
 schedule and compensation trains either unchanged. ``Task`` is the deprecated
 old name of :class:`Objective`:
 

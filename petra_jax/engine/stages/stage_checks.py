@@ -7,9 +7,9 @@ from typing import Any, Optional, Sequence
 from flax.core import unfreeze
 import jax
 
-from petra_jax.engine import objective as objective_lib
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.nnx_modules import as_linen
+from petra_jax.engine.stages import objective as objective_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.nnx_modules import as_linen
 
 PyTree = Any
 
@@ -24,7 +24,7 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
     stages: the model's ``Stage`` list.
     sample_input: stage 0's input, e.g. ``float32[B, H, W, C]``; None checks only the list.
     num_classes: ``K`` of the last stage's ``[B, K]`` logits; None: any ``K``.
-    objective: the :class:`~petra_jax.engine.objective.Objective`: logits ``[B, K]`` or
+    objective: the :class:`~petra_jax.engine.stages.objective.Objective`: logits ``[B, K]`` or
       ``[B, T, V]``.
     task: the deprecated old name of ``objective`` (a ``DeprecationWarning``).
 
