@@ -2,10 +2,9 @@
 
 Importing the package applies the XLA-CPU work-around (``_xla_flags``) before
 JAX starts: import ``petra_jax`` before any JAX computation. The public names
-below are imported on first use.
+below are imported on first use (``import petra_jax`` does not import JAX);
+``Task`` is the deprecated old name of ``Objective`` (a ``DeprecationWarning``).
 """
-
-import importlib
 
 from petra_jax import _xla_flags
 
@@ -13,37 +12,57 @@ _xla_flags.apply_cpu_workaround()
 
 __version__ = "0.1.0"
 
-_PUBLIC = {
-    "Stage": "petra_jax.engine.stage",
-    "Pipeline": "petra_jax.engine.pipeline",
-    "PipelineState": "petra_jax.engine.pipeline_state",
-    "StageState": "petra_jax.engine.stage_state",
-    "Schedule": "petra_jax.engine.schedule",
-    "Task": "petra_jax.engine.objective",
-    "CLASSIFICATION": "petra_jax.engine.objective",
-    "NEXT_TOKEN": "petra_jax.engine.objective",
-    "composed_loss": "petra_jax.engine.stage",
-    "group_stages": "petra_jax.engine.partition",
-    "build_model": "petra_jax.models",
-    "check_stages": "petra_jax.engine.stage_checks",
-    "trained_variables": "petra_jax.engine.stage_checks",
-    "update_nnx": "petra_jax.engine.nnx_modules",
-    "get_config": "petra_jax.config",
-    "train_and_evaluate": "petra_jax.training.loop",
-}
-__all__ = [  # the keys of _PUBLIC
-    "CLASSIFICATION", "NEXT_TOKEN", "Task", "Pipeline", "PipelineState", "Schedule", "Stage", "StageState", "build_model", "check_stages",
-    "composed_loss", "get_config", "group_stages", "train_and_evaluate", "trained_variables",
-    "update_nnx",
+__all__ = [
+    "CLASSIFICATION", "NEXT_TOKEN", "Objective", "Pipeline", "PipelineState", "Schedule", "Stage",
+    "StageState", "build_model", "check_stages", "composed_loss", "get_config", "group_stages",
+    "train_and_evaluate", "trained_variables", "update_nnx",
 ]
 
 
+def _engine() -> dict:
+  """The engine's public names (imports JAX and Flax)."""
+  from petra_jax.engine.stages.nnx_modules import update_nnx
+  from petra_jax.engine.stages.objective import CLASSIFICATION, NEXT_TOKEN, Objective
+  from petra_jax.engine.stages.partition import group_stages
+  from petra_jax.engine.pipeline import Pipeline
+  from petra_jax.engine.transport.pipeline_state import PipelineState
+  from petra_jax.engine.schedules import Schedule
+  from petra_jax.engine.stages.stage import Stage, composed_loss
+  from petra_jax.engine.stages.stage_checks import check_stages, trained_variables
+  from petra_jax.engine.stages.stage_state import StageState
+  return {"update_nnx": update_nnx, "CLASSIFICATION": CLASSIFICATION, "NEXT_TOKEN": NEXT_TOKEN,
+          "Objective": Objective, "group_stages": group_stages, "Pipeline": Pipeline,
+          "PipelineState": PipelineState, "Schedule": Schedule, "Stage": Stage,
+          "composed_loss": composed_loss, "check_stages": check_stages,
+          "trained_variables": trained_variables, "StageState": StageState}
+
+
+def _models() -> dict:
+  from petra_jax.models import build_model
+  return {"build_model": build_model}
+
+
+def _config() -> dict:
+  from petra_jax.config import get_config
+  return {"get_config": get_config}
+
+
+def _training() -> dict:
+  from petra_jax.training.loop import train_and_evaluate
+  return {"train_and_evaluate": train_and_evaluate}
+
+
+_LOADERS = {"build_model": _models, "get_config": _config, "train_and_evaluate": _training}
+
+
 def __getattr__(name):
-  if name not in _PUBLIC:
+  if name == "Task":
+    from petra_jax.engine.stages import objective
+    return objective.deprecated_task()
+  if name not in __all__:
     raise AttributeError(f"module 'petra_jax' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_PUBLIC[name]), name)
-  globals()[name] = value
-  return value
+  globals().update(_LOADERS.get(name, _engine)())
+  return globals()[name]
 
 
 def __dir__():

@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from petra_jax.engine import diagnostics  # noqa: E402
+from petra_jax.engine.stages import diagnostics  # noqa: E402
 from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 _KEY = re.compile(rf"^{diagnostics.PREFIX}/(?P<name>\w+)/stage_(?P<stage>\d+)$")
@@ -64,7 +64,7 @@ def series(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def grad_quality(records: Sequence[dict]) -> dict[str, dict[int, tuple]]:
   """``{metric: {stage: (steps, values)}}`` of the ``grad_quality/...`` keys
-  (metric names as :data:`petra_jax.engine.diagnostics.METRICS`)."""
+  (metric names as :data:`petra_jax.engine.stages.diagnostics.METRICS`)."""
   keys = collections.defaultdict(dict)
   for r in records:
     for k in r:

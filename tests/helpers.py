@@ -42,7 +42,7 @@ def composed_loss(stages, params, batch_stats, x, labels):
   """Loss of the composed model, written independently of the engine.
 
   The reversible coupling is spelt out here, (y1, y2) = (x2 + F(x1), x1),
-  so this does not reuse petra_jax.engine.stage.forward.
+  so this does not reuse petra_jax.engine.stages.stage.forward.
   """
   h = x
   for s, p, bs in zip(stages, params, batch_stats):
@@ -127,7 +127,7 @@ def random_variables(stage, x, seed):
 def tiny_revnet():
   """stem, rev, downsample, rev, head: a 5-stage RevNet of width 2 (fast to compile)."""
   from petra_jax import models  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine.stage import Stage  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages.stage import Stage  # pylint: disable=g-import-not-at-top
   return [Stage("stem", models.Stem(2), False),
           Stage("rev0", models.BasicResidual(2), True),
           Stage("down", models.BasicDownsample(4, 2), False),
@@ -155,7 +155,7 @@ def zero_delay_update_errors(stages, method: str) -> list:
 def drained_step(pipe, state, images, labels):
   """One micro-batch with every delay 0: the method's stage steps on the
   ``drained`` table. Returns ``(new_state, loss)``."""
-  from petra_jax.engine.schedule import Schedule  # noqa: PLC0415
+  from petra_jax.engine.schedules import Schedule  # noqa: PLC0415
   state, outs = pipe.run(state, Schedule("drained", pipe.num_stages, 1),
                          lambda m: (images, labels))
   return state, outs[0].loss

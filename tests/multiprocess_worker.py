@@ -42,11 +42,11 @@ from petra_jax import models, train
 from petra_jax.engine import timing
 from petra_jax.training import assembly, distributed
 from petra_jax.engine import observers
-from petra_jax.engine import quantize
-from petra_jax.engine import schedule
-from petra_jax.engine import transport
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 
 WIDTH, MICRO_BATCH, NUM_MICRO_BATCHES, NUM_TEST = 4, 8, 8, 40
 PROBE_EVERY = 3  # micro-batches 0, 3, 6
@@ -75,11 +75,11 @@ def _received_dtypes(pipe, state) -> set:
   came from a stage of another process."""
   out = set()
   for j in range(pipe.num_stages):
-    if not pipe.local[j]:
+    if not pipe.owned[j]:
       continue
-    if j > 0 and not pipe.local[j - 1]:
+    if j > 0 and not pipe.owned[j - 1]:
       out |= {str(l.dtype) for p in state.inbox[j].values() for l in jax.tree.leaves(p)}
-    if j + 1 < pipe.num_stages and not pipe.local[j + 1]:
+    if j + 1 < pipe.num_stages and not pipe.owned[j + 1]:
       out |= {str(l.dtype) for p in state.grad_inbox[j].values() for l in jax.tree.leaves(p)}
   return out
 
@@ -94,7 +94,7 @@ def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1
                   formats=quantize.MessageFormats(forward=fmt, backward=fmt),
                   data_parallel=data_parallel)
   info = data_lib.get_dataset_info("cifar10")
-  open_fn = data_lib.load_split if pipe.local[0] else data_lib.open_labels
+  open_fn = data_lib.load_split if pipe.owned[0] else data_lib.open_labels
   n_train = MICRO_BATCH * NUM_MICRO_BATCHES
   train_split = open_fn("cifar10", "train", data_dir, limit=n_train)
   test_split = open_fn("cifar10", "test", data_dir, limit=NUM_TEST)
@@ -105,7 +105,7 @@ def run(data_dir: str, die_after: int, fmt: str = "none", data_parallel: int = 1
 
   def batches(m):
     idx = data_lib.batch_indices(n_train, MICRO_BATCH, seed=0, epoch=0)[m]
-    if pipe.local[0]:
+    if pipe.owned[0]:
       return batch_fn(train_split, idx, jax.random.fold_in(key, m))
     return None, data_lib.read_labels(train_split, idx)
 

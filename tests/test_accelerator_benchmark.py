@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from petra_jax.benchmarks import accelerator, cli
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.precision import Precision
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.arrays.precision import Precision
 
 TINY = ["--width=2", "--micro-batches=2", "--ticks=3", "--warmup=1",
         "--methods=petra,backprop", "--dtypes=float32", "--json"]

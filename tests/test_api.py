@@ -173,3 +173,13 @@ def test_user_model_with_wrong_head_is_refused_at_validation(user_module):
       USER_MODULE.replace("Head(num_classes)", "Head(10)"))
   with pytest.raises(validation.ConfigError, match=r"logits \[B, num_classes\] = \[2, 100\]"):
     validation.validate_config(c, len(jax.local_devices()))
+
+
+def test_task_is_the_deprecated_name_of_objective():
+  from petra_jax.engine.stages import objective  # pylint: disable=g-import-not-at-top
+  with pytest.warns(DeprecationWarning, match="Objective"):
+    assert petra_jax.Task is petra_jax.Objective
+  with pytest.warns(DeprecationWarning, match="Objective"):
+    assert objective.Task is objective.Objective
+  with pytest.warns(DeprecationWarning, match="objective="):
+    petra_jax.check_stages(petra_jax.build_model("revnet18", width=2), task=petra_jax.CLASSIFICATION)

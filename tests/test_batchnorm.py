@@ -118,7 +118,7 @@ def test_channel_sums_of_several_arrays_match_float64(n):
 def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
   """A tiny RevNet18 (ReLUs fused into conv_bn) against the same with Flax's layer."""
   from petra_jax.benchmarks import cli, profile_step
-  from petra_jax.engine import stage as stage_lib
+  from petra_jax.engine.stages import stage as stage_lib
   x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
   labels = jnp.arange(4) % 10
 

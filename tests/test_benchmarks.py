@@ -13,8 +13,9 @@ import pytest
 from petra_jax import data, models
 
 from petra_jax.benchmarks import memory, memory_live, memory_model, throughput, timeline
-from petra_jax.engine import quantize, schedule
-from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost
 from petra_jax.engine.timing import stage_cost
 
 from helpers import tiny_revnet

@@ -116,7 +116,7 @@ def test_fingerprint_fields_missing_from_an_older_checkpoint_are_not_checked(tmp
 
 def test_quantised_messages_in_flight_restore_bit_exactly(tmp_path):
   # int8 activations and buffers, bfloat16 (x~, delta): Quantized payloads.
-  from petra_jax.engine import quantize
+  from petra_jax.engine.arrays import quantize
 
   def build():
     pipe = pipeline.Pipeline(tiny_revnet(), optax.sgd(0.05, momentum=0.9), jax.devices()[:1],

@@ -13,7 +13,7 @@ from petra_jax.optim import compensation
 
 from petra_jax.engine import pipeline
 
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.training import assembly
 from helpers import random_batch, tiny_revnet
 

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from petra_jax.engine import compiled
-from petra_jax.engine import quantize
+from petra_jax.engine.arrays import quantize
 from petra_jax.engine.observers import GradientProbe
 from petra_jax.engine.pipeline import Pipeline
 

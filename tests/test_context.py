@@ -6,9 +6,13 @@ import inspect
 
 import pytest
 
-from petra_jax.engine import context, forward_gradient_tasks, local, tasks, zero_bubble
+from petra_jax.engine.methods import context
+from petra_jax.engine.methods import forward_gradient_tasks
+from petra_jax.engine.methods import local_learning
+from petra_jax.engine.methods import tasks
+from petra_jax.engine.methods import zero_bubble
 
-BUILDER_MODULES = (tasks, local, forward_gradient_tasks, zero_bubble)
+BUILDER_MODULES = (tasks, local_learning, forward_gradient_tasks, zero_bubble)
 
 
 def _builders():

@@ -16,7 +16,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from petra_jax.engine import placement
+from petra_jax.engine.transport import placement
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import checkpoint, validation
 from helpers import random_batch, tiny_revnet

@@ -10,10 +10,10 @@ import pytest
 
 import helpers
 from petra_jax import config as config_lib
-from petra_jax.engine import forward_gradient as fg
+from petra_jax.engine.methods import forward_gradient as fg
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.models import auxiliary
 from petra_jax.training import validation
 from helpers import (batches_of, composed_loss, random_batch, random_variables, rel_err,

@@ -14,14 +14,14 @@ import pytest
 from petra_jax.training import validation
 from petra_jax import models, train
 
-from petra_jax.engine import diagnostics
+from petra_jax.engine.stages import diagnostics
 
 from petra_jax.training import metrics
 
 from petra_jax.engine import observers
 
 from petra_jax.engine import pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 from helpers import random_batch
 from helpers import REPO, tiny_config
 

@@ -138,8 +138,9 @@ def test_a_tick_moves_its_messages_in_one_batched_device_put(monkeypatch):
   # 5 stages on 4 devices: a steady-state tick's forward and backward
   # messages across the 3 device boundaries (6 payloads) leave in one
   # jax.device_put, after the tick's computation.
-  from petra_jax.engine import messages, transport
-  from petra_jax.engine.messages import Deferred
+  from petra_jax.engine.transport import messages
+  from petra_jax.engine.transport import transfers as transport
+  from petra_jax.engine.transport.messages import Deferred
   calls = []
   real_send = transport.send
 

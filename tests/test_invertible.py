@@ -19,7 +19,7 @@ from petra_jax import models
 
 from petra_jax.models import invertible, summary
 from helpers import random_variables as _random_variables
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 
 
 def _normal(seed, shape):

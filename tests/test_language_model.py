@@ -14,9 +14,9 @@ import pytest
 from helpers import composed_logits, composed_loss, drained_step, rel_err
 from petra_jax import models, sample
 from petra_jax.data import text
-from petra_jax.engine import objective
+from petra_jax.engine.stages import objective
 from petra_jax.engine import pipeline
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.training import evaluate
 
 V, T = 11, 8
@@ -35,7 +35,7 @@ def tokens(batch=4, seed=0):
 def init(stages, seed=0):
   method = "petra" if stage_lib.has_reversible(stages) else "backprop"
   pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1], method=method,
-                           task=objective.NEXT_TOKEN)
+                           objective=objective.NEXT_TOKEN)
   state = pipe.init(seed, tokens()[0])
   return pipe, state, [s.params for s in state.train_states]
 
@@ -100,7 +100,7 @@ def test_zero_delay_update_equals_jax_grad(method):
   jax.grad of the composed model (helpers.composed_loss, written without the engine)."""
   stages = tiny("revgpt_nano")
   pipe = pipeline.Pipeline(stages, optax.sgd(1.0), jax.devices()[:1], method=method,
-                           task=objective.NEXT_TOKEN)
+                           objective=objective.NEXT_TOKEN)
   x, y = tokens()
   state = pipe.init(0, x)
   params = [jax.tree.map(lambda a: a.copy(), s.params) for s in state.train_states]

@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from petra_jax.engine import methods, pipeline, schedule
-from petra_jax.engine.stage import group
-from petra_jax.engine.auxiliary import AUX_KEY
+from petra_jax.engine import methods
+from petra_jax.engine import pipeline
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.stages.stage import group
+from petra_jax.engine.methods.auxiliary import AUX_KEY
 from petra_jax.models import auxiliary
 from helpers import batches_of, random_batch, random_variables, rel_err, run_ticks, tiny_revnet
 
@@ -66,7 +68,7 @@ def test_local_stream_has_no_backward_tasks_and_stores_nothing():
   pipe = pipeline.Pipeline(stages, optax.sgd(0.1), jax.devices()[:1], method="local")
   table = pipe.schedule(6)
   assert len(table) == 6 + len(stages) - 1
-  assert all(t.kind != schedule.BACKWARD for tick in table for t in tick)
+  assert all(t.kind != schedule.TaskKind.BACKWARD for tick in table for t in tick)
   state = pipe.init(0, random_batch()[0])
   state, outs = run_ticks(pipe, state, 6, batches_of(), num_ticks=len(stages) + 1)
   assert state.stored_bytes() == [0] * len(stages)
@@ -81,7 +83,7 @@ def test_head_does_not_change_the_stage_forward():
   v = random_variables(with_head[0], x, 0)
   assert AUX_KEY in v["params"]
   plain = {k: a for k, a in v["params"].items() if k != AUX_KEY}
-  from petra_jax.engine.stage import forward  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages.stage import forward  # pylint: disable=g-import-not-at-top
   a = forward(with_head[0], v["params"], v["batch_stats"], x)[0]
   b = forward(blocks[0], plain, v["batch_stats"], x)[0]
   assert all(jnp.array_equal(u, w) for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -11,9 +11,9 @@ import pytest
 from petra_jax import models
 from petra_jax.engine import methods
 from petra_jax.engine import pipeline
-from petra_jax.engine import schedule
-from petra_jax.engine import steps
-from petra_jax.engine.stage import Stage
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.stages import steps
+from petra_jax.engine.stages.stage import Stage
 from helpers import (batches_of, random_batch, run_ticks, tiny_revnet,
                      zero_delay_update_errors)
 

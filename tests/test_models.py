@@ -13,7 +13,7 @@ import pytest
 
 from petra_jax import models
 from petra_jax.models import summary
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from helpers import random_variables as _random_variables
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from helpers import REPO, without_virtual_devices
-from petra_jax.engine import diagnostics
+from petra_jax.engine.stages import diagnostics
 
 LAUNCH = os.path.join(REPO, "launch", "local.sh")
 TIMEOUT_S = 240  # per run; a hang fails the test instead of blocking the suite

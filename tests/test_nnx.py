@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import petra_jax
-from petra_jax.engine.stage_state import StageState
+from petra_jax.engine.stages.stage_state import StageState
 from helpers import batches_of, random_batch, run_ticks
 
 

@@ -119,7 +119,7 @@ def schedule_of(**overrides):
 
 
 def test_warmup_is_linear_from_zero():
-  for name in optim.SCHEDULES:
+  for name in optim.LR_SCHEDULES:
     s = schedule_of(**{"optim.schedule": name})
     np.testing.assert_allclose([s(0), s(10), s(25), s(49)],
                                [0.0, 0.04, 0.1, 0.2 * 49 / 50], rtol=1e-6)

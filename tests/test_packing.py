@@ -1,4 +1,4 @@
-"""Packed stage states (petra_jax/engine/packing.py): exact round trips, and
+"""Packed stage states (petra_jax/engine/arrays/packing.py): exact round trips, and
 packed steps that compute exactly what the unpacked ones do."""
 
 import dataclasses
@@ -11,10 +11,10 @@ import pytest
 from petra_jax.engine import pipeline as pipeline_lib
 
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import packing
+from petra_jax.engine.arrays import packing
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.steps import StageSteps
+from petra_jax.engine.stages.stage_state import StageState
+from petra_jax.engine.stages.steps import StageSteps
 
 from helpers import batches_of, random_batch, random_variables, run_ticks, tiny_revnet
 

@@ -9,13 +9,13 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from helpers import random_batch, random_variables, rel_err, run_ticks, batches_of
 from petra_jax import models
 from petra_jax.benchmarks import reversible_backward as bench
 from petra_jax.engine import pipeline
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 
 
 def _stage_and_inputs(model, n):

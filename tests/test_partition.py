@@ -10,11 +10,11 @@ import pytest
 import helpers
 from petra_jax import models
 
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 
 from petra_jax.engine import pipeline
 
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 
 from petra_jax.engine import timing
 from helpers import composed_loss, random_batch, rel_err

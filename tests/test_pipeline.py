@@ -12,10 +12,10 @@ import pytest
 
 from petra_jax.engine import observers
 from petra_jax.engine import pipeline
-from petra_jax.engine import schedule
-from petra_jax.engine import pipeline_state as state_lib
-from petra_jax.engine import steps as steps_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.transport import pipeline_state as state_lib
+from petra_jax.engine.stages import steps as steps_lib
+from petra_jax.engine.stages.stage import Stage
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
 LR = 0.1
@@ -236,4 +236,4 @@ def test_a_task_before_its_input_arrives_is_a_schedule_error():
   xs, ys = _toy_data(1)
   state = pipe.init(0, xs[0])
   with pytest.raises(state_lib.ScheduleError, match="stage 1 has no input for micro-batch 0"):
-    pipe.run_tick(state, (schedule.Task(1, schedule.FORWARD, 0),), lambda m: (xs[m], ys[m]))
+    pipe.run_tick(state, (schedule.Task(1, schedule.TaskKind.FORWARD, 0),), lambda m: (xs[m], ys[m]))

@@ -1,4 +1,4 @@
-"""Tests of petra_jax.engine.quantize: bounds, real byte savings, unbiasedness, jit."""
+"""Tests of petra_jax.engine.arrays.quantize: bounds, real byte savings, unbiasedness, jit."""
 
 import functools
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from petra_jax.engine import quantize as Q
+from petra_jax.engine.arrays import quantize as Q
 
 SHAPE = (4, 8, 8, 16)  # [B, H, W, C]
 

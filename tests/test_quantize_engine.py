@@ -20,10 +20,10 @@ import helpers
 from helpers import random_batch, random_variables, run_ticks, tiny_revnet
 from petra_jax import models, train
 from petra_jax.training import metrics
-from petra_jax.engine import quantize
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 from helpers import tiny_config
 
 

@@ -28,8 +28,9 @@ import reference_loop as ref
 from helpers import random_batch
 from petra_jax import config as config_lib
 from petra_jax import models
-from petra_jax.engine import partition, pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import partition
+from petra_jax.engine import pipeline
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.optim import compensation, optimizers
 
 NUM_MICRO, POOL = 12, 4

@@ -17,12 +17,12 @@ import pytest
 from petra_jax.training import checkpoint_blocks
 from petra_jax.training import validation
 from petra_jax.training import assembly
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from petra_jax import models, train
 
 from petra_jax.training import checkpoint
 from petra_jax.training import metrics as metrics_lib
-from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine import schedules as schedule_lib
 
 from petra_jax.optim import compensation
 

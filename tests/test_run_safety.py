@@ -21,7 +21,8 @@ from tqdm import tqdm
 from petra_jax.training import checkpoint_blocks
 from petra_jax import config as config_lib
 from petra_jax import models, train
-from petra_jax.engine import objective, pipeline
+from petra_jax.engine.stages import objective
+from petra_jax.engine import pipeline
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
 from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process
@@ -208,7 +209,7 @@ def test_summary_names_the_automatic_learning_rate(capsys):
   c.batch_size, c.optim.learning_rate = 512, 0.0
   stage = types.SimpleNamespace(blocks=[1])
   pipe = types.SimpleNamespace(stages=[stage] * 2, devices=jax.devices()[:1], num_stages=2,
-                               task=objective.CLASSIFICATION)
+                               objective=objective.CLASSIFICATION)
   run = types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
                               restored_step=None, total_steps=4, steps_per_epoch=2)
   console.setup_summary(run)

@@ -6,8 +6,8 @@ import pytest
 
 from petra_jax.benchmarks import simulate
 from petra_jax.benchmarks import memory_model
-from petra_jax.engine import schedule
-from petra_jax.engine.schedule import BACKWARD, FORWARD, LOSS, Schedule
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.schedules import Schedule, TaskKind
 
 
 def _when(table):
@@ -30,15 +30,15 @@ def test_stream_table_is_the_closed_form(J, k):
   assert len(when) == (2 * (J - 1) + 1) * M  # every (stage, micro-batch) once
   for m in range(M):
     for j in range(J - 1):
-      assert when[(j, FORWARD, m)] == m + j
-      assert when[(j, BACKWARD, m)] == m + 2 * (J - 1) - j
-    assert when[(J - 1, LOSS, m)] == m + J - 1
+      assert when[(j, TaskKind.FORWARD, m)] == m + j
+      assert when[(j, TaskKind.BACKWARD, m)] == m + 2 * (J - 1) - j
+    assert when[(J - 1, TaskKind.LOSS, m)] == m + J - 1
   # Fill and drain: 2(J-1) ticks each; M + 2(J-1) ticks in all.
   assert len(table) == M + 2 * (J - 1)
   full = [t for t, tick in enumerate(table) if len(tick) == 2 * (J - 1) + 1]
   if M > 2 * (J - 1):
     assert full[0] == 2 * (J - 1) and full[-1] == M - 1
-  assert table[len(table) - 1] == ((0, BACKWARD, M - 1),)
+  assert table[len(table) - 1] == ((0, TaskKind.BACKWARD, M - 1),)
 
 
 @pytest.mark.parametrize("J", [2, 3, 10])
@@ -49,17 +49,17 @@ def test_drained_table_is_one_micro_batch_at_a_time(J):
   for m in range(3):
     start = m * (2 * J - 1)
     for j in range(J - 1):
-      assert when[(j, FORWARD, m)] - start == j
-      assert when[(j, BACKWARD, m)] - start == 2 * (J - 1) - j
+      assert when[(j, TaskKind.FORWARD, m)] - start == j
+      assert when[(j, TaskKind.BACKWARD, m)] - start == 2 * (J - 1) - j
 
 
 def _dependency(task, J):
   j, kind, m = task
-  if kind == FORWARD:
-    return (j - 1, FORWARD, m) if j else None
-  if kind == LOSS:
-    return (J - 2, FORWARD, m)
-  return (J - 1, LOSS, m) if j == J - 2 else (j + 1, BACKWARD, m)
+  if kind == TaskKind.FORWARD:
+    return (j - 1, TaskKind.FORWARD, m) if j else None
+  if kind == TaskKind.LOSS:
+    return (J - 2, TaskKind.FORWARD, m)
+  return (J - 1, TaskKind.LOSS, m) if j == J - 2 else (j + 1, TaskKind.BACKWARD, m)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b", "stream", "drained"])
@@ -89,8 +89,8 @@ def test_flushed_schedules(J, k):
     peak = memory_model.peak_held(table)
     if kind == "gpipe":
       assert peak[:-1] == [k] * (J - 1)
-      last_f = max(t for (j, kd, m), t in when.items() if kd == FORWARD and m < k)
-      first_b = min(t for (j, kd, m), t in when.items() if kd == BACKWARD and m < k)
+      last_f = max(t for (j, kd, m), t in when.items() if kd == TaskKind.FORWARD and m < k)
+      first_b = min(t for (j, kd, m), t in when.items() if kd == TaskKind.BACKWARD and m < k)
       assert last_f < first_b
     else:
       assert peak[:-1] == [min(J - j, k) for j in range(J - 1)]
@@ -168,3 +168,10 @@ def test_chained_schedules_drain_between_parts():
   rest = [t.micro_batch for tick in list(two)[two.ends()[0]:] for t in tick]
   assert set(first) == set(range(6)) and set(rest) == set(range(6, 10))
   assert schedule.fed(two[two.ends()[0]]) == 6
+
+
+def test_task_kinds_are_an_enum_equal_to_their_old_strings():
+  assert schedule.TaskKind.FORWARD == "forward" and schedule.Task(0, "loss", 1).kind is schedule.TaskKind.LOSS
+  assert {schedule.TaskKind.BACKWARD: 1}["backward"] == 1
+  with pytest.raises(ValueError, match="forwrd"):
+    schedule.Task(0, "forwrd", 0)

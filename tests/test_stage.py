@@ -10,7 +10,7 @@ import helpers
 from petra_jax import models
 
 from petra_jax.engine import pipeline
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from helpers import composed_loss, random_batch, rel_err
 
 

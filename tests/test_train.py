@@ -11,7 +11,7 @@ import pytest
 import optax
 
 from petra_jax.training import validation
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from petra_jax.training import checkpoint
 from petra_jax import models, train
 from petra_jax.engine import timing

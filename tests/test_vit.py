@@ -9,14 +9,14 @@ import optax
 import pytest
 
 from petra_jax.training import assembly
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from helpers import (batches_of, composed_loss, config_file, random_batch, rel_err, run_ticks,
                      tiny_config, zero_delay_update_errors)
 from petra_jax import models
 from petra_jax.engine import methods
 from petra_jax.engine import pipeline
-from petra_jax.engine import quantize
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.models import summary
 
 PIPELINED = [m for m in methods.METHODS if m != "backprop"]

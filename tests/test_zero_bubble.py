@@ -11,9 +11,8 @@ from petra_jax import models
 from petra_jax.benchmarks import memory_model
 from petra_jax.benchmarks import simulate
 from petra_jax.engine import pipeline
-from petra_jax.engine.schedule import FORWARD, Schedule, Task
-from petra_jax.engine.stage import Stage
-from petra_jax.engine.zero_bubble import INPUT_GRAD, LOSS_INPUT_GRAD, WEIGHT_GRAD
+from petra_jax.engine.schedules import Schedule, Task, TaskKind
+from petra_jax.engine.stages.stage import Stage
 import reference_loop
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
@@ -32,20 +31,20 @@ def _consumes(task, J):
   """Read off Qi et al. Fig. 2: F after the previous stage's F, B after the next stage's B
   (or the loss), W after its own B; the last stage's F and B (with the loss) before its W."""
   j, kind, m = task
-  if kind == FORWARD:
-    return [Task(j - 1, FORWARD, m)] if j else []
-  if kind == LOSS_INPUT_GRAD:
-    return [Task(J - 2, FORWARD, m)]
-  if kind == INPUT_GRAD:
-    return [Task(j, FORWARD, m), Task(j + 1, LOSS_INPUT_GRAD if j == J - 2 else INPUT_GRAD, m)]
-  return [Task(j, LOSS_INPUT_GRAD if j == J - 1 else INPUT_GRAD, m)]
+  if kind == TaskKind.FORWARD:
+    return [Task(j - 1, TaskKind.FORWARD, m)] if j else []
+  if kind == TaskKind.LOSS_INPUT_GRAD:
+    return [Task(J - 2, TaskKind.FORWARD, m)]
+  if kind == TaskKind.INPUT_GRAD:
+    return [Task(j, TaskKind.FORWARD, m), Task(j + 1, TaskKind.LOSS_INPUT_GRAD if j == J - 2 else TaskKind.INPUT_GRAD, m)]
+  return [Task(j, TaskKind.LOSS_INPUT_GRAD if j == J - 1 else TaskKind.INPUT_GRAD, m)]
 
 
 @pytest.mark.parametrize("J, k", [(2, 1), (3, 4), (4, 8), (8, 8), (10, 4)])
 def test_table_runs_every_task_once_after_what_it_consumes(J, k):
   table = Schedule("zb_h1", J, 2 * k, k)
   when = _when(table)
-  kinds = {FORWARD: J - 1, INPUT_GRAD: J - 1, WEIGHT_GRAD: J, LOSS_INPUT_GRAD: 1}
+  kinds = {TaskKind.FORWARD: J - 1, TaskKind.INPUT_GRAD: J - 1, TaskKind.WEIGHT_GRAD: J, TaskKind.LOSS_INPUT_GRAD: 1}
   assert len(when) == sum(kinds.values()) * 2 * k
   for task, t in when.items():
     assert all(when[d] < t for d in _consumes(task, J)), task

@@ -23,10 +23,10 @@ from typing import Optional, Sequence
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
-from petra_jax.engine import diagnostics
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.precision import DTYPES
+from petra_jax.engine.stages import diagnostics
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.arrays.precision import DTYPES
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times
 from petra_jax.training import assembly, validation
 import flax

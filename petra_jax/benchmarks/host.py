@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax.engine import schedule
 from petra_jax.engine import compiled
+from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 
 
 EXECUTORS = tuple(e for e in compiled.EXECUTORS if e != "auto")  # each timed side by side

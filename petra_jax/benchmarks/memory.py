@@ -20,7 +20,7 @@ from petra_jax.benchmarks.memory_live import device_memory, measure_live
 from petra_jax.benchmarks.memory_model import (
     GB, METHODS, MIB, PAPER_TABLE3, bytes_per_tick, stage_bytes,
     stored_bytes, table3, table3_extended)
-from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine.arrays import quantize as quantize_lib
 
 # Table 6 (CIFAR-10, batch 256): GB per 0-based stage of RevNet18, the legible entries.
 PAPER_TABLE6 = {"revnet18": {3: 2.67, 5: 1.13, 6: 0.31, 7: 0.57, 8: 0.25, 9: 0.11}}

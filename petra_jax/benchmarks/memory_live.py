@@ -10,10 +10,10 @@ import numpy as np
 import optax
 
 from petra_jax.benchmarks.memory_model import first_stream, stage_bytes, stored_bytes
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 
 
 def measure_live(stages: Sequence[Stage], image_shape: Sequence[int], batch_size: int,

@@ -38,10 +38,10 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 
 # Table 3's rows, in its order: (input buffer, param buffer) = (Y, Y), (Y, N),
 # (N, Y), (N, N).

@@ -3,7 +3,7 @@
 ``python -m petra_jax.benchmarks.profile_step --model=revnet18 --dataset=cifar10 --width=64
 --batch-size=64 [--iters=3] [--batchnorm=fast|flax] [--json]`` traces ``backprop`` (``jax.grad``
 of the model) and PETRA's per-stage forwards and backwards, classifies each XLA kernel from the
-compiled HLO (:data:`KINDS`) and reports ms per step per kind, the wall ms and ``untraced``
+compiled HLO (:data:`OP_CATEGORIES`) and reports ms per step per kind, the wall ms and ``untraced``
 (wall minus traced kernels; XLA-CPU traces only the launch of its asynchronous convolutions).
 """
 
@@ -23,13 +23,13 @@ from typing import Optional, Sequence
 
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.models import layers
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-KINDS = ("convolution", "reduction", "dot", "elementwise", "layout", "other")
+OP_CATEGORIES = ("convolution", "reduction", "dot", "elementwise", "layout", "other")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S+(?:\[[^\]]*\])?\S*\s+([\w\-]+)\(")
 _COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -59,7 +59,7 @@ def batchnorm_layer(name: str):
 
 
 def op_kinds(hlo_text: str) -> dict:
-  """Instruction name -> kind (:data:`KINDS`) for a compiled HLO module's text."""
+  """Instruction name -> kind (:data:`OP_CATEGORIES`) for a compiled HLO module's text."""
   comps, current, opcode, calls = collections.defaultdict(set), None, {}, {}
   for line in hlo_text.splitlines():
     m = _INSTR.match(line)
@@ -150,7 +150,7 @@ def profile(stages, batch_size: int, shape, num_classes: int, iters: int = 3) ->
       for fn, args in calls:
         jax.block_until_ready(fn(*args))
     events, wall = _trace_events(run, iters)
-    ms = dict.fromkeys(KINDS, 0.0)
+    ms = dict.fromkeys(OP_CATEGORIES, 0.0)
     for name, dur in events:
       if name in kinds:
         ms[kinds[name]] += dur / 1e3 / iters
@@ -182,9 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
   print(f"{args.model} width {args.width} batch {args.batch_size}, "
         f"{args.batchnorm} BatchNorm: ms per step")
-  print(f"{'part':16s}" + "".join(f"{k:>12s}" for k in (*KINDS, "untraced", "wall")))
+  print(f"{'part':16s}" + "".join(f"{k:>12s}" for k in (*OP_CATEGORIES, "untraced", "wall")))
   for part, row in report.items():
-    print(f"{part:16s}" + "".join(f"{row[k]:12.1f}" for k in (*KINDS, "untraced", "wall")))
+    print(f"{part:16s}" + "".join(f"{row[k]:12.1f}" for k in (*OP_CATEGORIES, "untraced", "wall")))
   return 0
 
 

@@ -15,8 +15,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 
 BACKWARDS = ("backprop", "vanilla", "pareprop")
 

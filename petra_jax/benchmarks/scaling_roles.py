@@ -16,12 +16,12 @@ import jax
 import numpy as np
 import optax
 
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.benchmarks.scaling_processes import available_cores, pin_to_cores
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule
 from petra_jax.engine import timing
 from petra_jax.engine.pipeline import Pipeline
 
@@ -162,7 +162,7 @@ def _local_group_ms(pipe: Pipeline, state, images, labels, iters: int) -> float:
   specs = pipe.message_specs(images)
   rng = np.random.default_rng(1)
   total = 0.0
-  for j in (j for j in range(pipe.num_stages) if pipe.local[j]):
+  for j in (j for j in range(pipe.num_stages) if pipe.owned[j]):
     x = _random_like(specs[j], pipe.devices[j], rng) if j else images
     y = None if j == pipe.num_stages - 1 else pipe.steps.forward(j, state.train_states[j], x)[0]
     row = timing.one_stage_times(pipe, state, j, x, y, labels, iters)
@@ -186,24 +186,24 @@ def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
 
   Every process calls it; ``round_trip_ms`` is set on the owner of stage ``b-1``.
   """
-  from petra_jax.engine import transport  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.transport import transfers as transport  # pylint: disable=g-import-not-at-top
   specs = pipe.message_specs(images)
   fwd_spec = specs[b]
   bwd_spec = (specs[b] if pipe.reconstructs[b - 1] else None, specs[b])
   src, dst = pipe.devices[b - 1], pipe.devices[b]
   out = {"boundary": b, "bytes_forward": quantize_lib.nbytes(fwd_spec),
          "bytes_backward": quantize_lib.nbytes(bwd_spec)}
-  if not (pipe.local[b - 1] or pipe.local[b]):
+  if not (pipe.owned[b - 1] or pipe.owned[b]):
     return out
   rng = np.random.default_rng(2)
-  fwd = _random_like(fwd_spec, src, rng) if pipe.local[b - 1] else None
-  bwd = _random_like(bwd_spec, dst, rng) if pipe.local[b] else None
+  fwd = _random_like(fwd_spec, src, rng) if pipe.owned[b - 1] else None
+  bwd = _random_like(bwd_spec, dst, rng) if pipe.owned[b] else None
 
   def trip():
     transport.transfer(fwd, src, dst, fwd_spec)
     return transport.transfer(bwd, dst, src, bwd_spec)
   ms = timing.median_ms(trip, iters, warmup=2)
-  if pipe.local[b - 1]:
+  if pipe.owned[b - 1]:
     out["round_trip_ms"] = ms
   return out
 

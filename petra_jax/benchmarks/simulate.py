@@ -1,15 +1,15 @@
 """Event-driven time of a schedule with one device per stage.
 
 Costs, dependencies and messages come from the schedule's family
-(:class:`petra_jax.engine.schedule.TickTable`).
+(:class:`petra_jax.engine.schedules.TickTable`).
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine.schedule import Schedule, Task
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.schedules import Schedule, Task
 
 
 def task_ms(task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float],
@@ -70,12 +70,12 @@ def _send_ms(task: Task, direction: Optional[str], fsend: Sequence[float],
   return 0.0
 
 
-def ms_per_update(kind, num_stages: int, accumulation_steps: int,
+def ms_per_update(family_name, num_stages: int, accumulation_steps: int,
                   forward_ms: Sequence[float], backward_ms: Sequence[float],
                   send_forward_ms: Optional[Sequence[float]] = None,
                   send_backward_ms: Optional[Sequence[float]] = None,
                   updates: int = 16) -> dict:
-  """Steady-state simulated ms per update and bubble fraction.
+  """Steady-state simulated ms per update and bubble fraction of the tick table ``family_name``.
 
   Simulates ``updates`` and ``2 * updates`` updates and takes the difference,
   so a stream's fill and drain (paid once per run, not per update) cancel;
@@ -87,11 +87,11 @@ def ms_per_update(kind, num_stages: int, accumulation_steps: int,
     (GPipe/1F1B with equal stage costs: ``(J-1)/(k+J-1)``).
   """
   k = accumulation_steps
-  runs = [simulate(Schedule(kind, num_stages, u * k, k), forward_ms, backward_ms,
+  runs = [simulate(Schedule(family_name, num_stages, u * k, k), forward_ms, backward_ms,
                    send_forward_ms, send_backward_ms) for u in (updates, 2 * updates)]
   time = runs[1]["makespan_ms"] - runs[0]["makespan_ms"]
   busy = sum(runs[1]["busy_ms"]) - sum(runs[0]["busy_ms"])
-  J = num_stages if schedule_lib.family(kind).pipelined else 1
+  J = num_stages if schedule_lib.family(family_name).pipelined else 1
   return {"simulated_ms_per_update": time / updates,
           "bubble_fraction": max(0.0, 1.0 - busy / (J * time))}
 

@@ -29,15 +29,15 @@ import statistics  # noqa: E402
 from typing import Optional, Sequence  # noqa: E402
 
 from petra_jax.benchmarks import simulate  # noqa: E402
-from petra_jax.engine import partition  # noqa: E402
+from petra_jax.engine.stages import partition  # noqa: E402
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
-from petra_jax.engine import quantize as quantize_lib  # noqa: E402
-from petra_jax.engine import schedule  # noqa: E402
-from petra_jax.engine.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
+from petra_jax.engine.arrays import quantize as quantize_lib  # noqa: E402
+from petra_jax.engine import schedules as schedule  # noqa: E402
+from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
-from petra_jax.engine.stage import Stage, has_reversible  # noqa: E402
+from petra_jax.engine.stages.stage import Stage, has_reversible  # noqa: E402
 from petra_jax.engine.timing import median_ms, stage_cost, stage_times  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -152,14 +152,14 @@ def schedule_table(rows: Sequence[dict], rows_stored: Sequence[dict], sizes: Seq
   """
   J, out = len(rows), {}
   for method, r in (("gpipe", rows_stored), ("1f1b", rows_stored), ("petra", rows)):
-    kind = "stream" if method == "petra" else method
+    name = "stream" if method == "petra" else method
     out[method] = {}
     for k in ks:
       sim = simulate.ms_per_update(
-          kind, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
+          name, J, k, [x["forward"] for x in r], [x["backward"] for x in r],
           [x.get("send_forward", 0.0) for x in r], [x.get("send_backward", 0.0) for x in r])
       sim["stored_bytes_per_stage"] = stored_bytes(sizes, method, accumulation_steps=k)
-      sim["formula_bubble_fraction"] = 0.0 if kind == "stream" else (J - 1) / (k + J - 1)
+      sim["formula_bubble_fraction"] = 0.0 if name == "stream" else (J - 1) / (k + J - 1)
       out[method][str(k)] = sim
   return out
 

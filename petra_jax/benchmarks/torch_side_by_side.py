@@ -175,14 +175,15 @@ def _gpt_command(args) -> tuple:
 def _gpt_pipelines() -> dict:
   """``{"backprop": gpt_nano, "petra": revgpt_nano in 4 stages}`` on one device, AdamW."""
   from petra_jax.benchmarks import cli  # noqa: PLC0415
-  from petra_jax.engine import objective, partition  # noqa: PLC0415
+  from petra_jax.engine.stages import objective
+  from petra_jax.engine.stages import partition  # noqa: PLC0415
   from petra_jax.engine.pipeline import Pipeline  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import optax  # noqa: PLC0415
   stages = {m: cli.build(name, GPT_DATASET, GPT_WIDTH) for m, name in GPT_MODELS.items()}
   stages["petra"] = partition.group_stages(stages["petra"], GPT_STAGE_SIZES)
   tx = optax.adamw(**GPT_OPTIMIZER)
-  return {m: Pipeline(s, tx, jax.devices()[:1], method=m, task=objective.NEXT_TOKEN)
+  return {m: Pipeline(s, tx, jax.devices()[:1], method=m, objective=objective.NEXT_TOKEN)
           for m, s in stages.items()}
 
 

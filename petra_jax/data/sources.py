@@ -32,7 +32,7 @@ class DatasetInfo:
     auto_download: tfds downloads it when missing with ``download=None``.
     manual_archives: files tfds needs in ``<data_dir>/downloads/manual``.
     size: download size, for messages.
-    task: the objective's name (``petra_jax.engine.objective``): ``"classification"``, or
+    objective: the objective's name (``petra_jax.engine.stages.objective``): ``"classification"``, or
       ``"next_token"`` for text (``image_shape`` ``(T,)`` and ``num_classes`` ``V`` are set
       when the text is opened: ``data.text.open_text``).
     eval_prefix: the metrics' prefix of evaluations on ``test_split`` during training.
@@ -51,7 +51,7 @@ class DatasetInfo:
   auto_download: bool = False
   manual_archives: tuple[str, ...] = ()
   size: str = ""
-  task: str = "classification"
+  objective: str = "classification"
   eval_prefix: str = "test"
   final_split: str = ""
 
@@ -72,7 +72,7 @@ DATASETS: dict[str, DatasetInfo] = {
                             size="about 150 GB"),
     # image_shape (T,): model.context's default; num_classes: the train split's 65 characters.
     "tiny_shakespeare": DatasetInfo("tiny_shakespeare", 65, (64,), (), (), test_split="validation",
-                                    auto_download=True, size="about 1 MB", task="next_token",
+                                    auto_download=True, size="about 1 MB", objective="next_token",
                                     eval_prefix="val", final_split="test"),
 }
 

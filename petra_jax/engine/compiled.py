@@ -35,10 +35,10 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import input_checks
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine.pipeline_state import PipelineState, ScheduleError, message_fields
-from petra_jax.engine.tasks import TickOutput
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.methods.tasks import TickOutput
+from petra_jax.engine.stages import input_checks
+from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, message_fields
 
 _BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
 EXECUTORS = ("auto", "compiled", "host")

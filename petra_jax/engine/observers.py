@@ -13,13 +13,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import diagnostics
-from petra_jax.engine import quantize
-from petra_jax.engine import transport
+from petra_jax.engine.stages import diagnostics
+from petra_jax.engine.arrays import quantize
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.schedule import BACKPROP, BACKWARD, FORWARD, LOSS, Task
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.tasks import TaskResult, copy_tree
+from petra_jax.engine.schedules import Task, TaskKind
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.methods.tasks import TaskResult, copy_tree
 
 
 class Observer:
@@ -49,13 +49,13 @@ class ReconstructionProbe(Observer):
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
-    if (task.kind == FORWARD and pipe.steps.reconstructs[j] and pipe.local[j]
+    if (task.kind == TaskKind.FORWARD and pipe.steps.reconstructs[j] and pipe.owned[j]
         and _probed(m, self.every, self.k)):
       self._inputs[(j, m)] = copy_tree(state.inbox[j][m])  # the backward donates it
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
                  result: TaskResult) -> None:
-    if task.kind != BACKWARD:
+    if task.kind != TaskKind.BACKWARD:
       return
     true = self._inputs.pop((task.stage, task.micro_batch), None)
     if true is not None:
@@ -82,7 +82,7 @@ class GradientProbe(Observer):
   """Applied, delayed and end-to-end gradients of probed micro-batches (paper App. B).
 
   Multi-process, each stage sends its part to stage 0's device at its backward
-  (:func:`petra_jax.engine.transport.transfer`); only stage 0's process has results.
+  (:func:`petra_jax.engine.transport.transfers.transfer`); only stage 0's process has results.
   """
 
   def __init__(self, every_updates: int, accumulation_steps: int = 1):
@@ -97,14 +97,14 @@ class GradientProbe(Observer):
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
-    if task.kind == FORWARD and j == 0 and _probed(m, self.every, self.k):
+    if task.kind == TaskKind.FORWARD and j == 0 and _probed(m, self.every, self.k):
       self._start(pipe, m)
     probe = self._probes.get(m)
-    if probe is None or task.kind == BACKPROP:
+    if probe is None or task.kind == TaskKind.BACKPROP:
       return
-    if pipe.local[j]:
+    if pipe.owned[j]:
       _record(pipe, state, task, probe)
-    if task.kind in (BACKWARD, LOSS) and pipe.local[j] != pipe.local[0]:
+    if task.kind in (TaskKind.BACKWARD, TaskKind.LOSS) and pipe.owned[j] != pipe.owned[0]:
       _gather(pipe, state, probe, j)
 
   def after_task(self, pipe: Pipeline, state: PipelineState, task: Task,
@@ -112,17 +112,17 @@ class GradientProbe(Observer):
     j, m = task.stage, task.micro_batch
     if m not in self._probes or j != 0:
       return
-    if task.kind == FORWARD and pipe.local[0]:  # the micro-batch, as fed
+    if task.kind == TaskKind.FORWARD and pipe.owned[0]:  # the micro-batch, as fed
       self._probes[m].images = quantize.dequantize(state.buffers[0][m])
-    elif task.kind == BACKWARD:
+    elif task.kind == TaskKind.BACKWARD:
       probe = self._probes.pop(m)
-      if pipe.local[0]:
+      if pipe.owned[0]:
         self._finish(pipe, state, m, probe)
 
   def _finish(self, pipe: Pipeline, state: PipelineState, m: int, probe: _Probe):
     if self._quality is None:
       self._quality = jax.jit(functools.partial(diagnostics.grad_quality, pipe.stages))
-    stats = [s.batch_stats if pipe.local[j] else probe.batch_stats[j]
+    stats = [s.batch_stats if pipe.owned[j] else probe.batch_stats[j]
              for j, s in enumerate(state.train_states)]
     args = transport.send((probe.grads, probe.forward_params, probe.backward_params, stats,
                            probe.images, probe.labels), pipe.devices[0])
@@ -142,15 +142,15 @@ def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> 
   """Copies stage ``task.stage``'s forward weights, backward weights, gradient and labels."""
   j, m = task.stage, task.micro_batch
   params = copy_tree(state.train_states[j].params)
-  if task.kind == FORWARD:
+  if task.kind == TaskKind.FORWARD:
     probe.forward_params[j] = copy_tree(pipe.steps.forward_params(j, state.train_states[j]))
-  elif task.kind == LOSS:
+  elif task.kind == TaskKind.LOSS:
     probe.forward_params[j] = params
-  if task.kind in (BACKWARD, LOSS):
+  if task.kind in (TaskKind.BACKWARD, TaskKind.LOSS):
     probe.backward_params[j] = params
     probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *_peek_backward_args(
         pipe, state, j, m))
-    if task.kind == LOSS:
+    if task.kind == TaskKind.LOSS:
       probe.labels = state.labels[m]
 
 
@@ -158,8 +158,8 @@ def _gather(pipe: Pipeline, state: PipelineState, probe: _Probe, j: int) -> None
   """Stage ``j``'s part of the probe to stage 0's device (called by both processes)."""
   src, dst = pipe.devices[j], pipe.devices[0]
   last = j == pipe.num_stages - 1
-  spec = _part_spec(pipe, j, probe.images) if pipe.local[0] else None
-  if pipe.local[j]:
+  spec = _part_spec(pipe, j, probe.images) if pipe.owned[0] else None
+  if pipe.owned[j]:
     labels = jnp.asarray(probe.labels, jnp.int32) if last else None
     part = (probe.forward_params[j], probe.backward_params[j], probe.grads[j],
             state.train_states[j].batch_stats, labels)

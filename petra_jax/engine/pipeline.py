@@ -14,23 +14,26 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import context as context_lib
-from petra_jax.engine import forward_gradient as fg_lib
-from petra_jax.engine import input_checks, local, tasks, transport
+from petra_jax.engine.methods import context as context_lib
+from petra_jax.engine.methods import forward_gradient as fg_lib
+from petra_jax.engine.stages import input_checks
+from petra_jax.engine.methods import local_learning
+from petra_jax.engine.methods import tasks
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import objective
-from petra_jax.engine import stage_checks
-from petra_jax.engine import placement as placement_lib
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.messages import Messenger, resolve
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.schedule import BACKWARD, FORWARD, Schedule
-from petra_jax.engine.stage import Stage, trace
-from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.steps import BN_POLICIES, OneStage, StageSteps
-from petra_jax.engine.tasks import TaskResult, TickOutput
+from petra_jax.engine.stages import objective as objective_lib
+from petra_jax.engine.stages import stage_checks
+from petra_jax.engine.transport import placement as placement_lib
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.transport.messages import Messenger, resolve
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.schedules import Schedule, TaskKind
+from petra_jax.engine.stages.stage import Stage, trace
+from petra_jax.engine.stages.stage_state import StageState
+from petra_jax.engine.stages.steps import BN_POLICIES, OneStage, StageSteps
+from petra_jax.engine.methods.tasks import TaskResult, TickOutput
 
 Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
@@ -68,7 +71,8 @@ class Pipeline:
     observers: :class:`petra_jax.engine.observers.Observer` s called around every task.
     predictors: per stage, None or ``(params, opt_state) -> params``.
     data_parallel: ``D``, devices per stage.
-    task: an :class:`objective.Task`: what the last stage's logits are checked against.
+    objective: an :class:`objective.Objective`: what the last stage's logits are checked against.
+    task: the deprecated old name of ``objective`` (a ``DeprecationWarning``).
 
   Raises:
     ValueError: fewer than 2 stages, a reversible first or last stage, an
@@ -85,9 +89,10 @@ class Pipeline:
                send_losses: bool = True, data_parallel: int = 1,
                forward_gradient: Optional[fg_lib.Options] = None,
                step_wrap: Optional[Callable] = None,
-               task: objective.Task = objective.CLASSIFICATION):
+               objective: objective_lib.Objective = objective_lib.CLASSIFICATION,
+               task: Optional[objective_lib.Objective] = None):
     self.method = methods_lib.get(method)
-    self.task = task
+    self.objective = objective_lib.deprecated_keyword(objective, task)
     _check(stages, self.method, bn_stats)
     self.input_spec = None  # stage 0's input, declared by init
     self.stages = list(stages)
@@ -103,14 +108,14 @@ class Pipeline:
     if not self.method.pipelined and len(set(self.placements)) > 1:
       raise ValueError("backprop runs on one device (or one group of data_parallel devices): "
                        "build the Pipeline with devices=[d] (or D devices).")
-    self.local = [transport.is_local(d) for d in self.devices]
-    self.multiprocess = not all(self.local)
+    self.owned = [transport.is_local(d) for d in self.devices]
+    self.multiprocess = not all(self.owned)
     self.send_losses = send_losses
     self.formats = formats or quantize_lib.MessageFormats()
     self.observers = list(observers)
     self.regime = regime(self.method, bool(self.observers), self.multiprocess, data_parallel,
                          len(set(self.placements)))
-    self.messages = Messenger(self.stages, self.placements, self.local, self.formats)
+    self.messages = Messenger(self.stages, self.placements, self.owned, self.formats)
     self.messages.defer = self.regime.defer
     self.steps = StageSteps(stages, self.method, bn_stats, predictors,
                             donate_messages=self.formats.backward == "none", wrap=step_wrap)
@@ -119,7 +124,7 @@ class Pipeline:
     self.keeps = [methods_lib.keeps(self.method, s.reversible, o.perturb, o.emulate)
                   for s in stages]
     if self.method.updates != "backward":
-      local.check_setup(self.method, self.stages, self.formats.active, self.multiprocess,
+      local_learning.check_setup(self.method, self.stages, self.formats.active, self.multiprocess,
                         self.forward_gradient.guess)
     self.contexts = [self._context(j) for j in range(J)]
     self._tasks = self._plan()
@@ -136,14 +141,14 @@ class Pipeline:
       back = self.reconstructs[j - 1]
       route_back = msg.route("backward", j, j - 1, first=back)
       send_back = context_lib.back_route(route_back, back)
-    feed = (context_lib.feeder(p[0], p[-1], self.local[0], self.local[-1]) if j == 0
+    feed = (context_lib.feeder(p[0], p[-1], self.owned[0], self.owned[-1]) if j == 0
             else None)
     loss_home = None
     if j == J - 1 and self.multiprocess and self.send_losses:
       loss_home = lambda loss: msg.move(loss, j, 0, _LOSS_SPEC)  # noqa: E731
     return context_lib.StageContext(
         j=j, last=j == J - 1, stage=self.stages[j], steps=OneStage(self.steps, j),
-        local=self.local[j], keeps=self.keeps[j], send=send, send_back=send_back,
+        owned=self.owned[j], keeps=self.keeps[j], send=send, send_back=send_back,
         route_back=route_back,
         encode=lambda x, m: msg.encode("buffer", x, j, m), feed=feed,
         state_of=context_lib.state_getter(j, self.regime.pack), device=self.devices[j],
@@ -162,24 +167,24 @@ class Pipeline:
   @property
   def owns_input(self) -> bool:
     """Whether this process runs stage 0 (and so reads images)."""
-    return self.local[0]
+    return self.owned[0]
 
   @property
   def owns_output(self) -> bool:
     """Whether this process runs the last stage (labels, logits, losses)."""
-    return self.local[-1]
+    return self.owned[-1]
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
     """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
-    self.input_spec = input_checks.declared(sample_input, self.task)  # what run_tick and predict take
+    self.input_spec = input_checks.declared(sample_input, self.objective)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
-    stage_checks.check_stages(self.stages, one, task=self.task)
+    stage_checks.check_stages(self.stages, one, objective=self.objective)
     inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
 
     def init_all(key):
       states = []
       for j, (stage, x) in enumerate(zip(self.stages, inputs)):
-        if not self.local[j]:
+        if not self.owned[j]:
           states.append(None)
           continue
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x)
@@ -212,7 +217,7 @@ class Pipeline:
     Raises:
       ScheduleError: a task's input has not arrived.
       ValueError: images or labels unlike the model's declared input
-        (:mod:`~petra_jax.engine.input_checks`: layout, dtype, label form).
+        (:mod:`~petra_jax.engine.stages.input_checks`: layout, dtype, label form).
     """
     if batches is not None:
       batches = input_checks.checked(batches, self.input_spec)
@@ -241,9 +246,9 @@ class Pipeline:
     i, n = 0, len(tick)
     while i < n:
       task = tick[i]
-      if pairs is not None and task.kind == FORWARD and i + 1 < n:
+      if pairs is not None and task.kind == TaskKind.FORWARD and i + 1 < n:
         after = tick[i + 1]
-        if after.stage == task.stage and after.kind == BACKWARD:
+        if after.stage == task.stage and after.kind == TaskKind.BACKWARD:
           pairs[task.stage](state, task.micro_batch, after.micro_batch, batches)
           i += 2
           continue
@@ -304,13 +309,13 @@ class Pipeline:
     input_checks.check_images(images, self.input_spec, "predict")
     J = self.num_stages
     specs = self.message_specs(images) if self.multiprocess else [None] * (J + 1)
-    x = transport.send(images, self.placements[0].batch) if self.local[0] else None
+    x = transport.send(images, self.placements[0].batch) if self.owned[0] else None
     for j in range(J):
       if j > 0:
         x = self.messages.move(x, j - 1, j, specs[j])
-      if self.local[j]:
+      if self.owned[j]:
         x = self.steps.evaluate(j, state.stage_states[j], x)
-    return x if self.local[-1] else None
+    return x if self.owned[-1] else None
 
 
 def _check(stages: Sequence[Stage], method: methods_lib.Method, bn_stats: str) -> None:

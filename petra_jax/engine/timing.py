@@ -12,8 +12,8 @@ import numpy as np
 import optax
 
 from petra_jax.engine.pipeline import Pipeline
-from petra_jax.engine.stage import Stage
-from petra_jax.engine.tasks import copy_tree
+from petra_jax.engine.stages.stage import Stage
+from petra_jax.engine.methods.tasks import copy_tree
 
 
 def median_ms(step: Callable[[], object], iters: int, warmup: int = 1,

@@ -20,8 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import auxiliary
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.methods import auxiliary
+from petra_jax.engine.stages.stage import Stage
 
 HEADS = ("linear", "mlp", "cnn")
 

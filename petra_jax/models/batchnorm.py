@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import stage as stage_lib
 
 _F32 = jnp.float32
 _BLOCKS = (64, 32, 16, 8, 4, 2, 1)
@@ -87,7 +87,7 @@ def _affine(x, mean, var, scale, bias, eps, relu):
   """``(x - mean) * (rsqrt(var + eps) * scale) + bias`` [then ReLU], Flax's order.
 
   The result has ``x``'s dtype when ``scale``/``bias`` have it too (as under a
-  ``bfloat16`` :class:`~petra_jax.engine.precision.Precision`), Flax's rule.
+  ``bfloat16`` :class:`~petra_jax.engine.arrays.precision.Precision`), Flax's rule.
   """
   mul = jax.lax.rsqrt(var + eps) * scale
   y = ((x - mean) * mul + bias).astype(jnp.result_type(x, scale, bias))

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.models.model_spec import ModelSpec
 from petra_jax.models.vit import PlainResidual
 

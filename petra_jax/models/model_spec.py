@@ -26,8 +26,8 @@ class ModelSpec:
     return self.family in REVERSIBLE_FAMILIES
 
   @property
-  def task(self) -> str:
-    """The objective it is built for (``petra_jax.engine.objective``)."""
+  def objective(self) -> str:
+    """The objective it is built for (``petra_jax.engine.stages.objective``)."""
     return "next_token" if self.family in LANGUAGE_FAMILIES else "classification"
 
   @property

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.models import invertible
 from petra_jax.models.layers import conv_bn
 from petra_jax.models.model_spec import ModelSpec

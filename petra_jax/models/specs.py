@@ -11,8 +11,8 @@ from typing import Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import stage_checks
-from petra_jax.engine.stage import Stage, has_reversible
+from petra_jax.engine.stages import stage_checks
+from petra_jax.engine.stages.stage import Stage, has_reversible
 from petra_jax.models.layers import Head, Stem
 from petra_jax.models.model_spec import LANGUAGE_FAMILIES, REVERSIBLE_FAMILIES, ModelSpec  # noqa: F401 (public here)
 from petra_jax.models.resnet import resnet_blocks

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.data import DATASETS
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.models.specs import MODEL_SPECS, build_model, is_user_model, unknown_model_message
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.models.model_spec import ModelSpec
 
 dense_init = nn.initializers.xavier_uniform()

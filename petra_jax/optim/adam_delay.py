@@ -35,10 +35,10 @@ def adam_predict_params(params, opt_state, delay_updates, learning_rate=None, *,
   return jax.tree.map(one, params, adam.mu, adam.nu, kernel_mask(params))
 
 
-def lookahead_adamw(schedule, b1: float, b2: float, eps: float, weight_decay: float,
+def lookahead_adamw(lr_schedule, b1: float, b2: float, eps: float, weight_decay: float,
                     nesterov: bool) -> optax.GradientTransformation:
   """AdamW, NAdamW (Dozat, 2016) if ``nesterov``, of first-moment decay ``b1``."""
-  return optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+  return optax.adamw(lr_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      mask=kernel_mask, nesterov=nesterov)
 
 

@@ -102,7 +102,7 @@ def check_optimizer(o: ml_collections.ConfigDict, parts: tuple) -> None:
                      f"(got {o.name!r}).")
 
 
-def _momentum_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tuple,
+def _momentum_part(o: ml_collections.ConfigDict, lr_schedule: optax.Schedule, parts: tuple,
                    d: float, d_ref: float, p: dict) -> optax.GradientTransformation:
   """The sgd/lars chain with a spike-compensated and/or look-ahead (``gamma(d)``) trace."""
   momentum, grad_scale = o.momentum, 1.0
@@ -111,14 +111,14 @@ def _momentum_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts
     grad_scale = (1.0 - momentum) / (1.0 - o.momentum)
   core = [] if grad_scale == 1.0 else [optax.scale(grad_scale)]
   core.append(spike_compensated_trace(momentum, o.nesterov, d if "spike" in parts else 0.0))
-  return optim.momentum_chain(o, schedule, core)
+  return optim.momentum_chain(o, lr_schedule, core)
 
 
-def _adam_part(o: ml_collections.ConfigDict, schedule: optax.Schedule, parts: tuple,
+def _adam_part(o: ml_collections.ConfigDict, lr_schedule: optax.Schedule, parts: tuple,
                d: float, d_ref: float, p: dict) -> optax.GradientTransformation:
   """AdamW with ``b1 = gamma(d)``, Nesterov for ``adam_lookahead``; plain at ``d = 0``."""
   b1 = lookahead_gamma(p, o.adam_b1, d, d_ref)
-  return adam_delay.lookahead_adamw(schedule, b1, o.adam_b2, o.adam_eps, o.weight_decay,
+  return adam_delay.lookahead_adamw(lr_schedule, b1, o.adam_b2, o.adam_eps, o.weight_decay,
                                     nesterov="adam_lookahead" in parts and d > 0)
 
 
@@ -136,7 +136,7 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
                                name: Optional[str] = None, delay_ticks: float = 0,
                                accumulation_steps: Optional[int] = None,
                                max_delay_ticks: Optional[float] = None,
-                               schedule: Optional[optax.Schedule] = None,
+                               lr_schedule: Optional[optax.Schedule] = None,
                                **params) -> optax.GradientTransformation:
   """One stage's optimizer for ``D = delay_ticks / k``: ``optim.make_optimizer``'s,
   modified. ``name`` defaults to ``config.compensation.name``, ``k`` to
@@ -149,20 +149,20 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
   p = _params(config, params)
   parts = parse_name(p["name"] if name is None else name)
   k = config.accumulation_steps if accumulation_steps is None else accumulation_steps
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   if parts == ("none",):
-    return optim.accumulate(optim.base_optimizer(config, schedule), k)
+    return optim.accumulate(optim.base_optimizer(config, lr_schedule), k)
   check_optimizer(config.optim, parts)
   d = delay_in_updates(delay_ticks, k)
   d_ref = p["lookahead_delay_ref"] or delay_in_updates(
       delay_ticks if max_delay_ticks is None else max_delay_ticks, k)
   if any(x in parts for x in _MOMENTUM):
-    inner = _momentum_part(config.optim, schedule, parts, d, d_ref, p)
+    inner = _momentum_part(config.optim, lr_schedule, parts, d, d_ref, p)
   elif any(x in parts for x in ("adam_lookahead", "adam_momentum")) and d > 0:
-    inner = _adam_part(config.optim, schedule, parts, d, d_ref, p)
+    inner = _adam_part(config.optim, lr_schedule, parts, d, d_ref, p)
   else:
-    inner = optim.base_optimizer(config, schedule)
+    inner = optim.base_optimizer(config, lr_schedule)
   if "error_feedback" in parts and d * p["prediction_scale"] > 0:
     inner = optax.chain(inner, adam_delay.error_feedback(d * p["prediction_scale"]))
   if any(x in parts for x in _LR):
@@ -175,7 +175,7 @@ def make_compensated_optimizer(config: ml_collections.ConfigDict, steps_per_epoc
 def make_predictor(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
                    name: Optional[str] = None, delay_ticks: float = 0,
                    accumulation_steps: Optional[int] = None,
-                   schedule: Optional[optax.Schedule] = None,
+                   lr_schedule: Optional[optax.Schedule] = None,
                    **params) -> Optional[Callable]:
   """The stage's ``(params, opt_state) -> params`` for its forward (``weight_prediction``,
   ``adam_prediction`` or ``update_prediction`` over ``prediction_scale * D`` updates), None
@@ -194,36 +194,36 @@ def make_predictor(config: ml_collections.ConfigDict, steps_per_epoch: int, *,
   check_optimizer(config.optim, tuple(kind))
   if kind == ["update_prediction"]:
     return functools.partial(predict_by_update, delay_updates=d, scale=p["prediction_scale"])
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   if kind == ["weight_prediction"]:
-    return functools.partial(predict_params, delay_updates=d, learning_rate=schedule,
+    return functools.partial(predict_params, delay_updates=d, learning_rate=lr_schedule,
                              scale=p["prediction_scale"])
   o = config.optim
   return functools.partial(adam_delay.adam_predict_params, delay_updates=d,
-                           learning_rate=schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+                           learning_rate=lr_schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                            weight_decay=o.weight_decay, scale=p["prediction_scale"])
 
 
 def stage_optimizers(config: ml_collections.ConfigDict, steps_per_epoch: int, num_stages: int,
                      delays_ticks: Optional[Sequence[float]] = None, *,
-                     schedule: Optional[optax.Schedule] = None, **params) -> list:
+                     lr_schedule: Optional[optax.Schedule] = None, **params) -> list:
   """One compensated optimizer per stage (``Pipeline(tx=...)``); ``delays_ticks``
   default PETRA's ``tau_j = 2 (J - 1 - j)`` (zeros: every optimizer plain)."""
   ticks = stage_delays(num_stages, delays_ticks)
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   return [make_compensated_optimizer(config, steps_per_epoch, delay_ticks=t,
-                                     max_delay_ticks=max(ticks), schedule=schedule, **params)
+                                     max_delay_ticks=max(ticks), lr_schedule=lr_schedule, **params)
           for t in ticks]
 
 
 def stage_predictors(config: ml_collections.ConfigDict, steps_per_epoch: int, num_stages: int,
                      delays_ticks: Optional[Sequence[float]] = None, *,
-                     schedule: Optional[optax.Schedule] = None, **params) -> list:
+                     lr_schedule: Optional[optax.Schedule] = None, **params) -> list:
   """One :func:`make_predictor` per stage (``Pipeline(predictors=...)``)."""
   ticks = stage_delays(num_stages, delays_ticks)
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
-  return [make_predictor(config, steps_per_epoch, delay_ticks=t, schedule=schedule, **params)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  return [make_predictor(config, steps_per_epoch, delay_ticks=t, lr_schedule=lr_schedule, **params)
           for t in ticks]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from petra_jax.engine import schedule
+from petra_jax.engine import schedules as schedule
 
 
 def delay_in_updates(delay_ticks: float, accumulation_steps: int = 1) -> float:

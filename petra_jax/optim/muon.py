@@ -55,16 +55,16 @@ def _scale_by_width():
   return optax.GradientTransformation(lambda p: optax.EmptyState(), update_fn)
 
 
-def muon(schedule: optax.Schedule, muon_schedule: optax.Schedule, *, momentum: float,
+def muon(lr_schedule: optax.Schedule, muon_schedule: optax.Schedule, *, momentum: float,
          weight_decay: float, b1: float, b2: float, eps: float,
          decay_mask) -> optax.GradientTransformation:
   """``optax.partition``: Muon (rate ``muon_schedule``) on the kernels of rank >= 2,
-  ``optax.adamw(schedule, b1, b2, eps, weight_decay, mask=decay_mask)`` on the rest."""
+  ``optax.adamw(lr_schedule, b1, b2, eps, weight_decay, mask=decay_mask)`` on the rest."""
   matrices = optax.chain(
       scale_by_muon(beta=momentum, eps=eps, nesterov=True,
                     weight_dimension_numbers=muon_dimension_numbers),
       _scale_by_width(), optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(muon_schedule))
-  rest = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+  rest = optax.adamw(lr_schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      mask=decay_mask)
   return optax.partition({"muon": matrices, "adam": rest}, _labels)

@@ -64,11 +64,11 @@ def scale_by_nadam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def nadamw(schedule: optax.Schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
+def nadamw(lr_schedule: optax.Schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
            momentum_decay: float, clip: float, decay_mask) -> optax.GradientTransformation:
   """Clipping to global norm ``clip`` (if > 0), :func:`scale_by_nadam`, decoupled decay on
-  ``decay_mask``, the rate ``schedule``."""
+  ``decay_mask``, the rate ``lr_schedule``."""
   clipping = [optax.clip_by_global_norm(clip)] if clip > 0 else []
   return optax.chain(*clipping, scale_by_nadam(b1, b2, eps, momentum_decay),
                      optax.add_decayed_weights(weight_decay, mask=decay_mask),
-                     optax.scale_by_learning_rate(schedule))
+                     optax.scale_by_learning_rate(lr_schedule))

@@ -67,7 +67,7 @@ def scale_by_larc(learning_rate: optax.ScalarOrSchedule, weight_decay: float,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def momentum_chain(o: ml_collections.ConfigDict, schedule: optax.Schedule,
+def momentum_chain(o: ml_collections.ConfigDict, lr_schedule: optax.Schedule,
                    momentum: Optional[Sequence[optax.GradientTransformation]] = None
                    ) -> optax.GradientTransformation:
   """The ``sgd`` (``optax.sgd``'s chain, decay on kernels) or ``lars`` chain, no accumulation.
@@ -85,16 +85,16 @@ def momentum_chain(o: ml_collections.ConfigDict, schedule: optax.Schedule,
       momentum = [optax.trace(decay=o.momentum, nesterov=o.nesterov)]
   if o.name == "sgd":
     return optax.chain(optax.add_decayed_weights(o.weight_decay, mask=kernel_mask),
-                       optax.chain(*momentum, optax.scale_by_learning_rate(schedule)))
+                       optax.chain(*momentum, optax.scale_by_learning_rate(lr_schedule)))
   if o.name == "lars":
     return optax.chain(
-        scale_by_larc(schedule, o.weight_decay, o.trust_coefficient, o.lars_eps),
-        *momentum, optax.scale_by_learning_rate(schedule))
+        scale_by_larc(lr_schedule, o.weight_decay, o.trust_coefficient, o.lars_eps),
+        *momentum, optax.scale_by_learning_rate(lr_schedule))
   raise ValueError(f"optim.name={o.name!r} has no momentum chain; use 'sgd' or 'lars'.")
 
 
 def base_optimizer(config: ml_collections.ConfigDict,
-                   schedule: optax.Schedule) -> optax.GradientTransformation:
+                   lr_schedule: optax.Schedule) -> optax.GradientTransformation:
   """``optim.name``'s optimizer, one update per call: :func:`momentum_chain`,
   ``optax.adamw(..., mask=kernel_mask)`` (decoupled decay ``lr wd theta``),
   :func:`petra_jax.optim.muon.muon`, :func:`petra_jax.optim.nadam.nadamw` or
@@ -107,19 +107,19 @@ def base_optimizer(config: ml_collections.ConfigDict,
   o = config.optim
   _check_name(o.name)
   if o.name in ("sgd", "lars"):
-    return momentum_chain(o, schedule)
+    return momentum_chain(o, lr_schedule)
   if o.name == "muon":
     ratio = o.muon_learning_rate / base_learning_rate(config)
-    return muon(schedule, lambda n: schedule(n) * ratio, momentum=o.muon_momentum,
+    return muon(lr_schedule, lambda n: lr_schedule(n) * ratio, momentum=o.muon_momentum,
                 weight_decay=o.weight_decay, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                 decay_mask=kernel_mask)
   if o.name == "nadamw":
-    return nadamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+    return nadamw(lr_schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                   weight_decay=o.weight_decay, momentum_decay=o.momentum_decay,
                   clip=o.clip_norm, decay_mask=kernel_mask)
   if o.name == "kron":
-    return kron(schedule, b1=o.adam_b1, weight_decay=o.weight_decay, decay_mask=kernel_mask)
-  return optax.adamw(schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+    return kron(lr_schedule, b1=o.adam_b1, weight_decay=o.weight_decay, decay_mask=kernel_mask)
+  return optax.adamw(lr_schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
                      weight_decay=o.weight_decay, mask=kernel_mask)
 
 
@@ -135,13 +135,13 @@ def accumulate(tx: optax.GradientTransformation, k: int) -> optax.GradientTransf
 
 
 def make_optimizer(config: ml_collections.ConfigDict, steps_per_epoch: int,
-                   schedule: Optional[optax.Schedule] = None) -> optax.GradientTransformation:
+                   lr_schedule: Optional[optax.Schedule] = None) -> optax.GradientTransformation:
   """:func:`base_optimizer` accumulated over ``k = accumulation_steps`` micro-batches.
 
   Raises:
-    ValueError: unknown optimizer or schedule, or ``k < 1``.
+    ValueError: unknown optimizer or learning-rate schedule, or ``k < 1``.
   """
   _check_name(config.optim.name)
-  if schedule is None:
-    schedule = learning_rate_schedule(config, steps_per_epoch)
-  return accumulate(base_optimizer(config, schedule), config.accumulation_steps)
+  if lr_schedule is None:
+    lr_schedule = learning_rate_schedule(config, steps_per_epoch)
+  return accumulate(base_optimizer(config, lr_schedule), config.accumulation_steps)

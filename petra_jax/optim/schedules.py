@@ -6,7 +6,7 @@ from __future__ import annotations
 import ml_collections
 import optax
 
-SCHEDULES = ("step", "cosine", "polynomial", "constant")
+LR_SCHEDULES = ("step", "cosine", "polynomial", "constant")
 
 
 def base_learning_rate(config: ml_collections.ConfigDict) -> float:
@@ -40,7 +40,7 @@ def learning_rate_schedule(config: ml_collections.ConfigDict,
   elif o.schedule == "constant":
     main = optax.constant_schedule(lr)
   else:
-    raise ValueError(f"Unknown optim.schedule {o.schedule!r}; choose one of {SCHEDULES}.")
+    raise ValueError(f"Unknown optim.schedule {o.schedule!r}; choose one of {LR_SCHEDULES}.")
   if warmup == 0:
     return main
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), main], [warmup])

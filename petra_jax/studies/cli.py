@@ -20,7 +20,6 @@ directory ``runs/studies/<study>``: a study never writes into ``docs/`` unless a
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from typing import Sequence
 
@@ -93,6 +92,14 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def _study_modules() -> dict:
+  """``{module name: module}`` of :data:`STUDIES` (imported on a run: they import matplotlib)."""
+  from petra_jax.studies import (compensation, depth, ksweep, language_model, local,  # noqa: PLC0415
+                                 table4, transformers)
+  return {m.__name__.rpartition(".")[2]: m
+          for m in (table4, ksweep, compensation, local, transformers, depth, language_model)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Parses ``argv``, runs the study; 0 on success, 1 with one line on bad input."""
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -107,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.ks = [1] if args.study == "local" else [1, 2, 4, 8]
   module, function = STUDIES[args.study]
   try:
-    study = getattr(importlib.import_module(f"petra_jax.studies.{module}"), function)
+    study = getattr(_study_modules()[module], function)
     study(args)
   except (validation.ConfigError, data_lib.DataError, ValueError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -298,7 +298,7 @@ def measure_stage_ms(config, micro_batch: int, iters: int = 3) -> dict:
   import optax  # pylint: disable=g-import-not-at-top
 
   from petra_jax import models  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
   from petra_jax.engine.pipeline import Pipeline  # pylint: disable=g-import-not-at-top
   from petra_jax.engine.timing import stage_times  # pylint: disable=g-import-not-at-top
   m = config.model
@@ -323,7 +323,7 @@ def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
   not counted for any method (re-read from the dataset, as paper Table 3)."""
   from petra_jax import models  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import memory_model  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine import partition  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
   m = config.model
   stages = partition.group_stages(
       models.build_model(m.name, width=m.width, depth=m.depth or None, num_classes=10,
@@ -345,9 +345,9 @@ def simulated_ms_per_update(J: int, k: int, stage_ms: dict) -> dict:
   """``{"stream" (PETRA), "gpipe", "1f1b": simulated ms per update}`` on J devices, k
   micro-batches per update, from :func:`measure_stage_ms`'s costs."""
   from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
-  return {kind: simulate.ms_per_update(kind, J, k, *stage_ms[
-      "stream" if kind == "stream" else "stored"])["simulated_ms_per_update"]
-          for kind in ("stream", "gpipe", "1f1b")}
+  return {name: simulate.ms_per_update(name, J, k, *stage_ms[
+      "stream" if name == "stream" else "stored"])["simulated_ms_per_update"]
+          for name in ("stream", "gpipe", "1f1b")}
 
 
 def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax import models
-from petra_jax.engine import partition
+from petra_jax.engine.stages import partition
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine.quantize import nbytes
-from petra_jax.engine.stage import trace
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.arrays.quantize import nbytes
+from petra_jax.engine.stages.stage import trace
 from petra_jax.studies.common import STAGE_SPLITS, at_wall_time, plot_accuracy, run, write_page
 
 # (row, method, forward_gradient.guess, forward_gradient.perturb); backprop first: the

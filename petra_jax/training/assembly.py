@@ -22,16 +22,16 @@ from petra_jax import data as data_lib
 from petra_jax import models, optim
 from petra_jax.models import auxiliary
 from petra_jax.engine import compiled
-from petra_jax.engine import forward_gradient as fg_lib
+from petra_jax.engine.methods import forward_gradient as fg_lib
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import objective
+from petra_jax.engine.stages import objective
 from petra_jax.engine import observers
-from petra_jax.engine import partition
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import schedule as schedule_lib
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.stages import partition
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine import timing
-from petra_jax.engine import transport
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.optim import compensation
 from petra_jax.training import batch_source
@@ -94,7 +94,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
     total_steps = min(total_steps, config.max_steps)
   lr = optim.learning_rate_schedule(config, steps_per_epoch)  # built once per run
   pipe, sizes, probes = build_pipeline(config, workdir, info, config.batch_size // k,
-                                       steps_per_epoch, schedule=lr)
+                                       steps_per_epoch, lr_schedule=lr)
   state = pipe.init(config.seed, jnp.zeros((config.batch_size // k,) + info.image_shape))
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
@@ -140,7 +140,7 @@ def _open_data(config):
   start = time.time()
   info = data_lib.get_dataset_info(config.dataset)
   _prepare_data(config)
-  if info.task != "classification":  # text: every process reads the characters
+  if info.objective != "classification":  # text: every process reads the characters
     return data_lib.open_text(config.dataset, config.model.context or info.image_shape[0],
                               config.data_dir or None, download=False)
   # Multi-process: only stage 0's process (the one owning devices[0]) reads images.
@@ -201,13 +201,13 @@ def _prepare_data(config) -> None:
 
 
 def precision(config) -> stage_lib.Precision:
-  """The stages' :class:`~petra_jax.engine.stage.Precision` from ``config.dtype``
+  """The stages' :class:`~petra_jax.engine.stages.stage.Precision` from ``config.dtype``
   and ``config.stream_dtype``."""
   return stage_lib.Precision(config.dtype, config.stream_dtype or config.dtype)
 
 
 def message_formats(config) -> quantize_lib.MessageFormats:
-  """The engine's :class:`~petra_jax.engine.quantize.MessageFormats` from ``config.quantize``."""
+  """The engine's :class:`~petra_jax.engine.arrays.quantize.MessageFormats` from ``config.quantize``."""
   q = config.quantize
   return quantize_lib.MessageFormats(q.forward, q.backward, q.buffer, q.per_channel,
                                      q.stochastic)
@@ -246,9 +246,10 @@ def stage_sizes(config: ml_collections.ConfigDict, blocks, micro_shape, num_clas
 
 
 def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
-                   schedule: Optional[optax.Schedule] = None):
+                   lr_schedule: Optional[optax.Schedule] = None):
   """The stages (grouped as configured), their pipeline and observers; every
-  stage's optimizer and predictor share ``schedule`` (built here when None).
+  stage's optimizer and predictor share the learning-rate schedule ``lr_schedule``
+  (built here when None).
 
   Returns:
     ``(pipe, sizes, probes)``: the :class:`Pipeline`, the blocks per stage
@@ -278,17 +279,17 @@ def build_pipeline(config, workdir: str, info, micro: int, steps_per_epoch: int,
   # Each stage's optimizer (and forward weights) compensate its own delay
   # tau_j in the grouped pipeline; methods without delay get the plain ones.
   delays = None if methods_lib.get(config.method).delayed else [0] * len(stages)
-  if schedule is None:
-    schedule = optim.learning_rate_schedule(config, steps_per_epoch)
+  if lr_schedule is None:
+    lr_schedule = optim.learning_rate_schedule(config, steps_per_epoch)
   stages, options = method_setup(config, stages, info.num_classes)
   pipe = Pipeline(stages, compensation.stage_optimizers(config, steps_per_epoch, len(stages),
-                                                        delays, schedule=schedule), devices,
+                                                        delays, lr_schedule=lr_schedule), devices,
                   method=config.method, accumulation_steps=k, bn_stats=config.model.bn_stats,
                   observers=list(probes.values()),
                   predictors=compensation.stage_predictors(config, steps_per_epoch, len(stages),
-                                                           delays, schedule=schedule),
+                                                           delays, lr_schedule=lr_schedule),
                   formats=message_formats(config), send_losses=False,
-                  data_parallel=config.data_parallel, task=objective.get(info.task), **options)
+                  data_parallel=config.data_parallel, objective=objective.get(info.objective), **options)
   return pipe, sizes, probes
 
 
@@ -321,7 +322,7 @@ def checkpointer(config, workdir: str, pipe: Pipeline, sizes) -> checkpoint_lib.
           dataset=config.dataset, num_stages=pipe.num_stages, stage_sizes=sizes,
           batch_size=config.batch_size, accumulation_steps=config.accumulation_steps,
           seed=config.seed, dtype=config.dtype, stream_dtype=config.stream_dtype,
-          quantize=[config.quantize[k] for k in quantize_lib.KINDS]
+          quantize=[config.quantize[k] for k in quantize_lib.PAYLOADS]
           + [config.quantize.per_channel, config.quantize.stochastic]),
       block_counts=[len(s.blocks) or 1 for s in pipe.stages])
 

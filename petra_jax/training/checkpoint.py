@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from petra_jax import models
-from petra_jax.engine.pipeline_state import PipelineState
+from petra_jax.engine.transport.pipeline_state import PipelineState
 from petra_jax.training import checkpoint_blocks as blocks_lib
 from petra_jax.training import checkpoint_state as state_lib
 from petra_jax.training import orbax_local

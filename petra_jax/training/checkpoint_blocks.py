@@ -12,7 +12,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from petra_jax.engine.pipeline_state import PipelineState
+from petra_jax.engine.transport.pipeline_state import PipelineState
 from petra_jax.training import console
 
 

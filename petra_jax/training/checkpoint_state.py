@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.pipeline_state import PipelineState, message_fields
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.transport.pipeline_state import PipelineState, message_fields
 
 
 def _encode(payload, leaves: list):

@@ -130,7 +130,7 @@ def setup_summary(run) -> None:
   """The run in two lines: what trains where on what, and how long."""
   c, pipe = run.config, run.pipe
   sizes = [len(s.blocks) or 1 for s in pipe.stages]
-  examples = pipe.task.examples
+  examples = pipe.objective.examples
   where = sorted({f"{d.platform}:{d.id}" for d in pipe.devices})
   say(f"{c.method} {c.model.name} (width {c.model.width}) on {c.dataset}: {pipe.num_stages} "
       f"stages of {sizes} blocks on {', '.join(where)}; {len(run.train)} train / "

@@ -13,7 +13,7 @@ from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 
-from petra_jax.engine import transport
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.training.validation import ConfigError
 
 

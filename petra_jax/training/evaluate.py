@@ -7,19 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from petra_jax import data as data_lib
-from petra_jax.engine import objective, transport
+from petra_jax.engine.stages import objective
+from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import console
 
 
-batch_sums = objective.eval_sums  # (the one implementation, for either task)
+batch_sums = objective.eval_sums  # (the one implementation, for either objective)
 
 
 def evaluate(pipe: Pipeline, state, split, info, batch_size: int, prefix: str = "test") -> dict:
   """The pipeline task's metrics over the whole split (last batch padded).
 
   Each batch's sums (:func:`objective.eval_sums`) are computed on the last
-  stage's device, added up in float64. Returns ``pipe.task.metrics``:
+  stage's device, added up in float64. Returns ``pipe.objective.metrics``:
   ``{"test_loss", "test_accuracy"}`` for classification, with bits per
   character and perplexity for next-token prediction, keys starting with
   ``prefix`` (``{}`` off process 0).
@@ -44,7 +45,7 @@ def evaluate(pipe: Pipeline, state, split, info, batch_size: int, prefix: str = 
     if totals is None:
       return {}
     loss_sum, correct = totals
-  return pipe.task.metrics(loss_sum, correct, count, prefix)
+  return pipe.objective.metrics(loss_sum, correct, count, prefix)
 
 
 def _batches(pipe: Pipeline, split, info, batch_size: int):

@@ -11,8 +11,8 @@ import jax
 import ml_collections
 
 from petra_jax import data as data_lib
-from petra_jax.engine import diagnostics
-from petra_jax.engine import schedule as schedule_lib
+from petra_jax.engine.stages import diagnostics
+from petra_jax.engine import schedules as schedule_lib
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
 from petra_jax.training import distributed
@@ -84,7 +84,7 @@ def _run_ticks(run: Run, stop: preemption.StopOnSignal) -> None:
   evaluated as the config says; a stop request checkpoints and exits (75)."""
   config = run.config
   bar = console.progress(run.total_steps * config.batch_size, config.method,
-                         run.pipe.task.examples, initial=run.step * config.batch_size)
+                         run.pipe.objective.examples, initial=run.step * config.batch_size)
   lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
                                 run.steps_per_epoch, config.batch_size, run.step)
   with _discard_diverged(run), contextlib.closing(bar):

@@ -19,9 +19,10 @@ from petra_jax import data as data_lib
 from petra_jax.engine import compiled
 from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
-from petra_jax.engine import precision as precision_lib
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import stage as stage_lib
+from petra_jax.engine.arrays import precision as precision_lib
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.optim import compensation
 
 
@@ -204,7 +205,7 @@ def _check_choices(config) -> None:
           ":" in config.model.name), "model.name"),
       ("dataset", config.dataset, sorted(data_lib.DATASETS), "dataset"),
       ("optimizer", config.optim.name, optim.OPTIMIZERS, "optim.name"),
-      ("schedule", config.optim.schedule, optim.SCHEDULES, "optim.schedule"),
+      ("schedule", config.optim.schedule, optim.LR_SCHEDULES, "optim.schedule"),
       ("stage-balancing cost", config.model.balance_by, config_lib.BALANCE_BY,
        "model.balance_by"),
       ("platform", config.platform, config_lib.PLATFORMS, "platform"),
@@ -232,16 +233,16 @@ def _check_choices(config) -> None:
 
 
 def _check_task(config) -> None:
-  """A zoo model trained for its data set's task (a language model on text)."""
+  """A zoo model trained for its data set's objective (a language model on text)."""
   name, info = config.model.name, data_lib.get_dataset_info(config.dataset)
-  if config.method in methods_lib.LOCAL_METHODS and info.task != "classification":
+  if config.method in methods_lib.LOCAL_METHODS and info.objective != "classification":
     raise ConfigError(f"method {config.method!r} trains image classifiers only (its "
                       f"auxiliary heads pool images); use one of {list(methods_lib.METHODS)} "
                       f"on {config.dataset}.")
-  if models.is_user_model(name) or models.MODEL_SPECS[name].task == info.task:
+  if models.is_user_model(name) or models.MODEL_SPECS[name].objective == info.objective:
     return
-  fits = sorted(n for n, s in models.MODEL_SPECS.items() if s.task == info.task)
-  raise ConfigError(f"model {name!r} is not built for {config.dataset}'s task ({info.task}); "
+  fits = sorted(n for n, s in models.MODEL_SPECS.items() if s.objective == info.objective)
+  raise ConfigError(f"model {name!r} is not built for {config.dataset}'s objective ({info.objective}); "
                     f"use one of {fits} (--config.model.name=...).")
 
 
@@ -251,7 +252,7 @@ def _check_numerics(config) -> None:
       ("dtype", config.dtype, precision_lib.DTYPES),
       ("stream_dtype", config.stream_dtype, ("",) + precision_lib.DTYPES),
       *((f"quantize.{k}", config.quantize[k], quantize_lib.FORMATS)
-        for k in quantize_lib.KINDS)):
+        for k in quantize_lib.PAYLOADS)):
     if value not in choices:
       raise ConfigError(f"Unknown {flag} {value!r}; choose one of {tuple(choices)} "
                         f"(--config.{flag}=...).")
@@ -294,7 +295,7 @@ def _check_batch(config) -> None:
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       f"method {config.method!r} computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
-  if config.grad_quality_every and "backward" not in methods_lib.get(config.method).tasks:
+  if config.grad_quality_every and schedule_lib.TaskKind.BACKWARD not in methods_lib.get(config.method).tasks:
     raise ConfigError("grad_quality_every probes each stage's backward task; method "
                       f"{config.method!r} has none (it splits it): use another method or "
                       "--config.grad_quality_every=0.")
@@ -304,7 +305,7 @@ def _check_local(config) -> None:
   """``config.forward_gradient`` and ``config.auxiliary``: their values, that
   they are set only for a method that reads them, and what the local methods
   (``local``, ``forward_gradient``) do not support."""
-  from petra_jax.engine import forward_gradient  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.methods import forward_gradient  # pylint: disable=g-import-not-at-top
   from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
   fg, aux = config.forward_gradient, config.auxiliary
   try:
@@ -318,7 +319,7 @@ def _check_local(config) -> None:
   _check_unread_options(config)
   if config.method not in methods_lib.LOCAL_METHODS:
     return
-  quantized = [k for k in quantize_lib.KINDS if config.quantize[k] != "none"]
+  quantized = [k for k in quantize_lib.PAYLOADS if config.quantize[k] != "none"]
   probes = [f for f in ("grad_quality_every", "reconstruction_error_every") if config[f]]
   flags = [f"--config.quantize.{k}=none" for k in quantized] + [f"--config.{f}=0" for f in probes]
   if flags:

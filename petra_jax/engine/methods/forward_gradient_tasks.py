@@ -13,13 +13,13 @@ from typing import Callable
 
 import jax
 
-from petra_jax.engine import forward_gradient as fg
-from petra_jax.engine import local
-from petra_jax.engine.pipeline_state import PipelineState, take
-from petra_jax.engine.stage import forward
-from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.context import StageContext
-from petra_jax.engine.tasks import NOTHING, TaskResult
+from petra_jax.engine.methods import forward_gradient as fg
+from petra_jax.engine.methods import local_learning
+from petra_jax.engine.transport.pipeline_state import PipelineState, take
+from petra_jax.engine.stages.stage import forward
+from petra_jax.engine.stages.stage_state import StageState
+from petra_jax.engine.methods.context import StageContext
+from petra_jax.engine.methods.tasks import NOTHING, TaskResult
 
 
 def fg_forward(stage, guess_kind, perturb, emulate, state: StageState, x, labels, tangents, key):
@@ -70,7 +70,7 @@ def forward_task(ctx: StageContext) -> Callable:
   base = jax.random.key(o.seed + 3)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    x, labels, *rest = local.inputs_with_labels(ctx, state, m, batches)
+    x, labels, *rest = local_learning.inputs_with_labels(ctx, state, m, batches)
     tangents = rest[0] if rest else None
     key = jax.random.fold_in(jax.random.fold_in(base, m), j)
     if keeps_input:

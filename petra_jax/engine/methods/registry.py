@@ -12,18 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping
 
-from petra_jax.engine import forward_gradient_tasks, local, tasks, zero_bubble
-from petra_jax.engine.context import Keeps
-from petra_jax.engine.schedule import (BACKPROP, BACKWARD, FORWARD, LOSS, Drained, ForwardOnly,
-                                       GPipe, OneFOneB, Sequential, Stream, TickTable)
+from petra_jax.engine.methods import forward_gradient_tasks, local_learning, tasks, zero_bubble
+from petra_jax.engine.methods.context import Keeps
+from petra_jax.engine.schedules import (Drained, ForwardOnly, GPipe, OneFOneB, Sequential, Stream,
+                                        TaskKind, TickTable, ZeroBubbleH1)
 
 # Task builders ``StageContext -> task`` per task kind.
-BACKWARD_TASKS = {FORWARD: tasks.forward_task, BACKWARD: tasks.backward_task,
-                  LOSS: tasks.loss_task, BACKPROP: tasks.backprop_task}
-LOCAL_TASKS = {FORWARD: local.forward_task, LOSS: local.loss_task}
-FORWARD_GRADIENT_TASKS = {FORWARD: forward_gradient_tasks.forward_task,
-                          BACKWARD: forward_gradient_tasks.backward_task,
-                          LOSS: forward_gradient_tasks.loss_task}
+BACKWARD_TASKS = {TaskKind.FORWARD: tasks.forward_task, TaskKind.BACKWARD: tasks.backward_task,
+                  TaskKind.LOSS: tasks.loss_task, TaskKind.BACKPROP: tasks.backprop_task}
+LOCAL_TASKS = {TaskKind.FORWARD: local_learning.forward_task, TaskKind.LOSS: local_learning.loss_task}
+FORWARD_GRADIENT_TASKS = {TaskKind.FORWARD: forward_gradient_tasks.forward_task,
+                          TaskKind.BACKWARD: forward_gradient_tasks.backward_task,
+                          TaskKind.LOSS: forward_gradient_tasks.loss_task}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("delayed", Stream, stashes_weights=True, reconstructs=False),
     Method("gpipe", GPipe, stashes_weights=False, reconstructs=False),
     Method("1f1b", OneFOneB, stashes_weights=False, reconstructs=False),
-    Method("zb_h1", zero_bubble.ZeroBubbleH1, stashes_weights=False, reconstructs=False,
+    Method("zb_h1", ZeroBubbleH1, stashes_weights=False, reconstructs=False,
            tasks=zero_bubble.TASKS),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from petra_jax.engine import packing
-from petra_jax.engine.messages import Deferred
-from petra_jax.engine import quantize as quantize_lib
+from petra_jax.engine.arrays import packing
+from petra_jax.engine.transport.messages import Deferred
+from petra_jax.engine.arrays import quantize as quantize_lib
 
 
 class ScheduleError(RuntimeError):

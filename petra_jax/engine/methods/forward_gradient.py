@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from petra_jax.engine import auxiliary
-from petra_jax.engine.auxiliary import block_params
-from petra_jax.engine.stage import forward, linearizing
+from petra_jax.engine.methods import auxiliary
+from petra_jax.engine.methods.auxiliary import block_params
+from petra_jax.engine.stages.stage import forward, linearizing
 
 GUESSES = ("local", "random")
 PERTURBS = ("weights", "activity")

@@ -12,8 +12,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine.context import StageContext
-from petra_jax.engine.pipeline_state import PipelineState, take
+from petra_jax.engine.methods.context import StageContext
+from petra_jax.engine.transport.pipeline_state import PipelineState, take
 
 PyTree = Any
 _LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
@@ -42,12 +42,12 @@ def copy_tree(tree: PyTree) -> PyTree:
 
 def forward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s forward: ``x_{j+1} = F_j(x_j, theta_j^t)`` to ``j+1``."""
-  steps, local, stashes, get = ctx.steps, ctx.local, ctx.keeps.weights, ctx.state_of
+  steps, owned, stashes, get = ctx.steps, ctx.owned, ctx.keeps.weights, ctx.state_of
   begin, end = forward_halves(ctx)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, y, kept = begin(state, m, batches), None, None
-    if local:
+    if owned:
       st = get(state)
       params = steps.predicted_params(st)
       y, stats = steps.forward(st, x, params)
@@ -63,7 +63,7 @@ def forward_task(ctx: StageContext) -> Callable:
 def forward_halves(ctx: StageContext) -> tuple:
   """``(begin(state, m, batches) -> x, end(state, m, x, y, kept))`` of stage ``j``'s forward."""
   j, feed, send, encode = ctx.j, ctx.feed, ctx.send, ctx.encode
-  keeps_input = ctx.local and ctx.keeps.input
+  keeps_input = ctx.owned and ctx.keeps.input
 
   def begin(state: PipelineState, m: int, batches):
     if feed is not None:
@@ -81,12 +81,12 @@ def forward_halves(ctx: StageContext) -> tuple:
 
 def backward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s backward and update; ``(x~_j or None, delta_j)`` to ``j-1``."""
-  steps, local, reconstructs = ctx.steps, ctx.local, ctx.steps.reconstructs
+  steps, owned, reconstructs = ctx.steps, ctx.owned, ctx.steps.reconstructs
   begin, end = backward_halves(ctx)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, args = begin(state, m)
-    out = steps.backward(*args) if local else (None, None)
+    out = steps.backward(*args) if owned else (None, None)
     x_tilde = end(state, m, x, out)
     return TaskResult(x_tilde=x_tilde) if reconstructs else NOTHING
   return task
@@ -94,12 +94,12 @@ def backward_task(ctx: StageContext) -> Callable:
 
 def backward_halves(ctx: StageContext) -> tuple:
   """``(begin(state, m) -> (x, args), end(state, m, x, outputs) -> x~ or None)``."""
-  j, steps, local, send, get = ctx.j, ctx.steps, ctx.local, ctx.send_back, ctx.state_of
+  j, steps, owned, send, get = ctx.j, ctx.steps, ctx.owned, ctx.send_back, ctx.state_of
   stashes, buffers, reconstructs = ctx.keeps.weights, ctx.keeps.input, steps.reconstructs
 
   def begin(state: PipelineState, m: int):
     message = take(state.grad_inbox[j], m, "cotangent", j)
-    if not local:
+    if not owned:
       return None, None
     y, dy = message
     x = take(state.buffers[j], m, "buffered input", j) if buffers else None
@@ -108,7 +108,7 @@ def backward_halves(ctx: StageContext) -> tuple:
 
   def end(state: PipelineState, m: int, x, out):
     x_tilde = None
-    if local:
+    if owned:
       state.stage_states[j] = out[0]
       x_tilde = x = out[1] if reconstructs else x
     if send is not None:
@@ -133,12 +133,12 @@ def pair_task(ctx: StageContext) -> Callable:
 
 def loss_task(ctx: StageContext) -> Callable:
   """The last stage's forward, loss and backward (Alg. 1, l. 27-30)."""
-  j, steps, local, send, get = ctx.j, ctx.steps, ctx.local, ctx.send_back, ctx.state_of
+  j, steps, owned, send, get = ctx.j, ctx.steps, ctx.owned, ctx.send_back, ctx.state_of
   loss_home = ctx.loss_home
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, loss, dx = take(state.inbox[j], m, "input", j), None, None
-    if local:
+    if owned:
       labels = take(state.labels, m, "labels", j)
       state.stage_states[j], dx, loss = steps.backward(get(state), x, labels)
     state.grad_inbox[j - 1][m] = send(x, dx, m)

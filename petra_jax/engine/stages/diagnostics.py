@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.stage import Stage, composed_loss
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.stages.stage import Stage, composed_loss
 
 PyTree = Any
 

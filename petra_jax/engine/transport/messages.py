@@ -2,7 +2,7 @@
 
 A payload (``forward``: output to stage ``j+1``; ``backward``:
 ``(y_{j-1} or None, delta_j)`` to stage ``j-1``; ``buffer``: a kept input) is
-encoded in its kind's format, then moved by :mod:`petra_jax.engine.transport`.
+encoded in its kind's format, then moved by :mod:`petra_jax.engine.transport.transfers`.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine import transport
-from petra_jax.engine.stage import Stage, trace
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.transport import transfers as transport
+from petra_jax.engine.stages.stage import Stage, trace
 
 PyTree = Any
 
 
 def _payload_code(kind: str, j: int) -> int:
   """``3 j + kind index``: one number per (stage, payload kind)."""
-  return len(quantize_lib.KINDS) * j + quantize_lib.KINDS.index(kind)
+  return len(quantize_lib.PAYLOADS) * j + quantize_lib.PAYLOADS.index(kind)
 
 
 def _payload_key(base: jax.Array, m, code) -> jax.Array:
@@ -34,20 +34,20 @@ class Messenger:
   """Encodes, shapes and moves the payloads of one pipeline's stages (all ``[B, ...]``).
 
   Args:
-    placements: each stage's :class:`petra_jax.engine.placement.Placement`.
-    local: per stage, whether this process runs it.
+    placements: each stage's :class:`petra_jax.engine.transport.placement.Placement`.
+    owned: per stage, whether this process runs it.
   """
 
-  def __init__(self, stages: Sequence[Stage], placements: Sequence, local: Sequence[bool],
+  def __init__(self, stages: Sequence[Stage], placements: Sequence, owned: Sequence[bool],
                formats: Optional[quantize_lib.MessageFormats] = None):
-    self.stages, self.placements, self.local = list(stages), list(placements), list(local)
+    self.stages, self.placements, self.owned = list(stages), list(placements), list(owned)
     self.devices = [p.device for p in self.placements]
     self.formats = formats or quantize_lib.MessageFormats()
     self._encoders = {kind: jax.jit(functools.partial(self.formats.encode, kind))
-                      for kind in quantize_lib.KINDS}
+                      for kind in quantize_lib.PAYLOADS}
     self._stochastic_encoders = {
         kind: jax.jit(lambda x, base, m, code, kind=kind: self.formats.encode(
-            kind, x, _payload_key(base, m, code))) for kind in quantize_lib.KINDS}
+            kind, x, _payload_key(base, m, code))) for kind in quantize_lib.PAYLOADS}
     self._base_key = jax.random.key(2)
     self._sample = None
     self._spec_cache: dict = {}  # (shape, dtype) -> message_specs
@@ -86,7 +86,7 @@ class Messenger:
 
     Stochastic int8 key: ``fold_in(fold_in(key(seed + 2), m), 3 j + kind index)``.
     """
-    if (x is None or not self.formats.active or not self.local[j]
+    if (x is None or not self.formats.active or not self.owned[j]
         or (kind == "buffer" and self.formats.buffer == "none")):
       return x
     if self.formats.stochastic_for(kind):
@@ -99,14 +99,14 @@ class Messenger:
     ``first``: for ``backward``, whether the sender's input travels (else None).
     """
     same = self.placements[src] == self.placements[dst]
-    if not self.formats.active and self.local[src] and self.local[dst]:
+    if not self.formats.active and self.owned[src] and self.owned[dst]:
       if same:
         return lambda x, m: x
       if self.defer:
         return lambda x, m: self._later(x, src, dst, None)
       where = self.placements[dst].batch
       return lambda x, m: transport.send(x, where)
-    moves = not same and (self.local[src] or self.local[dst])
+    moves = not same and (self.owned[src] or self.owned[dst])
 
     def general(x, m):
       spec = self.encoded_spec(kind, max(src, dst))  # the input of the later stage
@@ -125,27 +125,27 @@ class Messenger:
 
   def flush(self) -> None:
     """Runs the tick's deferred moves: local ones in one ``device_put``, then transfers."""
-    within = [d for d in self._deferred if self.local[d.args[1]] and self.local[d.args[2]]]
+    within = [d for d in self._deferred if self.owned[d.args[1]] and self.owned[d.args[2]]]
     if within:
       values = transport.send([d.args[0] for d in within],
                               [self.placements[d.args[2]].batch for d in within])
       for d, v in zip(within, values):
         d.value = v
     for d in self._deferred:
-      if not (self.local[d.args[1]] and self.local[d.args[2]]):
+      if not (self.owned[d.args[1]] and self.owned[d.args[2]]):
         d.value = self.move(*d.args)
     self._deferred = []
 
   def move(self, x, src: int, dst: int, spec):
     """Payload ``x`` from stage ``src``'s device to ``dst``'s; None if ``dst`` is not local."""
-    if self.local[src] and self.local[dst]:
+    if self.owned[src] and self.owned[dst]:
       if self.placements[src] == self.placements[dst]:
         return x
       return transport.send(x, self.placements[dst].batch)
-    if not (self.local[src] or self.local[dst]):
+    if not (self.owned[src] or self.owned[dst]):
       return None
     x = transport.transfer(x, self.placements[src], self.placements[dst], spec)
-    return x if self.local[dst] else None
+    return x if self.owned[dst] else None
 
 
 class Deferred:

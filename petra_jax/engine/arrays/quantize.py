@@ -201,7 +201,7 @@ def convert(x: PyTree, fmt: str, *, per_channel: bool = False,
   return quantize(dequantize(x), fmt, per_channel=per_channel, key=key)
 
 
-KINDS = ("forward", "backward", "buffer")
+PAYLOADS = ("forward", "backward", "buffer")  # what MessageFormats formats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,13 +222,13 @@ class MessageFormats:
   stochastic: bool = False
 
   def __post_init__(self):
-    for kind in KINDS:
+    for kind in PAYLOADS:
       check_format(getattr(self, kind))
 
   @property
   def active(self) -> bool:
     """Whether any payload kind is quantised."""
-    return any(getattr(self, kind) != "none" for kind in KINDS)
+    return any(getattr(self, kind) != "none" for kind in PAYLOADS)
 
   def stochastic_for(self, kind: str) -> bool:
     """Whether payloads of ``kind`` round stochastically (int8 only)."""

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine.stage import Stage, cross_entropy, forward
+from petra_jax.engine.stages.stage import Stage, cross_entropy, forward
 
 AUX_KEY = "aux_head"
 

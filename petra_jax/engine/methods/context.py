@@ -1,6 +1,6 @@
 """What one stage's tasks need, built once per stage by the Pipeline: :class:`StageContext`.
 
-Task builders (:mod:`tasks`, :mod:`local`, :mod:`forward_gradient_tasks`,
+Task builders (:mod:`tasks`, :mod:`local_learning`, :mod:`forward_gradient_tasks`,
 :mod:`zero_bubble`) read a stage's context only, never the Pipeline.
 """
 
@@ -11,10 +11,11 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
-from petra_jax.engine import packing, transport
-from petra_jax.engine.pipeline_state import PipelineState
-from petra_jax.engine.stage import Stage
-from petra_jax.engine.steps import OneStage
+from petra_jax.engine.arrays import packing
+from petra_jax.engine.transport import transfers as transport
+from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.stages.stage import Stage
+from petra_jax.engine.stages.steps import OneStage
 
 
 
@@ -34,8 +35,8 @@ class StageContext:
   Attributes:
     j: the stage's index; ``last``: whether it is ``J - 1`` (the loss stage).
     stage: the :class:`Stage` (its module, for the local methods' own steps).
-    steps: its jitted steps (:class:`petra_jax.engine.steps.OneStage`).
-    local: whether this process runs it.
+    steps: its jitted steps (:class:`petra_jax.engine.stages.steps.OneStage`).
+    owned: whether this process runs it.
     keeps: what it holds between forward and backward (paper Table 4).
     send: its output to ``j + 1`` (None on the last stage).
     send_back: ``(x, delta, m) -> (x or None, delta)`` on ``j - 1`` (None on
@@ -53,7 +54,7 @@ class StageContext:
   last: bool
   stage: Stage
   steps: OneStage
-  local: bool
+  owned: bool
   keeps: Keeps
   send: Optional[Route]
   send_back: Optional[Callable]
@@ -66,13 +67,13 @@ class StageContext:
   options: Any = None
 
 
-def feeder(first, last, local_first: bool, local_last: bool) -> Callable:
+def feeder(first, last, owns_first: bool, owns_last: bool) -> Callable:
   """``(state, m, batches)``: micro-batch ``m``'s images to stage 0, labels to the last stage."""
   def feed(state: PipelineState, m: int, batches) -> None:
     images, labels = batches(m)
     state.inbox[0][m] = (transport.send_if_elsewhere(images, first.batch, first.batch_sharding)
-                         if local_first else None)
-    if local_last:
+                         if owns_first else None)
+    if owns_last:
       state.labels[m] = transport.send_if_elsewhere(labels, last.batch, last.batch_sharding)
   return feed
 

@@ -12,11 +12,11 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import packing
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
+from petra_jax.engine.arrays import packing
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.stages.stage import (Stage, composed_loss, forward, loss_vjp, recompute_vjp,
                                     reverse_vjp, reverse_vjp_stashed)
-from petra_jax.engine.stage_state import StageState
+from petra_jax.engine.stages.stage_state import StageState
 
 PyTree = Any
 BN_POLICIES = ("backward", "forward")

@@ -12,13 +12,13 @@ from typing import Callable, Sequence
 
 import jax
 
-from petra_jax.engine import auxiliary
-from petra_jax.engine import quantize as quantize_lib
-from petra_jax.engine.pipeline_state import PipelineState, take
-from petra_jax.engine.stage import forward
-from petra_jax.engine.stage_state import StageState
-from petra_jax.engine.context import StageContext
-from petra_jax.engine.tasks import NOTHING, TaskResult
+from petra_jax.engine.methods import auxiliary
+from petra_jax.engine.arrays import quantize as quantize_lib
+from petra_jax.engine.transport.pipeline_state import PipelineState, take
+from petra_jax.engine.stages.stage import forward
+from petra_jax.engine.stages.stage_state import StageState
+from petra_jax.engine.methods.context import StageContext
+from petra_jax.engine.methods.tasks import NOTHING, TaskResult
 
 
 def local_grads(stage, state: StageState, x, labels):

@@ -20,9 +20,9 @@ from typing import Any, Protocol, Sequence
 import flax.linen as nn
 import jax
 
-from petra_jax.engine import nnx_modules
-from petra_jax.engine.objective import cross_entropy  # noqa: F401  (re-exported)
-from petra_jax.engine.precision import FLOAT32, Precision, cast
+from petra_jax.engine.stages import nnx_modules
+from petra_jax.engine.stages.objective import cross_entropy  # noqa: F401  (re-exported)
+from petra_jax.engine.arrays.precision import FLOAT32, Precision, cast
 
 PyTree = Any
 REVERSIBLE_BACKWARDS = ("vanilla", "pareprop")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from petra_jax.engine import placement as placement_lib
+from petra_jax.engine.transport import placement as placement_lib
 
 PyTree = Any
 _AXIS = "pair"
@@ -117,8 +117,8 @@ def _send_shards(leaves, shapes, src: tuple) -> list:
       continue
     pieces = []
     for d in src:
-      local = a if a.sharding == jax.sharding.SingleDeviceSharding(d) else jax.device_put(a, d)
-      pieces.append(local.reshape(1) if not shape else local)
+      on_d = a if a.sharding == jax.sharding.SingleDeviceSharding(d) else jax.device_put(a, d)
+      pieces.append(on_d.reshape(1) if not shape else on_d)
     out.append(pieces)
   return out
 

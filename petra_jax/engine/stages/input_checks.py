@@ -2,7 +2,7 @@
 the input the model declared (``Pipeline.init``'s ``sample_input``).
 
 Images must be floating ``[B, H, W, C]`` (NHWC) as that sample; labels int ``[B]``
-class indices (a :class:`~petra_jax.engine.objective.Task` with ``integer_inputs``, e.g.
+class indices (a :class:`~petra_jax.engine.stages.objective.Objective` with ``integer_inputs``, e.g.
 next-token prediction, takes int token ids ``[B, T]`` and int targets ``[B, T]``). A mismatch is one ``ValueError`` line saying what was expected and
 the fix (channels-first images, raw uint8 pixels, one-hot labels), instead of NaN
 losses or a traceback deep in a stage. Only shapes and dtypes are read: nothing
@@ -16,22 +16,22 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from petra_jax.engine import objective
+from petra_jax.engine.stages import objective as objective_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """Stage 0's declared input: ``shape`` ``[B, ...]``, and the task it is trained for."""
+  """Stage 0's declared input: ``shape`` ``[B, ...]``, and the objective it is trained for."""
   shape: tuple
-  task: objective.Task
+  objective: objective_lib.Objective
 
 
-def declared(sample_input, task: objective.Task = objective.CLASSIFICATION) -> Optional[Spec]:
+def declared(sample_input, objective: objective_lib.Objective = objective_lib.CLASSIFICATION) -> Optional[Spec]:
   """The model's input spec from ``init``'s ``sample_input`` (None for a pytree input,
   which is not checked); ValueError for integer pixels."""
   if not hasattr(sample_input, "shape") or not hasattr(sample_input, "dtype"):
     return None
-  spec = Spec(tuple(sample_input.shape), task)
+  spec = Spec(tuple(sample_input.shape), objective)
   check_dtype(sample_input, spec, "init's sample_input")
   return spec
 
@@ -41,13 +41,13 @@ def _shape(a) -> str:
 
 
 def _expected(spec: Spec) -> str:
-  kind = "int" if spec.task.integer_inputs else "float"
+  kind = "int" if spec.objective.integer_inputs else "float"
   return f"{kind} [B, {', '.join(str(n) for n in spec.shape[1:])}] (as init's sample_input)"
 
 
 def check_dtype(images, spec: Spec, where: str) -> None:
   """Raw integer pixels (e.g. uint8 0..255) are refused; token ids may be integers."""
-  if spec.task.integer_inputs:
+  if spec.objective.integer_inputs:
     return
   if not np.issubdtype(np.dtype(images.dtype), np.floating):
     raise ValueError(
@@ -74,7 +74,7 @@ def check_images(images, spec: Optional[Spec], where: str) -> None:
   check_dtype(images, spec, where)
 
 
-def check_labels(labels, images, where: str, task: objective.Task = objective.CLASSIFICATION
+def check_labels(labels, images, where: str, objective: objective_lib.Objective = objective_lib.CLASSIFICATION
                  ) -> None:
   """``labels`` as int class indices ``[B]`` for ``B`` images.
 
@@ -83,8 +83,8 @@ def check_labels(labels, images, where: str, task: objective.Task = objective.CL
   """
   if labels is None or not hasattr(labels, "shape"):
     return
-  if task.target_rank != 1:
-    _check_targets(labels, images, where, task)
+  if objective.target_rank != 1:
+    _check_targets(labels, images, where, objective)
     return
   batch = None if images is None or not hasattr(images, "shape") else images.shape[0]
   if len(labels.shape) == 2 and labels.shape[0] == (batch or labels.shape[0]):
@@ -98,12 +98,12 @@ def check_labels(labels, images, where: str, task: objective.Task = objective.CL
                      "indices [B]: labels.astype('int32').")
 
 
-def _check_targets(targets, inputs, where: str, task: objective.Task) -> None:
-  """Targets of ``task`` (e.g. next token's int ``[B, T]``) shaped as its inputs say."""
-  want = task.targets_shape(inputs.shape) if hasattr(inputs, "shape") else None
-  if (want is not None and tuple(targets.shape) != want) or len(targets.shape) != task.target_rank:
-    raise ValueError(f"{where}: targets of shape {_shape(targets)}, but the {task.name} task "
-                     f"takes int32 targets {list(want) if want else task.target_rank}.")
+def _check_targets(targets, inputs, where: str, objective: objective_lib.Objective) -> None:
+  """Targets of ``objective`` (e.g. next token's int ``[B, T]``) shaped as its inputs say."""
+  want = objective.targets_shape(inputs.shape) if hasattr(inputs, "shape") else None
+  if (want is not None and tuple(targets.shape) != want) or len(targets.shape) != objective.target_rank:
+    raise ValueError(f"{where}: targets of shape {_shape(targets)}, but the {objective.name} objective "
+                     f"takes int32 targets {list(want) if want else objective.target_rank}.")
   if not np.issubdtype(np.dtype(targets.dtype), np.integer):
     raise ValueError(f"{where}: targets are {np.dtype(targets.dtype).name}; pass int32 "
                      "targets: targets.astype('int32').")
@@ -118,6 +118,6 @@ def checked(batches: Callable, spec: Optional[Spec]) -> Callable:
     images, labels = batches(m)
     where = f"batches({m})"
     check_images(images, spec, where)
-    check_labels(labels, images, where, spec.task)
+    check_labels(labels, images, where, spec.objective)
     return images, labels
   return checked_batches

@@ -1,8 +1,9 @@
-"""What a pipeline is trained for: a :class:`Task` (its loss, targets' shape and metrics).
+"""What a pipeline is trained for: an :class:`Objective` (its loss, targets' shape and metrics).
 
-Both tasks share one loss, the mean softmax cross-entropy over every target
-position (:func:`petra_jax.engine.stage.cross_entropy`), so every method,
-schedule and compensation trains either unchanged:
+Both objectives share one loss, the mean softmax cross-entropy over every target
+position (:func:`petra_jax.engine.stages.stage.cross_entropy`), so every method,
+schedule and compensation trains either unchanged. ``Task`` is the deprecated
+old name of :class:`Objective`:
 
 * ``classification``: logits ``[B, K]``, int32 labels ``[B]``; metrics loss
   (nats per example) and accuracy.
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+import warnings
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,7 @@ def _next_token_metrics(loss_sum: float, hits: int, count: int) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Task:
+class Objective:
   """A training objective.
 
   Attributes:
@@ -92,15 +94,41 @@ class Task:
     return {f"{prefix}_{k}": v for k, v in self.summarize(loss_sum, hits, count).items()}
 
 
-CLASSIFICATION = Task("classification", 1)
-NEXT_TOKEN = Task("next_token", 2, integer_inputs=True, logits_doc="[B, T, vocab_size]",
+CLASSIFICATION = Objective("classification", 1)
+NEXT_TOKEN = Objective("next_token", 2, integer_inputs=True, logits_doc="[B, T, vocab_size]",
                   examples="sequences", summarize=_next_token_metrics)
-TASKS = {t.name: t for t in (CLASSIFICATION, NEXT_TOKEN)}
+OBJECTIVES = {o.name: o for o in (CLASSIFICATION, NEXT_TOKEN)}
 
 
-def get(name: str) -> Task:
-  """``TASKS[name]``; ValueError naming the known tasks."""
+def get(name: str) -> Objective:
+  """``OBJECTIVES[name]``.
+
+  Raises:
+    ValueError: an unknown name (the message names the known objectives).
+  """
   try:
-    return TASKS[name]
+    return OBJECTIVES[name]
   except KeyError:
-    raise ValueError(f"Unknown task {name!r}; choose one of {sorted(TASKS)}.") from None
+    raise ValueError(f"Unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}.") from None
+
+
+def deprecated_task() -> type:
+  """:class:`Objective`, with a ``DeprecationWarning``: ``Task`` was its name until 0.1."""
+  warnings.warn("petra_jax.Task is renamed petra_jax.Objective; Task will be removed in the "
+                "next release.", DeprecationWarning, stacklevel=3)
+  return Objective
+
+
+def deprecated_keyword(objective: Objective, task: Optional[Objective]) -> Objective:
+  """``task`` (with a ``DeprecationWarning``: the old keyword) if given, else ``objective``."""
+  if task is None:
+    return objective
+  warnings.warn("the keyword task= is renamed objective=; task= will be removed in the next "
+                "release.", DeprecationWarning, stacklevel=3)
+  return task
+
+
+def __getattr__(name: str):
+  if name == "Task":
+    return deprecated_task()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

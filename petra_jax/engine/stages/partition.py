@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.stage import Stage
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.stage import Stage
 
 
 def group_cost(costs: Sequence[float], a: int, b: int,

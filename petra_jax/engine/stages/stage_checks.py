@@ -7,30 +7,34 @@ from typing import Any, Optional, Sequence
 from flax.core import unfreeze
 import jax
 
-from petra_jax.engine import objective
-from petra_jax.engine import stage as stage_lib
-from petra_jax.engine.nnx_modules import as_linen
+from petra_jax.engine.stages import objective as objective_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages.nnx_modules import as_linen
 
 PyTree = Any
 
 
 def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
                  num_classes: Optional[int] = None,
-                 task: objective.Task = objective.CLASSIFICATION) -> None:
+                 objective: objective_lib.Objective = objective_lib.CLASSIFICATION,
+                 task: Optional[objective_lib.Objective] = None) -> None:
   """Checks a model (shapes traced, nothing computed).
 
   Args:
     stages: the model's ``Stage`` list.
     sample_input: stage 0's input, e.g. ``float32[B, H, W, C]``; None checks only the list.
     num_classes: ``K`` of the last stage's ``[B, K]`` logits; None: any ``K``.
-    task: the :class:`~petra_jax.engine.objective.Task`: logits ``[B, K]`` or ``[B, T, V]``.
+    objective: the :class:`~petra_jax.engine.stages.objective.Objective`: logits ``[B, K]`` or
+      ``[B, T, V]``.
+    task: the deprecated old name of ``objective`` (a ``DeprecationWarning``).
 
   Raises:
     ValueError: fewer than 2 stages; a module neither linen nor NNX; a stage whose init
       or forward (train and eval mode, called as training calls it: ``train=``) fails,
       naming the stage; a reversible ``F`` changing its input's shape; a last stage not
-      giving the task's logits (``[B, num_classes]`` for classification).
+      giving the objective's logits (``[B, num_classes]`` for classification).
   """
+  objective = objective_lib.deprecated_keyword(objective, task)
   if len(stages) < 2:
     raise ValueError(f"a pipeline needs at least 2 stages (the last gives the logits), got "
                      f"{len(stages)}; split the model into more petra_jax.Stage's.")
@@ -44,10 +48,10 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
     for b in s.blocks or (s,):
       x = _check_block(b, x)
   input_shape = jax.tree.leaves(sample_input)[0].shape
-  want = task.logits_shape(input_shape, num_classes or getattr(x, "shape", (0,))[-1])
+  want = objective.logits_shape(input_shape, num_classes or getattr(x, "shape", (0,))[-1])
   if getattr(x, "shape", None) != want:
     raise ValueError(f"the last stage {stages[-1].name!r} gives {getattr(x, 'shape', x)}; it "
-                     f"must give logits {task.logits_doc} = {list(want)}.")
+                     f"must give logits {objective.logits_doc} = {list(want)}.")
 
 
 def _check_block(b, x):

@@ -1,0 +1,1 @@
+"""Between stages: device placement, transfers, routed messages and the pipeline's state."""
