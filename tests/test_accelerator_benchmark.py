@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,28 @@ def test_fits_group_rows_by_method_and_dtype():
   assert got["backprop", "float32"]["tick"]["ms_per_image"] == pytest.approx(0.25)
   assert got["backprop", "float32"]["device"]["fixed_ms"] == pytest.approx(0.0, abs=1e-9)
   assert got["petra", "bfloat16"]["tick"] is None  # an incomplete row has no tick_ms
+
+
+def _fake_profile():
+  """A profile's shape: planes of lines of events (name, start_ns, end_ns, stats)."""
+  ev = lambda name, a, b, stats=(): SimpleNamespace(name=name, start_ns=a, end_ns=b,
+                                                    stats=list(stats))
+  line = lambda name, *events: SimpleNamespace(name=name, events=list(events))
+  host = SimpleNamespace(name="/host:CPU", lines=[
+      line("python", ev("PjitFunction(step)", 0, 5)),
+      line("tf_XLAPjRtCpuClient/1", ev("fusion", 1, 3, [("hlo_op", "fusion")]),
+           ev("ThreadpoolListener::Record", 2, 2))])
+  gpu = SimpleNamespace(name="/device:GPU:0", lines=[
+      line("Stream #13(Compute)", ev("gemm", 10, 14), ev("memcpy", 15, 16)),
+      line("XLA Modules", ev("jit_step", 10, 16))])
+  return SimpleNamespace(planes=[host, gpu])
+
+
+@pytest.mark.parametrize("platform, expected", [("cpu", [(1, 3)]),
+                                                ("gpu", [(10, 14), (15, 16)])])
+def test_device_events_are_the_backends_own(platform, expected):
+  got = list(device_time.device_intervals(_fake_profile(), platform))
+  assert got == expected
 
 
 def test_profile_window_busy_time_lies_inside_the_window():

@@ -137,6 +137,10 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
     return row
   with device_time.profile_window() as window:
     state = _run_ticks(pipe, state, profiled, images, labels)
+  if not window.num_events:
+    row.update(incomplete="the profile holds no device event (a GPU needs CUPTI)",
+               seconds=time.perf_counter() - start)
+    return row
   profiled_ms, busy_ms = 1e-6 * window.wall_ns / done, 1e-6 * window.busy_ns / done
   row.update(profiled_tick_ms=profiled_ms, device_ms=busy_ms,
              busy_fraction=window.busy_fraction,

@@ -8,7 +8,8 @@ construction. Device events are
 - on an accelerator (planes named ``/device:...``): every event on the lines of the device's
   streams (``Stream ...`` on GPUs, ``XLA Ops`` on TPUs): kernels and copies;
 - on the CPU backend (the CPU is its own device): every event carrying an ``hlo_op`` statistic,
-  i.e. an XLA thunk running on any thread.
+  i.e. an XLA thunk running on any thread. (On an accelerator the host's events are never
+  counted: its thunk launches carry ``hlo_op`` too.)
 
 Overlapping events (several streams, several CPU threads) count once: busy time is the time at
 least one device event runs.
@@ -48,8 +49,11 @@ class Window:
 
 
 @contextlib.contextmanager
-def profile_window(name: str = "petra_jax_timed_window") -> Iterator[Window]:
+def profile_window(name: str = "petra_jax_timed_window",
+                   platform: Optional[str] = None) -> Iterator[Window]:
   """Profiles the ``with`` block; the yielded :class:`Window` is filled on exit.
+
+  ``platform``: the backend whose device events count (default ``jax.default_backend()``).
 
   The block must wait for its own device work (``jax.block_until_ready``) before it ends, or
   that work falls outside the window. Python tracing is off and host tracing at level 1, so the
@@ -69,7 +73,7 @@ def profile_window(name: str = "petra_jax_timed_window") -> Iterator[Window]:
       jax.profiler.stop_trace()
     data = jax.profiler.ProfileData.from_file(_xplane_file(log_dir))
     start, end = _window_bounds(data, name)
-    intervals = list(device_intervals(data))
+    intervals = list(device_intervals(data, platform or jax.default_backend()))
     window.wall_ns = end - start
     window.busy_ns = union_length(intervals, start, end)
     window.num_events = len(intervals)
@@ -92,10 +96,13 @@ def _window_bounds(data, name: str) -> tuple[float, float]:
   raise RuntimeError(f"the profile holds no event named {name!r}")
 
 
-def device_intervals(data) -> Iterable[tuple[float, float]]:
-  """``(start_ns, end_ns)`` of every device event of a ``jax.profiler.ProfileData``."""
+def device_intervals(data, platform: str) -> Iterable[tuple[float, float]]:
+  """``(start_ns, end_ns)`` of every device event of a ``jax.profiler.ProfileData`` whose
+  device is a ``platform`` one (``"cpu"``, ``"gpu"``, ``"tpu"``; module docstring)."""
   for plane in data.planes:
     on_device = plane.name.startswith("/device:")
+    if on_device == (platform == "cpu"):
+      continue
     for line in plane.lines:
       if on_device and not line.name.startswith(_DEVICE_LINE_PREFIXES):
         continue
