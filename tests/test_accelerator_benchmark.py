@@ -1,14 +1,16 @@
-"""The accelerator benchmark on CPU: report schema, reconstruction error, bad flags."""
+"""The accelerator benchmark on CPU: report schema, busy time, fits, reconstruction error, flags."""
 
 import contextlib
 import io
 import json
+from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from petra_jax.benchmarks import accelerator, cli
+from petra_jax.benchmarks import accelerator, cli, device_time
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.arrays.precision import Precision
 
@@ -50,12 +52,18 @@ def test_report_schema(report):
   assert {(r["method"], r["micro_batch"], r["dtype"]) for r in rows} == {
       ("petra", 2, "float32"), ("backprop", 2, "float32")}
   for r in rows:
-    assert {"method", "micro_batch", "dtype", "images_per_s", "tick_ms", "device_ms",
-            "busy_fraction", "host_us_per_tick"} <= set(r)
-    assert r["tick_ms"] > 0 and r["device_ms"] > 0
-    assert r["busy_fraction"] > 0  # (a ratio of two timings: no upper bound holds on a loaded machine)
+    assert {"method", "micro_batch", "dtype", "images_per_s", "tick_ms", "profiled_tick_ms",
+            "device_ms", "busy_fraction", "device_idle_us_per_tick", "compile_s"} <= set(r)
+    assert "incomplete" not in r
+    assert r["tick_ms"] > 0 and r["device_ms"] > 0 and r["device_events"] > 0
+    assert 0 < r["busy_fraction"] <= 1  # by construction: busy time is inside the window
+    assert r["device_idle_us_per_tick"] >= 0
     assert r["images_per_s"] == pytest.approx(1e3 * r["micro_batch"] / r["tick_ms"])
-    assert r["busy_fraction"] == pytest.approx(r["device_ms"] / r["tick_ms"])
+    assert r["busy_fraction"] == pytest.approx(r["device_ms"] / r["profiled_tick_ms"])
+    assert r["device_idle_us_per_tick"] == pytest.approx(
+        1e3 * (r["profiled_tick_ms"] - r["device_ms"]))
+  assert [(f["method"], f["dtype"], f["tick"]) for f in report["fits"]] == [
+      ("petra", "float32", None), ("backprop", "float32", None)]  # one micro-batch: no line
 
 
 @pytest.mark.long  # about a minute; logic covered by faster tests (CI time)
@@ -83,10 +91,90 @@ def test_reconstruction_error_matches_by_hand_in_bfloat16():
   assert got == pytest.approx(hand, rel=0.2)
 
 
+def test_union_length_matches_a_grid_count():
+  rng = np.random.default_rng(0)
+  starts = rng.integers(0, 90, 12)
+  intervals = [(float(s), float(s + rng.integers(0, 15))) for s in starts]
+  lo, hi = 10.0, 80.0
+  covered = np.zeros(200, bool)  # unit cells [t, t + 1) of integer intervals
+  for s, e in intervals:
+    covered[int(s):int(e)] = True
+  assert device_time.union_length(intervals, lo, hi) == covered[int(lo):int(hi)].sum()
+  assert device_time.union_length([], lo, hi) == 0
+  assert device_time.union_length([(0.0, 500.0)], lo, hi) == hi - lo
+
+
+def test_fit_line_recovers_a_line():
+  bs = [64, 256, 1024]
+  fit = device_time.fit_line(bs, [2.5 + 0.02 * b for b in bs])
+  assert fit["fixed_ms"] == pytest.approx(2.5) and fit["ms_per_image"] == pytest.approx(0.02)
+  assert device_time.fit_line([64, 64], [1.0, 2.0]) is None
+
+
+def test_fits_group_rows_by_method_and_dtype():
+  rows = [{"method": m, "dtype": "float32", "micro_batch": b, "tick_ms": h + c * b,
+           "device_ms": c * b} for m, h, c in (("petra", 3.0, 0.5), ("backprop", 1.0, 0.25))
+          for b in (2, 4, 8)]
+  rows.append({"method": "petra", "dtype": "bfloat16", "micro_batch": 2, "compile_s": 9.0})
+  got = {(f["method"], f["dtype"]): f for f in accelerator.fits(rows)}
+  assert got["petra", "float32"]["tick"]["fixed_ms"] == pytest.approx(3.0)
+  assert got["backprop", "float32"]["tick"]["ms_per_image"] == pytest.approx(0.25)
+  assert got["backprop", "float32"]["device"]["fixed_ms"] == pytest.approx(0.0, abs=1e-9)
+  assert got["petra", "bfloat16"]["tick"] is None  # an incomplete row has no tick_ms
+
+
+def _fake_profile():
+  """A profile's shape: planes of lines of events (name, start_ns, end_ns, stats)."""
+  ev = lambda name, a, b, stats=(): SimpleNamespace(name=name, start_ns=a, end_ns=b,
+                                                    stats=list(stats))
+  line = lambda name, *events: SimpleNamespace(name=name, events=list(events))
+  host = SimpleNamespace(name="/host:CPU", lines=[
+      line("python", ev("PjitFunction(step)", 0, 5)),
+      line("tf_XLAPjRtCpuClient/1", ev("fusion", 1, 3, [("hlo_op", "fusion")]),
+           ev("ThreadpoolListener::Record", 2, 2))])
+  gpu = SimpleNamespace(name="/device:GPU:0", lines=[
+      line("Stream #13(Compute)", ev("gemm", 10, 14), ev("memcpy", 15, 16)),
+      line("XLA Modules", ev("jit_step", 10, 16))])
+  return SimpleNamespace(planes=[host, gpu])
+
+
+@pytest.mark.parametrize("platform, expected", [("cpu", [(1, 3)]),
+                                                ("gpu", [(10, 14), (15, 16)])])
+def test_device_events_are_the_backends_own(platform, expected):
+  got = list(device_time.device_intervals(_fake_profile(), platform))
+  assert got == expected
+
+
+def test_profile_window_busy_time_lies_inside_the_window():
+  f = jax.jit(lambda a: jnp.tanh(a @ a))
+  a = jnp.ones((256, 256))
+  jax.block_until_ready(f(a))
+  with device_time.profile_window() as window:
+    for _ in range(4):
+      a = f(a)
+    jax.block_until_ready(a)
+  assert window.num_events >= 4  # at least one device event per call
+  assert 0 < window.busy_ns <= window.wall_ns
+  assert 0 < window.busy_fraction <= 1
+
+
+@pytest.mark.parametrize("method", ["petra", "1f1b"])
+def test_timed_segments_follow_each_other(method):
+  cfg = accelerator.run_config("revnet18", "cifar10", 2, method, 2, "float32", 1)
+  info = accelerator.data_lib.get_dataset_info("cifar10")
+  pipe, _, _ = accelerator.assembly.build_pipeline(cfg, "", info, 2, 10)
+  warm, (first, second), done = accelerator.segments(pipe, 5, 2, repeats=2)
+  assert len(first) == len(second) and done >= 5
+  whole = list(pipe.schedule(len(warm) + 2 * len(first)))
+  # Same ticks as one schedule cut in three: running them in turn is running the schedule.
+  assert [str(t) for t in warm + first + second] == [str(t) for t in whole[:len(warm) + 2 * len(first)]]
+
+
 @pytest.mark.parametrize("flag, says", [("--methods=petra,sgd", "choose from"),
                                         ("--micro-batches=0", "at least 1"),
                                         ("--dtypes=float16", "choose from"),
-                                        ("--ticks=0", "at least 1")])
+                                        ("--ticks=0", "at least 1"),
+                                        ("--row-seconds=0", "at least 1")])
 def test_bad_flags_exit_with_status_2(flag, says, capsys):
   with pytest.raises(SystemExit) as e:
     accelerator.main([flag])

@@ -303,7 +303,8 @@ def test_models_summarises_a_user_nnx_model(monkeypatch, capsys):
   assert "rev0           reversible      2 x 32x32x4" in out and "total: " in out
 
 
-RUNNABLE = ["petra_jax.benchmarks.accelerator", "petra_jax.benchmarks.memory",
+RUNNABLE = ["petra_jax.benchmarks.accelerator", "petra_jax.benchmarks.gpu_check",
+            "petra_jax.benchmarks.memory",
             "petra_jax.benchmarks.profile_step", "petra_jax.benchmarks.scaling",
             "petra_jax.benchmarks.throughput", "petra_jax.benchmarks.timeline",
             "petra_jax.benchmarks.torch_side_by_side", "petra_jax.plots",

@@ -1,19 +1,37 @@
-"""Images/s, device busy fraction and reconstruction error on one accelerator.
+"""Images/s, device busy fraction, the tick's fixed and per-image cost, reconstruction error.
 
 ``python -m petra_jax.benchmarks.accelerator [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
-[--ticks=N] [--json]``
+[--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--json]``
 
 Per (method, micro-batch ``B``, dtype), on a pipeline built as training builds it and one
-random micro-batch: ``tick_ms`` (wall ms per micro-batch), ``images_per_s = B / tick_ms``,
-``device_ms`` (the jitted steps alone), ``busy_fraction = device_ms / tick_ms`` and
-``host_us_per_tick``. ``reconstruction_error`` is ``||x~ - x|| / ||x||`` (paper Sec. 3.2) of
-the reversible stages under matmul precision ``"default"`` and ``"highest"``.
+random micro-batch, after the filling ticks (which compile; ``compile_s``):
+
+- ``tick_ms``: wall ms per completed micro-batch over ``N`` ticks dispatched back to back with one
+  wait at the end (no wait per call); ``images_per_s = 1000 B / tick_ms``.
+- Busy time, from a ``jax.profiler`` trace of the same ``N`` ticks run again
+  (:mod:`petra_jax.benchmarks.device_time`): ``profiled_tick_ms`` is that window's wall ms per
+  micro-batch, ``device_ms`` the time per micro-batch in which at least one device event ran
+  (kernels and copies on a GPU, XLA thunks on the CPU), ``busy_fraction = device_ms /
+  profiled_tick_ms`` and ``device_idle_us_per_tick = 1000 (profiled_tick_ms - device_ms)``: the
+  tick's time in which the device waited for the host. Both windows are measured, never
+  derived from per-call timings, so ``0 <= busy_fraction <= 1`` and the idle time is ``>= 0``
+  by construction. The profile costs a little host time: compare ``profiled_tick_ms`` with
+  ``tick_ms``.
+- ``fits``: per (method, dtype) over the micro-batches, the least-squares line
+  ``tick_ms = fixed_ms + ms_per_image * B`` (``H`` and ``C``), and the same for ``device_ms``.
+
+A row stops after the phase in which it passes ``--row-seconds`` (compiling can't be cut short)
+and reports what it measured with ``"incomplete"`` saying why. Rows print to stderr as they
+finish; the table (or ``--json``'s one line) comes at the end. ``reconstruction_error`` is
+``||x~ - x|| / ||x||`` (paper Sec. 3.2) of the reversible stages under matmul precision
+``"default"`` and ``"highest"`` (``--no-reconstruction`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import sys
@@ -22,12 +40,11 @@ from typing import Optional, Sequence
 
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
-from petra_jax.benchmarks import cli
+from petra_jax.benchmarks import cli, device_time
 from petra_jax.engine.stages import diagnostics
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.arrays.precision import DTYPES
-from petra_jax.engine.timing import median_ms, stage_cost, stage_times
 from petra_jax.training import assembly, validation
 import flax
 import jax
@@ -41,11 +58,13 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
-               dtype: str, accumulation_steps: int) -> ml_collections.ConfigDict:
-  """The training config of one row (one device); ConfigError as training would raise."""
+               dtype: str, accumulation_steps: int,
+               num_stages: int = 0) -> ml_collections.ConfigDict:
+  """The training config of one row (one device; ``num_stages`` 0: one block per stage);
+  ConfigError as training would raise."""
   c = config_lib.get_config()
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
-  c.model.name, c.model.width = model, width
+  c.model.name, c.model.width, c.model.num_stages = model, width, num_stages
   c.accumulation_steps = accumulation_steps
   c.batch_size = micro_batch * accumulation_steps
   validation.validate_config(c, len(jax.local_devices()))
@@ -59,20 +78,25 @@ def random_batch(shape: Sequence[int], num_classes: int, batch: int, seed: int =
           jax.random.randint(kl, (batch,), 0, num_classes, np.int32))
 
 
-def segments(pipe, ticks: int, warmup: int):
-  """``(untimed ticks, timed ticks, micro-batches completed in the timed ticks)``.
+def segments(pipe, ticks: int, warmup: int, repeats: int = 1):
+  """``(untimed ticks, [timed ticks] * repeats, micro-batches completed per timed segment)``.
 
-  Stream: ``2(J-1) + warmup`` filling ticks then ``ticks``; periodic schedules: whole rounds.
+  Consecutive segments of one schedule, so each may follow the one before. Stream: ``2(J-1) +
+  warmup`` filling ticks then ``repeats`` segments of ``ticks``; periodic schedules: whole
+  rounds.
   """
   if pipe.method.delayed:
     fill = schedule_lib.drain_ticks(pipe.num_stages) + warmup
-    table = list(pipe.schedule(fill + ticks))
-    return table[:fill], table[fill:fill + ticks], ticks
+    table = list(pipe.schedule(fill + repeats * ticks))
+    return table[:fill], [table[fill + i * ticks:fill + (i + 1) * ticks]
+                          for i in range(repeats)], ticks
   size = pipe.schedule(0).round_size
   warm_rounds, rounds = math.ceil(warmup / size), math.ceil(ticks / size)
-  table = list(pipe.schedule(size * (warm_rounds + rounds)))
-  split = len(table) * warm_rounds // (warm_rounds + rounds)
-  return table[:split], table[split:], size * rounds
+  table = list(pipe.schedule(size * (warm_rounds + repeats * rounds)))
+  per_round = len(table) // (warm_rounds + repeats * rounds)
+  fill, length = per_round * warm_rounds, per_round * rounds
+  return table[:fill], [table[fill + i * length:fill + (i + 1) * length]
+                        for i in range(repeats)], size * rounds
 
 
 def _all_arrays(state, losses=()):
@@ -80,44 +104,76 @@ def _all_arrays(state, losses=()):
   return state.train_states, state.inbox, state.grad_inbox, state.buffers, list(losses)
 
 
-def tick_wall_ms(pipe, state, images, labels, ticks: int, warmup: int):
-  """``(state, ms)``: the final state and the timed ticks' wall ms per completed micro-batch."""
-  batch = lambda m: (images, labels)  # noqa: E731
-  warm, timed, done = segments(pipe, ticks, warmup)
-  state, _ = pipe.run(state, warm, batch)
-  jax.block_until_ready(_all_arrays(state))
-  start = time.perf_counter()
-  state, outs = pipe.run(state, timed, batch)
+def _run_ticks(pipe, state, ticks, images, labels):
+  """Runs ``ticks`` and waits once for everything they produced; returns the new state."""
+  state, outs = pipe.run(state, ticks, lambda m: (images, labels))
   jax.block_until_ready(_all_arrays(state, [o.loss for o in outs]))
-  return state, 1e3 * (time.perf_counter() - start) / done
+  return state
 
 
-def device_ms(pipe, state, images, labels, iters: int) -> float:
-  """Median ms of one micro-batch's jitted steps, each called alone and waited for."""
-  if pipe.method.pipelined:
-    rows, _ = stage_times(pipe, state, images, labels, iters, warmup=1)
-    return float(sum(stage_cost([r["forward"] for r in rows], [r["backward"] for r in rows])))
-  box = {"states": state.train_states}
+def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int = 0,
+            row_seconds: float = math.inf) -> dict:
+  """One result row (module docstring) for the config of :func:`run_config`.
 
-  def step():
-    box["states"], loss = pipe.steps.backprop(box["states"], images, labels)
-    return box["states"], loss
-  return median_ms(step, iters, warmup=1)
-
-
-def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int = 0) -> dict:
-  """One result row for the config of :func:`run_config`."""
+  Stops after the first phase (compile, timed ticks, profiled ticks) that ends past
+  ``row_seconds`` from the row's start, with ``"incomplete"`` naming it.
+  """
+  start = time.perf_counter()
   info = data_lib.get_dataset_info(cfg.dataset)
   micro = cfg.batch_size // cfg.accumulation_steps
+  row = {"method": cfg.method, "micro_batch": micro, "dtype": cfg.dtype}
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
-  state = pipe.init(seed, images)
-  state, tick_ms = tick_wall_ms(pipe, state, images, labels, ticks, warmup)
-  dev_ms = device_ms(pipe, state, images, labels, ticks)
-  return {"method": cfg.method, "micro_batch": micro, "dtype": cfg.dtype,
-          "images_per_s": 1e3 * micro / tick_ms, "tick_ms": tick_ms, "device_ms": dev_ms,
-          "busy_fraction": dev_ms / tick_ms, "host_us_per_tick": 1e3 * (tick_ms - dev_ms),
-          "num_stages": pipe.num_stages}
+  warm, (timed, profiled), done = segments(pipe, ticks, warmup, repeats=2)
+  state = _run_ticks(pipe, pipe.init(seed, images), warm, images, labels)
+  row.update(num_stages=pipe.num_stages, compile_s=time.perf_counter() - start)
+  if _late(row, "compiling", start, row_seconds):
+    return row
+  t0 = time.perf_counter()
+  state = _run_ticks(pipe, state, timed, images, labels)
+  tick_ms = 1e3 * (time.perf_counter() - t0) / done
+  row.update(tick_ms=tick_ms, images_per_s=1e3 * micro / tick_ms)
+  if _late(row, "the timed ticks", start, row_seconds):
+    return row
+  with device_time.profile_window() as window:
+    state = _run_ticks(pipe, state, profiled, images, labels)
+  if not window.num_events:
+    row.update(incomplete="the profile holds no device event (a GPU needs CUPTI)",
+               seconds=time.perf_counter() - start)
+    return row
+  profiled_ms, busy_ms = 1e-6 * window.wall_ns / done, 1e-6 * window.busy_ns / done
+  row.update(profiled_tick_ms=profiled_ms, device_ms=busy_ms,
+             busy_fraction=window.busy_fraction,
+             device_idle_us_per_tick=1e3 * (profiled_ms - busy_ms),
+             device_events=window.num_events, seconds=time.perf_counter() - start)
+  return row
+
+
+def _late(row: dict, phase: str, start: float, limit: float) -> bool:
+  """Marks ``row`` incomplete if ``limit`` s have passed since ``start``."""
+  spent = time.perf_counter() - start
+  if spent <= limit:
+    return False
+  row.update(incomplete=f"{phase} ended {spent:.0f} s into the row (--row-seconds={limit:g})",
+             seconds=spent)
+  return True
+
+
+def fits(rows: Sequence[dict]) -> list[dict]:
+  """Per (method, dtype), the lines ``tick_ms = H + C B`` and ``device_ms = H + C B``.
+
+  Each entry: ``{"method", "dtype", "tick": fit, "device": fit}`` with ``fit`` as
+  :func:`device_time.fit_line` (None with fewer than two micro-batches measured).
+  """
+  out = []
+  for method, dtype in dict.fromkeys((r["method"], r["dtype"]) for r in rows):
+    mine = [r for r in rows if (r["method"], r["dtype"]) == (method, dtype)]
+    entry = {"method": method, "dtype": dtype}
+    for key, field in (("tick", "tick_ms"), ("device", "device_ms")):
+      got = [r for r in mine if field in r]
+      entry[key] = device_time.fit_line([r["micro_batch"] for r in got], [r[field] for r in got])
+    out.append(entry)
+  return out
 
 
 def reconstruction_error(stages, variables: Sequence[dict], images, precision: str) -> float:
@@ -159,35 +215,70 @@ def _versions() -> dict:
 
 
 def benchmark(args: argparse.Namespace) -> dict:
-  """Every row of the grid, the reconstruction errors, device and versions."""
-  results = [measure(run_config(args.model, args.dataset, args.width, m, b, d,
-                                args.accumulation_steps), args.ticks, args.warmup)
-             for m in args.methods for b in args.micro_batches for d in args.dtypes]
-  info = data_lib.get_dataset_info(args.dataset)
-  stages = cli.build(args.model, args.dataset, args.width)
-  images, _ = random_batch(info.image_shape, info.num_classes, max(args.micro_batches))
-  variables = init_variables(stages, images)
+  """Every row of the grid (each printed to stderr as it ends), the fits, the reconstruction
+  errors (unless ``args.no_reconstruction``), device and versions."""
+  results = []
+  for m in args.methods:
+    for d in args.dtypes:
+      for b in args.micro_batches:
+        cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
+                         args.num_stages)
+        results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
+        print(_row_line(results[-1]), file=sys.stderr, flush=True)
+        if args.rows_file:
+          with open(args.rows_file, "a") as f:
+            f.write(json.dumps(results[-1]) + "\n")
   dev = jax.devices()[0]
-  return {"device": {"kind": dev.device_kind, "platform": dev.platform},
-          "versions": _versions(), "model": args.model, "dataset": args.dataset,
-          "width": args.width, "accumulation_steps": args.accumulation_steps,
-          "ticks": args.ticks, "warmup": args.warmup, "results": results,
-          "reconstruction_error": {p: reconstruction_error(stages, variables, images, p)
-                                   for p in MATMUL_PRECISIONS}}
+  report = {"device": {"kind": dev.device_kind, "platform": dev.platform},
+            "versions": _versions(), "model": args.model, "dataset": args.dataset,
+            "width": args.width, "accumulation_steps": args.accumulation_steps,
+            "ticks": args.ticks, "warmup": args.warmup, "results": results,
+            "fits": fits(results)}
+  if not args.no_reconstruction:
+    info = data_lib.get_dataset_info(args.dataset)
+    stages = cli.build(args.model, args.dataset, args.width)
+    images, _ = random_batch(info.image_shape, info.num_classes, max(args.micro_batches))
+    variables = init_variables(stages, images)
+    report["reconstruction_error"] = {p: reconstruction_error(stages, variables, images, p)
+                                      for p in MATMUL_PRECISIONS}
+  return report
+
+
+_HEADER = (f"{'method':<9}{'B':>5} {'dtype':<9}{'images/s':>10}{'tick ms':>10}{'prof. ms':>10}"
+           f"{'device ms':>11}{'busy':>7}{'idle us':>10}{'compile s':>10}")
+
+
+def _row_line(x: dict) -> str:
+  """One table line; fields a row did not reach print as ``-``."""
+  def f(key, fmt, width):
+    return format(x[key], fmt).rjust(width) if key in x else "-".rjust(width)
+  line = (f"{x['method']:<9}{x['micro_batch']:>5} {x['dtype']:<9}" + f("images_per_s", ".1f", 10)
+          + f("tick_ms", ".2f", 10) + f("profiled_tick_ms", ".2f", 10)
+          + f("device_ms", ".2f", 11) + f("busy_fraction", ".2f", 7)
+          + f("device_idle_us_per_tick", ".0f", 10) + f("compile_s", ".1f", 10))
+  return line + (f"  incomplete: {x['incomplete']}" if "incomplete" in x else "")
+
+
+def _fit_text(fit: Optional[dict]) -> str:
+  if fit is None:
+    return "needs two micro-batches"
+  return f"H = {fit['fixed_ms']:.3f} ms + C = {fit['ms_per_image']:.5f} ms/image"
 
 
 def _print_report(r: dict) -> None:
   print(f"{r['model']} width {r['width']} on {r['device']['kind']} ({r['device']['platform']}); "
         f"jax {r['versions']['jax']}")
-  print(f"{'method':<9}{'B':>5} {'dtype':<9}{'images/s':>10}{'tick ms':>10}{'device ms':>11}"
-        f"{'busy':>7}{'host us':>10}")
+  print(_HEADER)
   for x in r["results"]:
-    print(f"{x['method']:<9}{x['micro_batch']:>5} {x['dtype']:<9}{x['images_per_s']:10.1f}"
-          f"{x['tick_ms']:10.2f}{x['device_ms']:11.2f}{x['busy_fraction']:7.2f}"
-          f"{x['host_us_per_tick']:10.0f}")
-  e = r["reconstruction_error"]
-  print(f"reconstruction error ||x~ - x||/||x||: matmul precision default {e['default']:.2e}, "
-        f"highest {e['highest']:.2e}")
+    print(_row_line(x))
+  print("tick = H + C * B (least squares over the micro-batches):")
+  for f in r["fits"]:
+    print(f"  {f['method']:<9}{f['dtype']:<9} tick {_fit_text(f['tick'])}; "
+          f"device {_fit_text(f['device'])}")
+  e = r.get("reconstruction_error")
+  if e:
+    print(f"reconstruction error ||x~ - x||/||x||: matmul precision default {e['default']:.2e}, "
+          f"highest {e['highest']:.2e}")
 
 
 def _csv(kind, choices: Optional[Sequence[str]] = None):
@@ -214,6 +305,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS),
                  help="fixes the image size, stem and classes (default cifar10)")
   p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
+  p.add_argument("--num-stages", type=int, default=0,
+                 help="pipeline stages (default 0: one block per stage, as the paper)")
   p.add_argument("--micro-batches", type=_csv(int), default=[64, 256],
                  help="comma-separated micro-batch sizes, one measurement each (default 64,256)")
   p.add_argument("--dtypes", type=_csv(str, DTYPES), default=["float32", "bfloat16"],
@@ -223,9 +316,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--accumulation-steps", type=int, default=4, help="k, micro-batches per update")
   p.add_argument("--ticks", type=int, default=20, help="measured micro-batches (N)")
   p.add_argument("--warmup", type=int, default=2, help="unmeasured micro-batches first")
+  p.add_argument("--row-seconds", type=float, default=math.inf,
+                 help="stop a row after the phase that passes this many seconds (default: none)")
+  p.add_argument("--no-reconstruction", action="store_true",
+                 help="skip the reconstruction error (it compiles the whole model twice)")
+  p.add_argument("--rows-file", default="",
+                 help="append each row to this file as one JSON line when it ends")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
-  for flag in ("width", "accumulation_steps", "ticks", "warmup"):
+  if args.num_stages < 0:
+    p.error("--num-stages must be at least 0")
+  for flag in ("width", "accumulation_steps", "ticks", "warmup", "row_seconds"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1")
   return args

@@ -165,17 +165,32 @@ def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict)
       f"({result['wall_time']:.0f} s)")
 
 
+def rate_text(examples_per_s: float, examples: str = "images",
+              tokens_per_example: int = 0) -> str:
+  """Throughput for a progress line: ``"R img/s"`` for images, else ``"R <examples>/s"`` and,
+  with ``tokens_per_example`` (a sequence's tokens), ``", T tokens/s"``."""
+  if examples == "images":
+    return f"{examples_per_s:.1f} img/s"
+  text = f"{examples_per_s:.1f} {examples}/s"
+  if tokens_per_example:
+    text += f", {examples_per_s * tokens_per_example:.0f} tokens/s"
+  return text
+
+
 class ProgressLines:
   """Where no progress bar shows (output not a terminal: SLURM, nohup, CI), a line
   ``step S/T (E epochs): train_loss L, R img/s`` at least every ``seconds``
-  seconds (0: never), process 0 only.
+  seconds (0: never), process 0 only; for text ``R sequences/s, T tokens/s``
+  (:func:`rate_text`).
   """
 
   def __init__(self, seconds: float, bar: tqdm, total_steps: int, steps_per_epoch: int,
-               batch_size: int, step: int):
+               batch_size: int, step: int, examples: str = "images",
+               tokens_per_example: int = 0):
     self.enabled = bool(seconds) and bool(bar.disable) and _printing()
     self.seconds, self.total, self.per_epoch = seconds, total_steps, steps_per_epoch
     self.batch_size = batch_size
+    self.examples, self.tokens_per_example = examples, tokens_per_example
     self.last_time, self.last_step = time.time(), step
 
   def update(self, step: int, train_loss: float) -> None:
@@ -188,7 +203,7 @@ class ProgressLines:
     rate = (step - self.last_step) * self.batch_size / max(now - self.last_time, 1e-9)
     loss = f"train_loss {train_loss:.4f}, " if math.isfinite(train_loss) else ""
     say(f"step {step}/{self.total} ({step / self.per_epoch:.2f} epochs): {loss}"
-        f"{rate:.1f} img/s")
+        f"{rate_text(rate, self.examples, self.tokens_per_example)}")
     self.last_time, self.last_step = now, step
 
 

@@ -79,14 +79,23 @@ def _setup(config, workdir: str, stop: preemption.StopOnSignal) -> Run:
   return run
 
 
+def _tokens_per_example(run: Run) -> int:
+  """Tokens in one training example: a sequence's length ``T`` for text, 0 for images."""
+  if run.pipe.objective.examples == "images":
+    return 0
+  return int(run.config.model.context or run.info.image_shape[0])
+
+
 def _run_ticks(run: Run, stop: preemption.StopOnSignal) -> None:
   """The tick table from the run's tick on: every update logged, checkpointed and
   evaluated as the config says; a stop request checkpoints and exits (75)."""
   config = run.config
   bar = console.progress(run.total_steps * config.batch_size, config.method,
                          run.pipe.objective.examples, initial=run.step * config.batch_size)
+  examples = run.pipe.objective.examples
   lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
-                                run.steps_per_epoch, config.batch_size, run.step)
+                                run.steps_per_epoch, config.batch_size, run.step, examples,
+                                tokens_per_example=_tokens_per_example(run))
   with _discard_diverged(run), contextlib.closing(bar):
     t = run.state.tick
     while t < len(run.schedule):

@@ -1,0 +1,245 @@
+"""A GPU check in at most 8 minutes, one command, no package registry: ``launch/gpu_check.sh``.
+
+``python -m petra_jax.benchmarks.gpu_check [--tiny] [--out=DIR] [--parts=a,b] [--executor=host]
+[--data-dir=DIR]``
+
+Each part runs as its own process under its own time limit (s), its stdout and stderr kept in
+``DIR/<part>.log``; a part that runs out of time is stopped and the others still run:
+
+- ``info`` (15): date, ``nvidia-smi``, JAX's devices and versions, the git commit.
+- ``accelerator_float32`` (175), ``accelerator_bfloat16`` (115): ``petra`` and ``backprop`` ticks
+  of RevNet18 width 64 (10 stages, k = 1) at micro-batches 64, 256, 1024
+  (:mod:`petra_jax.benchmarks.accelerator`); rows land in ``DIR/rows.jsonl`` as they end.
+- ``train`` (85): the main job (``configs/cifar10.py``, real CIFAR-10) with a progress line
+  every 10 s, stopped by its limit: its img/s. Needs ``cifar10`` in the data dir.
+- ``language_model`` (55): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
+  sequences in 4 micro-batches): its sequences/s and tokens/s. Needs ``tiny_shakespeare``.
+- ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
+  (method, dtype) from the rows, the last progress line of each training run.
+
+Then ``DIR`` is bundled into ``DIR.tar.gz``. ``DIR`` defaults to
+``gpu_check_<UTC date and time>_<host>``. ``--tiny``: the same parts at CPU sizes (width 2,
+2 stages, micro-batches 2 and 4, a few updates), for a dry run on the CPU. ``--executor`` is
+the tick executor every timed part runs under (today only ``host``, the reference loop).
+Exit status: 0, or 1 if a part failed or ran out of time (a training run stopped by its limit
+is a success).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from petra_jax.benchmarks import accelerator
+
+EXECUTORS = ("host",)  # "compiled" joins once the compiled tick executor lands (issue 47)
+_PY = sys.executable
+GRACE_S = 5  # after SIGTERM at a part's limit, SIGKILL this many seconds later
+
+
+@dataclass(frozen=True)
+class Part:
+  """One part: its name, command line (argv), time limit in seconds, and whether it runs until
+  the limit stops it (a training run: then being stopped is its success)."""
+  name: str
+  argv: tuple
+  seconds: float
+  until_stopped: bool = False
+
+
+def _accelerator(dtype: str, tiny: bool, seconds: float, out: str, executor: str) -> Part:
+  sizes = (["--width=2", "--num-stages=2", "--micro-batches=2,4", "--ticks=3", "--warmup=1"]
+           if tiny else ["--width=64", "--micro-batches=64,256,1024", "--ticks=30",
+                         "--warmup=2"])
+  # Once the compiled executor lands: add f"--executor={executor}" here.
+  del executor
+  argv = [_PY, "-m", "petra_jax.benchmarks.accelerator", "--model=revnet18", "--dataset=cifar10",
+          f"--dtypes={dtype}", "--methods=petra,backprop", "--accumulation-steps=1",
+          "--no-reconstruction", f"--row-seconds={seconds:g}",
+          f"--rows-file={os.path.join(out, 'rows.jsonl')}", "--json", *sizes]
+  return Part(f"accelerator_{dtype}", tuple(argv), seconds)
+
+
+def _train(name: str, config: str, overrides: Sequence[str], seconds: float, out: str,
+           data_dir: str, progress_seconds: float) -> Part:
+  # Once the compiled executor lands: add f"--config.executor={executor}" here.
+  argv = [_PY, "-m", "petra_jax.train", f"--config={config}",
+          f"--workdir={os.path.join(out, name)}", f"--config.progress_seconds={progress_seconds:g}",
+          "--config.checkpoint_every=0", "--config.checkpoint_minutes=0", *overrides]
+  if data_dir:
+    argv.append(f"--config.data_dir={data_dir}")
+  return Part(name, tuple(argv), seconds, until_stopped=True)
+
+
+def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]:
+  """Every part of the check in order (module docstring); ValueError for an unknown executor."""
+  if executor not in EXECUTORS:
+    raise ValueError(f"--executor={executor}: this checkout has the {', '.join(EXECUTORS)} "
+                     "executor only")
+  if tiny:
+    main_job = ["--config.model.width=2", "--config.max_steps=4", "--config.num_epochs=1",
+                "--config.optim.warmup_epochs=0",
+                "--config.steps_per_epoch=4", "--config.batch_size=8",
+                "--config.eval_batch_size=1000"]
+    lm = ["--config.model.width=8", "--config.max_steps=4", "--config.steps_per_epoch=4",
+          "--config.num_epochs=1", "--config.model.context=16", "--config.batch_size=8",
+          "--config.accumulation_steps=2", "--config.eval_batch_size=8"]
+  else:
+    main_job = ["--config.num_epochs=1000"]  # stopped by its time limit
+    lm = ["--config.model.name=revgpt_small", "--config.model.width=64",
+          "--config.model.context=256", "--config.model.stage_sizes=()",
+          "--config.model.num_stages=4", "--config.batch_size=64",
+          "--config.accumulation_steps=4", "--config.num_epochs=1000"]
+  times = (30, 150, 150, 150, 150) if tiny else (15, 175, 115, 85, 55)
+  every = 1 if tiny else 10
+  return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
+          _accelerator("float32", tiny, times[1], out, executor),
+          _accelerator("bfloat16", tiny, times[2], out, executor),
+          _train("train", "configs/cifar10.py", main_job, times[3], out, data_dir, every),
+          _train("language_model", "configs/shakespeare_cpu.py", lm, times[4], out, data_dir,
+                 every)]
+
+
+def run_part(part: Part, out: str) -> dict:
+  """Runs ``part`` with output to ``out/<name>.log``; ``{"name", "status", "seconds"}``.
+
+  ``status``: the exit status, or ``"timeout"`` if the limit stopped it (SIGTERM to its process
+  group, SIGKILL :data:`GRACE_S` later), ``"stopped"`` for a part that runs until stopped.
+  """
+  log = os.path.join(out, f"{part.name}.log")
+  start = datetime.datetime.now()
+  with open(log, "w") as f:
+    f.write("$ " + " ".join(part.argv) + "\n")
+    f.flush()
+    proc = subprocess.Popen(part.argv, stdout=f, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+      status = proc.wait(timeout=part.seconds)
+    except subprocess.TimeoutExpired:
+      status = "stopped" if part.until_stopped else "timeout"
+      _stop(proc)
+  seconds = (datetime.datetime.now() - start).total_seconds()
+  print(f"gpu_check: {part.name}: {status} after {seconds:.0f} s (limit {part.seconds:g} s)",
+        flush=True)
+  return {"name": part.name, "status": status, "seconds": seconds}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+  os.killpg(proc.pid, signal.SIGTERM)
+  try:
+    proc.wait(timeout=GRACE_S)
+  except subprocess.TimeoutExpired:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def info() -> None:
+  """Prints the date, ``nvidia-smi``, JAX's devices and versions, the git commit."""
+  print("date (UTC):", datetime.datetime.now(datetime.timezone.utc).isoformat())
+  print("host:", platform.node(), platform.platform(), "python", platform.python_version())
+  for cmd in (["nvidia-smi"], ["git", "rev-parse", "HEAD"], ["git", "status", "--short"]):
+    if shutil.which(cmd[0]):
+      r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+      print(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}", end="")
+    else:
+      print(f"$ {' '.join(cmd)}: not found")
+  import jax
+  print("jax", jax.__version__, "backend", jax.default_backend())
+  for d in jax.devices():
+    print(" ", d.id, d.platform, d.device_kind)
+
+
+def last_line(path: str, *words: str) -> str:
+  """The last line of the file at ``path`` containing every one of ``words``; "" if none."""
+  if not os.path.exists(path):
+    return ""
+  found = ""
+  with open(path, errors="replace") as f:
+    for line in f:
+      if all(w in line for w in words):
+        found = line.strip()
+  return found
+
+
+def summary(out: str, results: Sequence[dict]) -> str:
+  """The check in a few lines (module docstring)."""
+  lines = [f"{r['name']}: {r['status']} ({r['seconds']:.0f} s)" for r in results]
+  rows = []
+  rows_file = os.path.join(out, "rows.jsonl")
+  if os.path.exists(rows_file):
+    with open(rows_file) as f:
+      rows = [json.loads(x) for x in f if x.strip()]
+  for r in rows:
+    lines.append(accelerator._row_line(r))
+  for fit in accelerator.fits(rows):
+    lines.append(f"{fit['method']} {fit['dtype']}: tick {accelerator._fit_text(fit['tick'])}; "
+                 f"device {accelerator._fit_text(fit['device'])}")
+  lines.append("main job: " + (last_line(os.path.join(out, "train.log"), "img/s")
+                               or "no progress line"))
+  lines.append("language model: " + (last_line(os.path.join(out, "language_model.log"),
+                                               "tokens/s") or "no progress line"))
+  return "\n".join(lines) + "\n"
+
+
+def bundle(out: str) -> str:
+  """``out.tar.gz`` holding ``out``; returns its path."""
+  path = out.rstrip(os.sep) + ".tar.gz"
+  with tarfile.open(path, "w:gz") as tar:
+    tar.add(out, arcname=os.path.basename(out.rstrip(os.sep)))
+  return path
+
+
+def default_out() -> str:
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d_%H%M%S")
+  return f"gpu_check_{stamp}_{platform.node() or 'host'}"
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+  """The flags of the module docstring; a bad one exits with status 2."""
+  p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.gpu_check",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--tiny", action="store_true", help="CPU sizes: a dry run of the check")
+  p.add_argument("--out", default="", help="output folder (default gpu_check_<date>_<host>)")
+  p.add_argument("--parts", default="", help="comma-separated parts to run (default: all)")
+  p.add_argument("--executor", default="host", choices=EXECUTORS,
+                 help="the tick executor of the timed parts")
+  p.add_argument("--data-dir", default="", help="tfds data dir (default: training's)")
+  p.add_argument("--info", action="store_true", help=argparse.SUPPRESS)
+  return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m petra_jax.benchmarks.gpu_check``."""
+  args = parse_args(argv)
+  if args.info:
+    info()
+    return 0
+  out = os.path.abspath(args.out or default_out())
+  os.makedirs(out, exist_ok=True)
+  todo = parts(args.tiny, out, args.executor, args.data_dir)
+  wanted = [x for x in args.parts.split(",") if x]
+  unknown = sorted(set(wanted) - {p.name for p in todo})
+  if unknown:
+    print(f"unknown part(s) {unknown}: choose from {[p.name for p in todo]}", file=sys.stderr)
+    return 2
+  results = [run_part(p, out) for p in todo if not wanted or p.name in wanted]
+  text = summary(out, results)
+  with open(os.path.join(out, "summary.txt"), "w") as f:
+    f.write(text)
+  print(text, end="")
+  print(f"gpu_check: everything is in {out} and {bundle(out)}")
+  return 0 if all(r["status"] in (0, "stopped") for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
