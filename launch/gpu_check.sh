@@ -2,7 +2,7 @@
 # The GPU check (issue 47, item 8): at most 8 minutes, one command, no package registry.
 #
 # Usage (from anywhere):
-#   launch/gpu_check.sh [--tiny] [--out=DIR] [--parts=a,b] [--data-dir=DIR] [--executor=host]
+#   launch/gpu_check.sh [--tiny] [--out=DIR] [--parts=a,b] [--data-dir=DIR] [--executor=auto]
 #
 # Runs `python -m petra_jax.benchmarks.gpu_check` (its docstring lists the parts and their
 # time limits) from the checkout's root and bundles the output into DIR.tar.gz. If the
@@ -13,12 +13,12 @@
 # Environment:
 #   PYTHON          interpreter (default python3)
 #   GPU_CHECK_SITE  where .whl/ is installed (default /tmp/site)
-#   EXECUTOR        the tick executor (host; `compiled` once it lands), as --executor
+#   EXECUTOR        the tick executor (auto, compiled or host), as --executor
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
-EXECUTOR=${EXECUTOR:-host}
+EXECUTOR=${EXECUTOR:-auto}
 shopt -s nullglob
 wheels=(.whl/*.whl)
 if ((${#wheels[@]})); then

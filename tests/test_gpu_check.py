@@ -29,7 +29,14 @@ def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
 
 def test_unknown_executor_is_refused(tmp_path):
   with pytest.raises(ValueError, match="host"):
-    gpu_check.parts(tiny=True, out=str(tmp_path), executor="compiled")
+    gpu_check.parts(tiny=True, out=str(tmp_path), executor="fast")
+
+
+def test_every_timed_part_runs_under_the_chosen_executor(tmp_path):
+  parts = gpu_check.parts(tiny=True, out=str(tmp_path), executor="compiled")
+  timed = [p for p in parts if p.name != "info"]
+  assert all("--executor=compiled" in p.argv or "--config.executor=compiled" in p.argv
+             for p in timed)
 
 
 def test_launch_script_installs_wheels_without_the_network():

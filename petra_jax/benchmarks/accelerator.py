@@ -2,10 +2,13 @@
 
 ``python -m petra_jax.benchmarks.accelerator [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
-[--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--json]``
+[--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--executor=auto]
+[--periods-per-dispatch=16] [--json]``
 
 Per (method, micro-batch ``B``, dtype), on a pipeline built as training builds it and one
-random micro-batch, after the filling ticks (which compile; ``compile_s``):
+random micro-batch, its ticks run by ``--executor`` (``executor`` in the row: ``compiled`` runs
+the steady-state ticks ``--periods-per-dispatch`` at a time in one call), after the filling
+ticks (which compile; ``compile_s``):
 
 - ``tick_ms``: wall ms per completed micro-batch over ``N`` ticks dispatched back to back with one
   wait at the end (no wait per call); ``images_per_s = 1000 B / tick_ms``.
@@ -42,6 +45,7 @@ from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli, device_time
 from petra_jax.engine.stages import diagnostics
+from petra_jax.engine import compiled
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.arrays.precision import DTYPES
@@ -58,11 +62,12 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
-               dtype: str, accumulation_steps: int,
-               num_stages: int = 0) -> ml_collections.ConfigDict:
-  """The training config of one row (one device; ``num_stages`` 0: one block per stage);
-  ConfigError as training would raise."""
+               dtype: str, accumulation_steps: int, num_stages: int = 0,
+               executor: str = "auto", periods: int = 16) -> ml_collections.ConfigDict:
+  """The training config of one row (one device; ``num_stages`` 0: one block per stage; the
+  tick ``executor`` and its ``periods`` per call); ConfigError as training would raise."""
   c = config_lib.get_config()
+  c.executor, c.periods_per_dispatch = executor, periods
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
   c.model.name, c.model.width, c.model.num_stages = model, width, num_stages
   c.accumulation_steps = accumulation_steps
@@ -104,16 +109,22 @@ def _all_arrays(state, losses=()):
   return state.train_states, state.inbox, state.grad_inbox, state.buffers, list(losses)
 
 
-def _run_ticks(pipe, state, ticks, images, labels):
-  """Runs ``ticks`` and waits once for everything they produced; returns the new state."""
-  state, outs = pipe.run(state, ticks, lambda m: (images, labels))
-  jax.block_until_ready(_all_arrays(state, [o.loss for o in outs]))
+def _run_ticks(executor, state, table, start: int, stop: int, images, labels):
+  """Runs ticks ``[start, stop)`` of ``table`` with ``executor`` and waits once for everything
+  they produced; returns the new state."""
+  t, losses = start, []
+  while t < stop:
+    state, outs, ran = executor.advance(state, table, t, lambda m: (images, labels), limit=stop)
+    losses += [o.loss for o in outs]
+    t += ran
+  jax.block_until_ready(_all_arrays(state, losses))
   return state
 
 
 def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int = 0,
             row_seconds: float = math.inf) -> dict:
-  """One result row (module docstring) for the config of :func:`run_config`.
+  """One result row (module docstring) for the config of :func:`run_config`, its ticks run
+  by ``cfg.executor`` (:mod:`petra_jax.engine.compiled`).
 
   Stops after the first phase (compile, timed ticks, profiled ticks) that ends past
   ``row_seconds`` from the row's start, with ``"incomplete"`` naming it.
@@ -123,20 +134,23 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   micro = cfg.batch_size // cfg.accumulation_steps
   row = {"method": cfg.method, "micro_batch": micro, "dtype": cfg.dtype}
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
+  executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch)
+  row["executor"] = executor.name
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
   warm, (timed, profiled), done = segments(pipe, ticks, warmup, repeats=2)
-  state = _run_ticks(pipe, pipe.init(seed, images), warm, images, labels)
+  table, a, b = warm + timed + profiled, len(warm), len(warm) + len(timed)
+  state = _run_ticks(executor, pipe.init(seed, images), table, 0, a, images, labels)
   row.update(num_stages=pipe.num_stages, compile_s=time.perf_counter() - start)
   if _late(row, "compiling", start, row_seconds):
     return row
   t0 = time.perf_counter()
-  state = _run_ticks(pipe, state, timed, images, labels)
+  state = _run_ticks(executor, state, table, a, b, images, labels)
   tick_ms = 1e3 * (time.perf_counter() - t0) / done
   row.update(tick_ms=tick_ms, images_per_s=1e3 * micro / tick_ms)
   if _late(row, "the timed ticks", start, row_seconds):
     return row
   with device_time.profile_window() as window:
-    state = _run_ticks(pipe, state, profiled, images, labels)
+    state = _run_ticks(executor, state, table, b, len(table), images, labels)
   if not window.num_events:
     row.update(incomplete="the profile holds no device event (a GPU needs CUPTI)",
                seconds=time.perf_counter() - start)
@@ -222,7 +236,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     for d in args.dtypes:
       for b in args.micro_batches:
         cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                         args.num_stages)
+                         args.num_stages, args.executor, args.periods_per_dispatch)
         results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
         print(_row_line(results[-1]), file=sys.stderr, flush=True)
         if args.rows_file:
@@ -322,11 +336,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="skip the reconstruction error (it compiles the whole model twice)")
   p.add_argument("--rows-file", default="",
                  help="append each row to this file as one JSON line when it ends")
+  p.add_argument("--executor", default="auto", choices=compiled.EXECUTORS,
+                 help="the tick executor (default auto: compiled where it runs the pipeline)")
+  p.add_argument("--periods-per-dispatch", type=int, default=16,
+                 help="compiled executor: steady-state ticks (or rounds) per call (default 16)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   if args.num_stages < 0:
     p.error("--num-stages must be at least 0")
-  for flag in ("width", "accumulation_steps", "ticks", "warmup", "row_seconds"):
+  for flag in ("width", "accumulation_steps", "ticks", "warmup", "row_seconds",
+               "periods_per_dispatch"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1")
   return args

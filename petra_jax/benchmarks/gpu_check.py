@@ -1,6 +1,6 @@
 """A GPU check in at most 8 minutes, one command, no package registry: ``launch/gpu_check.sh``.
 
-``python -m petra_jax.benchmarks.gpu_check [--tiny] [--out=DIR] [--parts=a,b] [--executor=host]
+``python -m petra_jax.benchmarks.gpu_check [--tiny] [--out=DIR] [--parts=a,b] [--executor=auto]
 [--data-dir=DIR]``
 
 Each part runs as its own process under its own time limit (s), its stdout and stderr kept in
@@ -20,7 +20,7 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 Then ``DIR`` is bundled into ``DIR.tar.gz``. ``DIR`` defaults to
 ``gpu_check_<UTC date and time>_<host>``. ``--tiny``: the same parts at CPU sizes (width 2,
 2 stages, micro-batches 2 and 4, a few updates), for a dry run on the CPU. ``--executor`` is
-the tick executor every timed part runs under (today only ``host``, the reference loop).
+the tick executor every timed part runs under (``auto``: compiled where it runs the pipeline).
 Exit status: 0, or 1 if a part failed or ran out of time (a training run stopped by its limit
 is a success).
 """
@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from petra_jax.benchmarks import accelerator
-
-EXECUTORS = ("host",)  # "compiled" joins once the compiled tick executor lands (issue 47)
+from petra_jax.engine.compiled import EXECUTORS
 _PY = sys.executable
 GRACE_S = 5  # after SIGTERM at a part's limit, SIGKILL this many seconds later
 
@@ -61,9 +60,8 @@ def _accelerator(dtype: str, tiny: bool, seconds: float, out: str, executor: str
   sizes = (["--width=2", "--num-stages=2", "--micro-batches=2,4", "--ticks=3", "--warmup=1"]
            if tiny else ["--width=64", "--micro-batches=64,256,1024", "--ticks=30",
                          "--warmup=2"])
-  # Once the compiled executor lands: add f"--executor={executor}" here.
-  del executor
   argv = [_PY, "-m", "petra_jax.benchmarks.accelerator", "--model=revnet18", "--dataset=cifar10",
+          f"--executor={executor}",
           f"--dtypes={dtype}", "--methods=petra,backprop", "--accumulation-steps=1",
           "--no-reconstruction", f"--row-seconds={seconds:g}",
           f"--rows-file={os.path.join(out, 'rows.jsonl')}", "--json", *sizes]
@@ -71,9 +69,8 @@ def _accelerator(dtype: str, tiny: bool, seconds: float, out: str, executor: str
 
 
 def _train(name: str, config: str, overrides: Sequence[str], seconds: float, out: str,
-           data_dir: str, progress_seconds: float) -> Part:
-  # Once the compiled executor lands: add f"--config.executor={executor}" here.
-  argv = [_PY, "-m", "petra_jax.train", f"--config={config}",
+           data_dir: str, progress_seconds: float, executor: str) -> Part:
+  argv = [_PY, "-m", "petra_jax.train", f"--config={config}", f"--config.executor={executor}",
           f"--workdir={os.path.join(out, name)}", f"--config.progress_seconds={progress_seconds:g}",
           "--config.checkpoint_every=0", "--config.checkpoint_minutes=0", *overrides]
   if data_dir:
@@ -105,9 +102,10 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
           _accelerator("float32", tiny, times[1], out, executor),
           _accelerator("bfloat16", tiny, times[2], out, executor),
-          _train("train", "configs/cifar10.py", main_job, times[3], out, data_dir, every),
+          _train("train", "configs/cifar10.py", main_job, times[3], out, data_dir, every,
+                 executor),
           _train("language_model", "configs/shakespeare_cpu.py", lm, times[4], out, data_dir,
-                 every)]
+                 every, executor)]
 
 
 def run_part(part: Part, out: str) -> dict:
@@ -211,7 +209,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--tiny", action="store_true", help="CPU sizes: a dry run of the check")
   p.add_argument("--out", default="", help="output folder (default gpu_check_<date>_<host>)")
   p.add_argument("--parts", default="", help="comma-separated parts to run (default: all)")
-  p.add_argument("--executor", default="host", choices=EXECUTORS,
+  p.add_argument("--executor", default="auto", choices=EXECUTORS,
                  help="the tick executor of the timed parts")
   p.add_argument("--data-dir", default="", help="tfds data dir (default: training's)")
   p.add_argument("--info", action="store_true", help=argparse.SUPPRESS)

@@ -155,6 +155,8 @@ class CompiledExecutor:
     ValueError: ``periods_per_dispatch < 1``.
   """
 
+  name = "compiled"
+
   def __init__(self, pipe, periods_per_dispatch: int = 16):
     require_supported(pipe)
     if periods_per_dispatch < 1:
@@ -279,6 +281,8 @@ class CompiledExecutor:
 
 class HostExecutor:
   """Today's loop behind :meth:`CompiledExecutor.advance`'s interface: one tick per call."""
+
+  name = "host"
 
   def __init__(self, pipe, why_not_compiled: Optional[str] = None):
     self.pipe, self.why_not_compiled = pipe, why_not_compiled
