@@ -103,6 +103,13 @@ def stats_step(state: StageState, batch_stats) -> StageState:
   return state.replace(batch_stats=batch_stats)
 
 
+def eval_all_step(stages: Sequence[Stage], states: Sequence, x):
+  """Every stage's :func:`eval_step` in turn: the logits, in one program."""
+  for stage, state in zip(stages, states):
+    x = packing.on_packed(functools.partial(eval_step, stage))(state, x)
+  return x
+
+
 def eval_step(stage: Stage, state: StageState, x):
   """Stage forward with the running BatchNorm statistics (evaluation)."""
   return forward(stage, state.params, state.batch_stats, x, train=False)[0]
@@ -146,6 +153,7 @@ class StageSteps:
     self.reconstructs = [method.reconstructs_stage(s.reversible) for s in stages]
     self._forward = [_jit(functools.partial(forward_step, s), wrap=wrap) for s in stages]
     self._eval = [_jit(functools.partial(eval_step, s)) for s in stages]
+    self._eval_all = jax.jit(functools.partial(eval_all_step, self.stages))
     self._backward = [_jit(self._backward_fn(j), donate_argnums=self._donated(j), wrap=wrap)
                       for j in range(self.num_stages)]
     self._fused = [self._fused_jit(j) for j in range(self.num_stages - 1)]
@@ -230,6 +238,10 @@ class StageSteps:
   def jitted_steps(self, j: int) -> tuple:
     """Stage ``j``'s jitted ``(forward, backward)``."""
     return self._forward[j], self._backward[j]
+
+  def evaluate_all(self, train_states: Sequence, x):
+    """Every stage's forward with the running statistics, in one call (stages on one device)."""
+    return self._eval_all(list(train_states), x)
 
   def evaluate(self, j: int, train_state: StageState, x):
     """Stage ``j``'s forward with the running BatchNorm statistics."""
