@@ -261,13 +261,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="host cost per stage and tick instead (petra_jax.benchmarks.host; "
                       "--iters rounds of --ticks ticks)")
   p.add_argument("--ticks", type=int, default=200, help="ticks per timed round (--host)")
+  p.add_argument("--periods-per-dispatch", type=int, default=16,
+                 help="the compiled executor's ticks per call (--host)")
   p.add_argument("--only-reversible-backward", action="store_true", help="that key alone")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)
   stages = cli.build(args.model, args.dataset, args.width)
   num_classes = data_lib.DATASETS[args.dataset].num_classes
   if args.host:
-    report = host.benchmark(stages, shape, num_classes, args.batch_size, args.ticks, args.iters)
+    report = host.benchmark(stages, shape, num_classes, args.batch_size, args.ticks, args.iters,
+                            periods=args.periods_per_dispatch)
     report.update(model=args.model, dataset=args.dataset, width=args.width)
     return cli.emit(report, args.json, lambda r: host.print_report(r, args.model))
   report = ({} if args.only_reversible_backward else
