@@ -18,7 +18,7 @@ from petra_jax.engine.stages import diagnostics
 
 from petra_jax.training import metrics
 
-from petra_jax.engine import observers
+from petra_jax.engine import methods, observers
 
 from petra_jax.engine import pipeline
 from petra_jax.engine.stages.stage import Stage
@@ -172,3 +172,25 @@ def test_tiny_run_logs_grad_quality_and_plots_render(cifar10_dir, tmp_path):
     path = tmp_path / "plots" / name
     assert path.stat().st_size > 10_000, name  # a rendered figure, not an empty file
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("method", sorted(methods.ALL_METHODS))
+def test_each_method_with_gradient_probes_is_probed_or_refused_in_one_line(method):
+  """What the method's row says (``probed``) decides: accepted, or one line naming the flag."""
+  c = tiny_config("unused", method=method, grad_quality_every=2)
+  if methods.get(method).probed:
+    validation.validate_config(c, len(jax.local_devices()))
+    return
+  with pytest.raises(validation.ConfigError) as e:
+    validation.validate_config(c, len(jax.local_devices()))
+  assert "\n" not in str(e.value) and "--config.grad_quality_every=0" in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["approximate_input", "dsp", "gpipe", "1f1b"])
+def test_a_probed_method_produces_its_probes(method):
+  """(petra, delayed and revprop: the tests above.)"""
+  _, _, stages, quality = _run(method, 8)
+  assert [m for m, _ in quality] == [0, 3, 6]
+  for _, q in quality:
+    assert set(q) == set(diagnostics.METRICS)
+    assert all(np.all(np.isfinite(v)) and len(v) == len(stages) for v in q.values())

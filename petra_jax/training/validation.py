@@ -21,7 +21,6 @@ from petra_jax import models, optim
 from petra_jax.engine import methods as methods_lib
 from petra_jax.engine.arrays import precision as precision_lib
 from petra_jax.engine.arrays import quantize as quantize_lib
-from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.optim import compensation
 
@@ -291,12 +290,13 @@ def _check_batch(config) -> None:
     raise ConfigError(
         f"batch_size={config.batch_size} does not split into accumulation_steps={k} "
         f"micro-batches; use a batch_size that is a multiple of {k}.")
-  if config.grad_quality_every and not methods_lib.get(config.method).pipelined:
+  method = methods_lib.get(config.method)
+  if config.grad_quality_every and not method.pipelined:
     raise ConfigError("grad_quality_every compares a pipeline's gradients with exact ones; "
                       f"method {config.method!r} computes only exact ones: use another method or "
                       "--config.grad_quality_every=0.")
-  if config.grad_quality_every and schedule_lib.TaskKind.BACKWARD not in methods_lib.get(config.method).tasks:
-    raise ConfigError("grad_quality_every probes each stage's backward task; method "
+  if config.grad_quality_every and not method.probed and method.updates == "backward":
+    raise ConfigError("grad_quality_every probes each stage's whole backward (one vjp); method "
                       f"{config.method!r} has none (it splits it): use another method or "
                       "--config.grad_quality_every=0.")
 

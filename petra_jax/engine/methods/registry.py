@@ -31,14 +31,16 @@ class Method:
   """One method: its ``schedule`` family, whether it stashes weights or ``reconstructs`` (Eq. 5).
 
   ``updates``: ``"backward"`` (cotangents travel back), ``"local"`` or
-  ``"forward_gradient"``; ``tasks``: per task kind, its builder
-  ``StageContext -> task``.
+  ``"forward_gradient"``; ``probed``: whether the gradient-quality probe
+  (paper App. B) can observe it (one whole vjp per stage and micro-batch);
+  ``tasks``: per task kind, its builder ``StageContext -> task``.
   """
   name: str
   schedule: type[TickTable]
   stashes_weights: bool
   reconstructs: bool
   updates: str = "backward"
+  probed: bool = True
   tasks: Mapping[str, Callable] = dataclasses.field(default_factory=lambda: BACKWARD_TASKS,
                                                     compare=False)
 
@@ -68,7 +70,7 @@ def keeps(method: Method, reversible: bool, perturb: str = "activity",
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("backprop", Sequential, stashes_weights=False, reconstructs=False),
+    Method("backprop", Sequential, stashes_weights=False, reconstructs=False, probed=False),
     Method("revprop", Drained, stashes_weights=False, reconstructs=True),
     Method("petra", Stream, stashes_weights=False, reconstructs=True),
     Method("approximate_input", Stream, stashes_weights=True, reconstructs=True),
@@ -76,15 +78,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("delayed", Stream, stashes_weights=True, reconstructs=False),
     Method("gpipe", GPipe, stashes_weights=False, reconstructs=False),
     Method("1f1b", OneFOneB, stashes_weights=False, reconstructs=False),
-    Method("zb_h1", ZeroBubbleH1, stashes_weights=False, reconstructs=False,
+    Method("zb_h1", ZeroBubbleH1, stashes_weights=False, reconstructs=False, probed=False,
            tasks=zero_bubble.TASKS),
 )}
 DELAYED = tuple(name for name, m in METHODS.items() if m.delayed)
 LOCAL_METHODS: dict[str, Method] = {m.name: m for m in (
     Method("local", ForwardOnly, stashes_weights=False, reconstructs=False, updates="local",
-           tasks=LOCAL_TASKS),
+           probed=False, tasks=LOCAL_TASKS),
     Method("forward_gradient", Stream, stashes_weights=False, reconstructs=False,
-           updates="forward_gradient", tasks=FORWARD_GRADIENT_TASKS),
+           updates="forward_gradient", probed=False, tasks=FORWARD_GRADIENT_TASKS),
 )}
 ALL_METHODS: dict[str, Method] = {**METHODS, **LOCAL_METHODS}
 
