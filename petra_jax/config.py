@@ -129,7 +129,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval_examples = 0         # the first N test examples; 0 = the whole split
   c.prefetch = 4
   c.log_every = 50
-  c.executor = "auto"         # "compiled" | "host"; auto = compiled where it runs the pipeline
+  c.executor = "auto"         # "compiled" | "host"; auto = compiled on accelerators where it can
   c.periods_per_dispatch = 16  # compiled: steady-state periods (stream ticks, flushed rounds) per call
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
   c.num_devices = 0           # 0 = all local devices
@@ -200,7 +200,7 @@ HELP = {
     "prefetch": "micro-batches decoded ahead in background threads (ImageNet); 0 = off",
     "log_every": "updates between train_loss lines in metrics.jsonl",
     "executor": "'compiled' (steady-state ticks as one jitted lax.scan), 'host' (a jitted call "
-                "per task) or 'auto' (compiled where it can run the pipeline)",
+                "per task) or 'auto' (compiled on a GPU/TPU where it can run the pipeline)",
     "periods_per_dispatch": "compiled executor: steady-state periods (a stream's ticks, a "
                             "flushed schedule's rounds) per dispatch",
     "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "

@@ -156,3 +156,13 @@ def test_unknown_executor_name():
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1])
   with pytest.raises(ValueError, match="choose one of"):
     compiled.executor(pipe, "fast")
+
+
+def test_auto_is_compiled_on_an_accelerator_and_host_on_the_cpu():
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1])
+  ex = compiled.executor(pipe, "auto")
+  if jax.devices()[0].platform == "cpu":
+    assert isinstance(ex, compiled.HostExecutor) and "CPU" in ex.describe()
+  else:
+    assert isinstance(ex, compiled.CompiledExecutor)
+  assert isinstance(compiled.executor(pipe, "compiled"), compiled.CompiledExecutor)

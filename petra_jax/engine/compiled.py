@@ -303,7 +303,10 @@ class HostExecutor:
 def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16):
   """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe``.
 
-  ``auto``: compiled where :func:`unsupported` finds nothing missing, else host.
+  ``auto``: compiled on an accelerator where :func:`unsupported` finds nothing missing, else
+  host. On the CPU, XLA lays out one program holding every stage worse than it lays out each
+  step alone (transposes; inside the scan, slow convolutions): there the host executor is the
+  faster one for any model whose steps outweigh their dispatch (docs/performance.md).
 
   Raises:
     Unsupported: ``compiled`` for a pipeline it cannot run.
@@ -315,4 +318,7 @@ def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16):
     return HostExecutor(pipe)
   if name == "auto" and unsupported(pipe) is not None:
     return HostExecutor(pipe, unsupported(pipe))
+  if name == "auto" and pipe.devices[0].platform == "cpu":
+    return HostExecutor(pipe, "on the CPU the host executor is faster (--config.executor="
+                              "compiled to choose it)")
   return CompiledExecutor(pipe, periods_per_dispatch)
