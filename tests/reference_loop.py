@@ -23,7 +23,11 @@ stage:
 BatchNorm normalises with batch statistics; its running statistics take the
 backward's batch statistics (paper Sec. 4: updated in the backward recomputation).
 The exact rows (``backprop``, ``gpipe``, ``1f1b``, ``zb_h1``, ``revprop``) take
-``jax.grad`` of the composed model instead.
+``jax.grad`` of the composed model instead. :func:`run_local` (DGL) and
+:func:`run_forward_gradient` are the two methods without a cotangent;
+:class:`Compensation` (weight prediction, prediction along the last update, error
+feedback) and :func:`lookahead_b1` are the delay compensations, written from their
+equations.
 """
 
 from __future__ import annotations
