@@ -4,7 +4,8 @@ Update ``s = m // k`` is row ``s % steps_per_epoch`` of its epoch's seeded
 permutation; micro-batch ``m``'s augmentation draws from ``fold_in(key(seed +
 1), m)``. The position is ``m`` alone, so a resumed run reads the same
 batches. In-memory data sets prepare a whole update at once; lazy ones
-decode ``config.prefetch`` micro-batches ahead in threads.
+decode ``config.prefetch`` micro-batches ahead in threads; in-memory ones prepare
+``ceil(prefetch / k)`` updates ahead in one background thread.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
     batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch)
     batches = lambda m: batch_fn(train, _micro_rows(rows, m, k), host_fold_in(data_key, m))
     return prefetch.Prefetcher(batches, config.prefetch) if config.prefetch else batches
-  return _UpdateBatches(info, train, pipe, rows, data_key, k)
+  updates = _UpdateBatches(info, train, pipe, rows, data_key, k)
+  if not config.prefetch:
+    return updates
+  ahead = prefetch.Prefetcher(updates.prepare, depth=-(-config.prefetch // k), workers=1)
+  return _Ahead(ahead, k)
 
 
 def _update_rows(config, num_examples: int, steps_per_epoch: int) -> Callable:
@@ -63,16 +68,36 @@ class _UpdateBatches:
     self._train, self._rows, self._key, self._k = train, rows, data_key, k
     self._update, self._batches = -1, None
 
+  def prepare(self, s: int) -> list:
+    """Update ``s``'s ``k`` micro-batches ``(images, labels)`` on their devices (thread-safe)."""
+    k = self._k
+    indices = self._rows(s)
+    keys = np.stack([host_fold_in(self._key, s * k + i) for i in range(k)])
+    labels = np.split(self._train.labels[indices], k)
+    if self._labels_to is not None:
+      labels = jax.device_put(labels, self._labels_to)
+    return list(zip(self._fn(self._train, indices, keys), labels))
+
   def __call__(self, m: int) -> tuple:
-    s, k = m // self._k, self._k
+    s = m // self._k
     if s != self._update:
-      indices = self._rows(s)
-      keys = np.stack([host_fold_in(self._key, s * k + i) for i in range(k)])
-      labels = np.split(self._train.labels[indices], k)
-      if self._labels_to is not None:
-        labels = jax.device_put(labels, self._labels_to)
-      self._update, self._batches = s, list(zip(self._fn(self._train, indices, keys), labels))
-    return self._batches[m % k]
+      self._update, self._batches = s, self.prepare(s)
+    return self._batches[m % self._k]
+
+
+class _Ahead:
+  """Micro-batch ``m`` of updates prepared ahead in a background thread (gather, transfer and
+  augmentation dispatch off the training loop's thread)."""
+
+  def __init__(self, updates: prefetch.Prefetcher, k: int):
+    self._updates, self._k = updates, k
+    self._update, self._batches = -1, None
+
+  def __call__(self, m: int) -> tuple:
+    s = m // self._k
+    if s != self._update:
+      self._update, self._batches = s, self._updates(s)
+    return self._batches[m % self._k]
 
 
 class _TextBatches:
