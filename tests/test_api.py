@@ -1,11 +1,15 @@
 """The public API: top-level names, docs/api.md, and a user's model through the CLI."""
 
+import dataclasses
 import hashlib
+import importlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import numpy as np
@@ -183,3 +187,94 @@ def test_task_is_the_deprecated_name_of_objective():
     assert objective.Task is objective.Objective
   with pytest.warns(DeprecationWarning, match="objective="):
     petra_jax.check_stages(petra_jax.build_model("revnet18", width=2), task=petra_jax.CLASSIFICATION)
+
+
+# docs/api.md names only what exists: every `petra_jax.a.b.C`, every `obj.attr` read on an object
+# the page introduces (`pipe.run_tick`, `data.open_split`, ...), every file and every link.
+
+def _api_code() -> tuple:
+  """docs/api.md's text and its code: the fenced blocks and the inline spans (headings included)."""
+  doc = (REPO / "docs" / "api.md").read_text()
+  fenced = re.findall(r"```.*?```", doc, flags=re.S)
+  prose = re.sub(r"```.*?```", "", doc, flags=re.S)
+  return doc, fenced + re.findall(r"`([^`]+)`", prose)
+
+
+def _resolve(dotted: str):
+  parts = dotted.split(".")
+  for i in range(len(parts), 0, -1):
+    module = ".".join(parts[:i])
+    try:
+      obj = importlib.import_module(module)
+      break
+    except ModuleNotFoundError as e:
+      if e.name != module:
+        raise
+  for attr in parts[i:]:
+    obj = getattr(obj, attr)
+  return obj
+
+
+def _has(cls, attr: str) -> bool:
+  fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+  return hasattr(cls, attr) or attr in fields
+
+
+def test_every_name_docs_api_md_documents_exists():
+  from petra_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  doc, code = _api_code()
+  dotted = {m for c in code for m in re.findall(r"(?<![\w./])petra_jax(?:\.\w+)+", c)}
+  assert len(dotted) >= 20, sorted(dotted)
+  missing = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # petra_jax.Task, documented as such
+    for name in sorted(dotted):
+      try:
+        _resolve(name)
+      except (ImportError, AttributeError):
+        missing.append(name)
+  # The objects the page reads attributes of, and what each is.
+  receivers = {"data": [petra_jax.data], "compiled": [compiled], "pipe": [petra_jax.Pipeline],
+               "ex": [compiled.CompiledExecutor, compiled.HostExecutor],
+               "objective": [petra_jax.Objective], "stage": [petra_jax.Stage],
+               "state": [petra_jax.PipelineState]}
+  pattern = r"(?<![\w./])(%s)\.(\w+)" % "|".join(receivers)
+  read = {m for c in code for m in re.findall(pattern, c)}
+  assert len(read) >= 20, sorted(read)
+  missing += [f"{r}.{a}" for r, a in sorted(read) if not all(_has(o, a) for o in receivers[r])]
+  files = set(re.findall(r"(?<![\w/])((?:petra_jax|docs|tests)/[\w/]+\.py)", doc))
+  missing += sorted(f for f in files if not (REPO / f).is_file())
+  links = set(re.findall(r"\]\(([^)#:]+)\)", doc))
+  missing += sorted(f for f in links if not (REPO / "docs" / f).exists())
+  assert missing == [], "docs/api.md names what does not exist"
+
+
+def test_docs_api_md_signatures_match_the_code():
+  """A documented call's keywords are the function's; in a heading or a list item's opening span
+  (the page's signatures), so are its positional names, in order."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine import compiled  # pylint: disable=g-import-not-at-top
+  doc = (REPO / "docs" / "api.md").read_text()
+  _, code = _api_code()
+  signatures = set(re.findall(r"^(?:###|-) `([^`]+)`", doc, flags=re.M))
+  owners = {"data": [petra_jax.data], "compiled": [compiled], "pipe": [petra_jax.Pipeline],
+            "ex": [compiled.CompiledExecutor, compiled.HostExecutor],
+            "objective": [petra_jax.CLASSIFICATION], "petra_jax": [petra_jax]}
+  call = r"(?<![\w./])(%s)((?:\.\w+)+)\(([^()]*)\)" % "|".join(owners)
+  checked, wrong = 0, []
+  for span in code:
+    for owner, path, args in re.findall(call, span):
+      args = [a.strip() for a in args.split(",") if a.strip() not in ("", "*", "...")]
+      for obj in owners[owner]:
+        for attr in path.strip(".").split("."):
+          obj = getattr(obj, attr)
+        params = [p for p in inspect.signature(obj).parameters if p != "self"]
+        keywords = [a.split("=")[0] for a in args if re.fullmatch(r"\w+=.*", a)]
+        wrong += [f"{owner}{path}: {k}" for k in keywords if k not in params]
+        if span in signatures:
+          positional = [a for a in args if "=" not in a]
+          if params[:len(positional)] != positional:
+            wrong.append(f"{owner}{path}({', '.join(positional)}): the code has {params}")
+        checked += 1
+  assert checked >= 25, checked
+  assert wrong == [], "docs/api.md's signatures differ from the code"
