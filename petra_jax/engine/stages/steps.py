@@ -167,6 +167,11 @@ class StageSteps:
     donated = (0, 2, 3) if donated != 0 else 0
     return _jit(fn, donate_argnums=donated, wrap=self._wrap)
 
+  def jit(self, fn: Callable, donate_argnums=()) -> Callable:
+    """``fn(state, *args)`` jitted as every step is: on packed states too, through the
+    pipeline's ``step_wrap``, donating ``donate_argnums`` (a schedule's own steps)."""
+    return _jit(fn, donate_argnums, self._wrap)
+
   def _backward_fn(self, j: int, grads_only: bool = False):
     """Stage ``j``'s backward step (or its gradient only) on :meth:`backward_args`."""
     s, take = self.stages[j], not self.stats_in_forward
@@ -267,6 +272,10 @@ class OneStage:
   def backward(self, train_state, *args):
     """:meth:`StageSteps.backward`."""
     return self._steps.backward(self._j, train_state, *args)
+
+  def jit(self, fn: Callable, donate_argnums=()) -> Callable:
+    """:meth:`StageSteps.jit`."""
+    return self._steps.jit(fn, donate_argnums)
 
   def backward_args(self, **kwargs) -> tuple:
     """:meth:`StageSteps.backward_args`."""
