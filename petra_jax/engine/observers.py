@@ -50,7 +50,7 @@ class ReconstructionProbe(Observer):
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
-    if (task.kind == TaskKind.FORWARD and pipe.steps.reconstructs[j] and pipe.owned[j]
+    if (task.kind == TaskKind.FORWARD and pipe.steps[j].reconstructs and pipe.owned[j]
         and _probed(m, self.every, self.k)):
       self._inputs[(j, m)] = copy_tree(state.inbox[j][m])  # the backward donates it
 
@@ -144,12 +144,12 @@ def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> 
   j, m = task.stage, task.micro_batch
   params = copy_tree(state.train_states[j].params)
   if task.kind == TaskKind.FORWARD:
-    probe.forward_params[j] = copy_tree(pipe.steps.forward_params(j, state.train_states[j]))
+    probe.forward_params[j] = copy_tree(pipe.steps[j].forward_params(state.train_states[j]))
   elif task.kind == TaskKind.LOSS:
     probe.forward_params[j] = params
   if task.kind in (TaskKind.BACKWARD, TaskKind.LOSS):
     probe.backward_params[j] = params
-    probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *tasks.backward_args(
+    probe.grads[j] = pipe.steps[j].gradient(state.train_states[j], *tasks.backward_args(
         pipe.contexts[j], state, m))
     if task.kind == TaskKind.LOSS:
       probe.labels = state.labels[m]

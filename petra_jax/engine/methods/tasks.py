@@ -175,12 +175,12 @@ def loss_task(ctx: StageContext) -> Callable:
 
 def backprop_task(ctx: StageContext) -> Callable:
   """``jax.grad`` of the composed model on one device."""
-  feed, steps = ctx.feed, ctx.steps
+  feed, backprop = ctx.feed, ctx.backprop
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     feed(state, m, batches)
     images = take(state.inbox[0], m, "input", 0)
     labels = take(state.labels, m, "labels", 0)
-    state.stage_states, loss = steps.backprop(state.train_states, images, labels)
+    state.stage_states, loss = backprop(state.train_states, images, labels)
     return TaskResult(loss=loss)
   return task
