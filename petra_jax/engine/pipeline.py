@@ -124,7 +124,7 @@ class Pipeline:
     self.keeps = [methods_lib.keeps(self.method, s.reversible, o.perturb, o.emulate)
                   for s in stages]
     if self.method.updates != "backward":
-      local_learning.check_setup(self.method, self.stages, self.formats.active, self.multiprocess,
+      local_learning.check_setup(self.method, self.stages, self.formats.quantized, self.multiprocess,
                         self.forward_gradient.guess)
     self.contexts = [self._context(j) for j in range(J)]
     self._tasks = self._plan()
