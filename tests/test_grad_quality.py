@@ -103,7 +103,8 @@ def test_petra_with_delays_gives_cosines_in_range_and_differs():
   assert last["cos_applied_delayed"][0] < 0.999, last["cos_applied_delayed"]
   assert np.abs(last["norm_ratio_applied_e2e"] - 1).max() > 1e-3
   # One compilation each, whatever the number of probes.
-  for fn in pipe.steps._gradient + [probe._quality] + [pipe.steps.jitted_steps(j)[1] for j in range(J)]:
+  for fn in ([s._gradient for s in pipe.steps] + [probe._quality]
+             + [s.jitted_steps()[1] for s in pipe.steps]):
     assert fn._cache_size() == 1  # compiled, and only once
 
 
@@ -123,7 +124,7 @@ def test_without_observers_no_diagnostic_runs():
   assert pipe._run_task == pipe._run_plain
   state = pipe.init(0, random_batch(size=16)[0])
   pipe.run(state, pipe.schedule(2), lambda m: random_batch(size=16, seed=m))
-  assert not hasattr(pipe.steps, "_gradient")
+  assert not any(hasattr(s, "_gradient") for s in pipe.steps)
 
 
 def test_plots_without_metrics_is_one_clear_error(tmp_path):

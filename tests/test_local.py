@@ -92,3 +92,20 @@ def test_head_does_not_change_the_stage_forward():
 def test_local_method_needs_auxiliary_heads():
   with pytest.raises(ValueError, match="no auxiliary head"):
     pipeline.Pipeline(tiny_revnet(), optax.sgd(0.1), method="local")
+
+
+def test_engine_and_config_refuse_quantised_messages_by_one_rule():
+  """The Pipeline (API users) and the config check refuse a local method's quantised
+  messages with the same words: one rule, ``local_learning.check_transport``."""
+  from petra_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.arrays import quantize  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import validation  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError) as engine:
+    pipeline.Pipeline(auxiliary.with_heads(tiny_revnet(), "cnn", 10), optax.sgd(0.1),
+                      method="local", formats=quantize.MessageFormats(backward="int8"))
+  config = config_lib.get_config()
+  config.method, config.quantize.backward = "local", "int8"
+  with pytest.raises(validation.ConfigError) as checked:
+    validation.validate_config(config, 1)
+  assert str(engine.value) == str(checked.value)
+  assert "--config.quantize.backward=none" in str(engine.value)

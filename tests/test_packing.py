@@ -14,7 +14,7 @@ from petra_jax.engine import methods as methods_lib
 from petra_jax.engine.arrays import packing
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stages.stage_state import StageState
-from petra_jax.engine.stages.steps import StageSteps
+from petra_jax.engine.stages.steps import PipelineSteps
 
 from helpers import batches_of, random_batch, random_variables, run_ticks, tiny_revnet
 
@@ -96,25 +96,26 @@ def test_a_large_state_packs_and_unpacks_exactly():
   _same(packing.unpack(packer.pack(large)), large)
 
 
-def _steps(stages, method="petra"):
-  return StageSteps(stages, methods_lib.get(method), "backward")
+def _steps(stages, j, method="petra"):
+  """Stage ``j``'s :class:`StageSteps`."""
+  return PipelineSteps(stages, methods_lib.get(method), "backward")[j]
 
 
 def test_a_packed_backward_and_fused_step_equal_the_unpacked_ones():
   stage, state, x = _rev_state()
   stages = tiny_revnet()
   stages[1] = stage
-  steps = _steps(stages)
-  y, _ = steps.forward(1, state, x)
+  steps = _steps(stages, 1)
+  y, _ = steps.forward(state, x)
   dy = jax.tree.map(lambda a: a * 0.5, y)
   copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731 (the steps donate)
-  plain = steps.backward(1, copy(state), *copy((y, dy)))
-  packed = steps.backward(1, packing.pack(state), *copy((y, dy)))
+  plain = steps.backward(copy(state), *copy((y, dy)))
+  packed = steps.backward(packing.pack(state), *copy((y, dy)))
   assert isinstance(packed[0], packing.PackedState)
   _same(packing.unpack(packed[0]), plain[0])
   _same(packed[1:], plain[1:])
-  (yf, _), plain = steps.forward_backward(1, copy(state), copy(x), *copy((y, dy)))
-  (yp, _), packed = steps.forward_backward(1, packing.pack(state), copy(x), *copy((y, dy)))
+  (yf, _), plain = steps.forward_backward(copy(state), copy(x), *copy((y, dy)))
+  (yp, _), packed = steps.forward_backward(packing.pack(state), copy(x), *copy((y, dy)))
   _same(yp, yf)
   _same(packing.unpack(packed[0]), plain[0])
   _same(packed[1:], plain[1:])

@@ -11,11 +11,11 @@ import pytest
 import optax
 
 from petra_jax.training import validation
-from petra_jax.engine.stages import partition
+from petra_jax.engine.stages import objective, partition
 from petra_jax.training import checkpoint
 from petra_jax import models, train
 from petra_jax.engine import timing
-from petra_jax.training import assembly, console, evaluate
+from petra_jax.training import assembly, console
 from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
 from helpers import REPO, SMALL_EVAL, config_file, restored_test_metrics, tiny_config, train_in_process
@@ -358,14 +358,14 @@ def test_cli_platform_that_cannot_start_is_one_line(tmp_path):
 # --- evaluation on the device
 
 
-def test_eval_batch_sums_match_numpy_log_softmax():
+def test_eval_sums_match_numpy_log_softmax():
   rng = np.random.default_rng(0)
   logits = rng.normal(0, 3, (8, 10)).astype(np.float32)
   logits[2, [3, 7]] = 50.0  # a tie: the first maximum counts
   labels = rng.integers(0, 10, 8).astype(np.int32)
   labels[2] = 3
   valid = 6
-  loss_sum, correct = evaluate.batch_sums(logits, labels, np.int32(valid))
+  loss_sum, correct = objective.eval_sums(logits, labels, np.int32(valid))
   x = logits[:valid].astype(np.float64)
   logp = x - x.max(1, keepdims=True)
   logp -= np.log(np.exp(logp).sum(1, keepdims=True))

@@ -124,3 +124,23 @@ def test_updates_equal_backprop(model):
     np.testing.assert_allclose(out["zb_h1"][0], out["backprop"][0], rtol=1e-6)
     assert reference_loop.max_rel_diff(out["zb_h1"][1], out["backprop"][1]) < 2e-6
   assert not jnp.allclose(out["backprop"][0][0], out["backprop"][0][-1])  # it trains
+
+
+def test_step_wrap_wraps_the_split_backward_too():
+  """``step_wrap`` reaches ZB-H1's own steps (B, W, the last stage's F and B), not only the
+  shared forward: a hollow ZB-H1 pipeline (the host benchmark's) computes nothing."""
+  from petra_jax.benchmarks import host  # pylint: disable=g-import-not-at-top
+  wrapped = []
+
+  def wrap(fn):
+    inner = getattr(fn, "__wrapped__", fn)  # packing.on_packed's
+    wrapped.append(getattr(inner, "func", inner).__name__)  # a functools.partial's
+    return host.noop_step(fn)
+
+  pipe = pipeline.Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1], method="zb_h1",
+                           step_wrap=wrap)
+  assert {"input_grad_step", "weight_grad_step", "loss_input_grad_step"} <= set(wrapped)
+  state = pipe.init(0, random_batch()[0])
+  state, losses = run_ticks(pipe, state, 4, batches_of())
+  assert state.in_flight() == 0 and len(losses) == 4
+  assert all(float(o.loss) == 0 for o in losses)  # every step hollow, the loss stage's too

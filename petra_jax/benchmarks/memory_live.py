@@ -69,10 +69,10 @@ def device_memory(stages: Sequence[Stage], image_shape: Sequence[int], batch_siz
   for j, s in enumerate(stages):
     st = state.train_states[j]
     state_bytes = quantize_lib.nbytes(st)
-    bwd_args = pipe.steps.backward_args(j, x=specs[j], y=specs[j + 1], dy=specs[j + 1],
-                                        labels=labels)
+    bwd_args = pipe.steps[j].backward_args(x=specs[j], y=specs[j + 1], dy=specs[j + 1],
+                                           labels=labels)
     working = [_working_set(fn, st, args, state_bytes)
-               for fn, args in zip(pipe.steps.jitted_steps(j), ((specs[j],), bwd_args))]
+               for fn, args in zip(pipe.steps[j].jitted_steps(), ((specs[j],), bwd_args))]
     rows.append({"name": s.name, "state_bytes": state_bytes, "buffer_bytes": buffers[j],
                  "forward_bytes": working[0], "backward_bytes": working[1],
                  "total_bytes": state_bytes + buffers[j] + max(working)})

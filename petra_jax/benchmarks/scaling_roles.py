@@ -164,7 +164,7 @@ def _local_group_ms(pipe: Pipeline, state, images, labels, iters: int) -> float:
   total = 0.0
   for j in (j for j in range(pipe.num_stages) if pipe.owned[j]):
     x = _random_like(specs[j], pipe.devices[j], rng) if j else images
-    y = None if j == pipe.num_stages - 1 else pipe.steps.forward(j, state.train_states[j], x)[0]
+    y = None if j == pipe.num_stages - 1 else pipe.steps[j].forward(state.train_states[j], x)[0]
     row = timing.one_stage_times(pipe, state, j, x, y, labels, iters)
     total += row["backward"] + (row["forward"] if y is not None else 0.0)
   return total

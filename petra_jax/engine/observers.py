@@ -19,6 +19,7 @@ from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.schedules import Task, TaskKind
 from petra_jax.engine.transport.pipeline_state import PipelineState
+from petra_jax.engine.methods import tasks
 from petra_jax.engine.methods.tasks import TaskResult, copy_tree
 
 
@@ -49,7 +50,7 @@ class ReconstructionProbe(Observer):
 
   def before_task(self, pipe: Pipeline, state: PipelineState, task: Task) -> None:
     j, m = task.stage, task.micro_batch
-    if (task.kind == TaskKind.FORWARD and pipe.steps.reconstructs[j] and pipe.owned[j]
+    if (task.kind == TaskKind.FORWARD and pipe.steps[j].reconstructs and pipe.owned[j]
         and _probed(m, self.every, self.k)):
       self._inputs[(j, m)] = copy_tree(state.inbox[j][m])  # the backward donates it
 
@@ -143,13 +144,13 @@ def _record(pipe: Pipeline, state: PipelineState, task: Task, probe: _Probe) -> 
   j, m = task.stage, task.micro_batch
   params = copy_tree(state.train_states[j].params)
   if task.kind == TaskKind.FORWARD:
-    probe.forward_params[j] = copy_tree(pipe.steps.forward_params(j, state.train_states[j]))
+    probe.forward_params[j] = copy_tree(pipe.steps[j].forward_params(state.train_states[j]))
   elif task.kind == TaskKind.LOSS:
     probe.forward_params[j] = params
   if task.kind in (TaskKind.BACKWARD, TaskKind.LOSS):
     probe.backward_params[j] = params
-    probe.grads[j] = pipe.steps.gradient(j, state.train_states[j], *_peek_backward_args(
-        pipe, state, j, m))
+    probe.grads[j] = pipe.steps[j].gradient(state.train_states[j], *tasks.backward_args(
+        pipe.contexts[j], state, m))
     if task.kind == TaskKind.LOSS:
       probe.labels = state.labels[m]
 
@@ -181,15 +182,6 @@ def _part_spec(pipe: Pipeline, j: int, images: jax.Array) -> tuple:
   labels = (jax.ShapeDtypeStruct(images.shape[:1], jnp.int32)
             if j == pipe.num_stages - 1 else None)
   return params, params, params, stats, labels
-
-
-def _peek_backward_args(pipe: Pipeline, state: PipelineState, j: int, m: int) -> tuple:
-  """Stage ``j``'s backward arguments for micro-batch ``m``, left in place."""
-  if j == pipe.num_stages - 1:
-    return pipe.steps.backward_args(j, x=state.inbox[j][m], labels=state.labels[m])
-  y, dy = state.grad_inbox[j][m]
-  return pipe.steps.backward_args(j, x=state.buffers[j].get(m), y=y, dy=dy,
-                                  stashed=state.weight_stash[j].get(m))
 
 
 class TimelineRecorder(Observer):

@@ -32,7 +32,7 @@ from petra_jax.engine.transport.pipeline_state import PipelineState
 from petra_jax.engine.schedules import Schedule, TaskKind
 from petra_jax.engine.stages.stage import Stage, trace
 from petra_jax.engine.stages.stage_state import StageState
-from petra_jax.engine.stages.steps import BN_POLICIES, OneStage, StageSteps
+from petra_jax.engine.stages.steps import BN_POLICIES, PipelineSteps
 from petra_jax.engine.methods.tasks import TaskResult, TickOutput
 
 Batches = Callable[[int], tuple]  # m -> (images [B, H, W, C], labels [B])
@@ -117,14 +117,14 @@ class Pipeline:
                          len(set(self.placements)))
     self.messages = Messenger(self.stages, self.placements, self.owned, self.formats)
     self.messages.defer = self.regime.defer
-    self.steps = StageSteps(stages, self.method, bn_stats, predictors,
-                            donate_messages=self.formats.backward == "none", wrap=step_wrap)
-    self.reconstructs = self.steps.reconstructs
+    self.steps = PipelineSteps(stages, self.method, bn_stats, predictors,
+                               donate_messages=self.formats.backward == "none", wrap=step_wrap)
+    self.reconstructs = [s.reconstructs for s in self.steps]
     o = self.forward_gradient
     self.keeps = [methods_lib.keeps(self.method, s.reversible, o.perturb, o.emulate)
                   for s in stages]
     if self.method.updates != "backward":
-      local_learning.check_setup(self.method, self.stages, self.formats.active, self.multiprocess,
+      local_learning.check_setup(self.method, self.stages, self.formats.quantized, self.multiprocess,
                         self.forward_gradient.guess)
     self.contexts = [self._context(j) for j in range(J)]
     self._tasks = self._plan()
@@ -147,12 +147,13 @@ class Pipeline:
     if j == J - 1 and self.multiprocess and self.send_losses:
       loss_home = lambda loss: msg.move(loss, j, 0, _LOSS_SPEC)  # noqa: E731
     return context_lib.StageContext(
-        j=j, last=j == J - 1, stage=self.stages[j], steps=OneStage(self.steps, j),
+        j=j, last=j == J - 1, stage=self.stages[j], steps=self.steps[j],
         owned=self.owned[j], keeps=self.keeps[j], send=send, send_back=send_back,
         route_back=route_back,
         encode=lambda x, m: msg.encode("buffer", x, j, m), feed=feed,
         state_of=context_lib.state_getter(j, self.regime.pack), device=self.devices[j],
-        loss_home=loss_home, options=self.forward_gradient)
+        loss_home=loss_home, options=self.forward_gradient,
+        backprop=self.steps.backprop if j == 0 else None)
 
   @property
   def input_device(self) -> jax.Device:
@@ -316,7 +317,7 @@ class Pipeline:
       if j > 0:
         x = self.messages.move(x, j - 1, j, specs[j])
       if self.owned[j]:
-        x = self.steps.evaluate(j, state.stage_states[j], x)
+        x = self.steps[j].evaluate(state.stage_states[j], x)
     return x if self.owned[-1] else None
 
 

@@ -39,7 +39,7 @@ def stage_times(pipe: Pipeline, state, images, labels, iters: int, warmup: int =
   J = pipe.num_stages
   acts = [images]
   for j in range(J - 1):
-    acts.append(pipe.steps.forward(j, state.stage_states[j], acts[j])[0])
+    acts.append(pipe.steps[j].forward(state.stage_states[j], acts[j])[0])
   rows = []
   for j in range(J):
     y = acts[j + 1] if j < J - 1 else None
@@ -55,16 +55,16 @@ def one_stage_times(pipe: Pipeline, state, j: int, x, y, labels, iters: int,
   ``state.stage_states[j]``.
   """
   stage, box = pipe.stages[j], {"args": None}
-  fwd = median_ms(lambda: pipe.steps.forward(j, state.stage_states[j], x), iters, warmup)
+  fwd = median_ms(lambda: pipe.steps[j].forward(state.stage_states[j], x), iters, warmup)
 
   def setup():
-    box["args"] = copy_tree(pipe.steps.backward_args(
-        j, x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
+    box["args"] = copy_tree(pipe.steps[j].backward_args(
+        x=x, y=y, dy=None if y is None else jax.tree.map(jnp.ones_like, y),
         labels=labels, stashed=state.train_states[j].params))
     return box["args"]
 
   def bwd():
-    out = pipe.steps.backward(j, state.stage_states[j], *box["args"])
+    out = pipe.steps[j].backward(state.stage_states[j], *box["args"])
     state.stage_states[j] = out[0]
     return out
   return {"name": stage.name, "reversible": stage.reversible, "forward": fwd,

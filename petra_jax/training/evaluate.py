@@ -13,9 +13,6 @@ from petra_jax.engine.pipeline import Pipeline
 from petra_jax.training import console
 
 
-batch_sums = objective.eval_sums  # (the one implementation, for either objective)
-
-
 def evaluate(pipe: Pipeline, state, split, info, batch_size: int, prefix: str = "test") -> dict:
   """The pipeline task's metrics over the whole split (last batch padded).
 

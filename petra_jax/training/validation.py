@@ -306,6 +306,7 @@ def _check_local(config) -> None:
   they are set only for a method that reads them, and what the local methods
   (``local``, ``forward_gradient``) do not support."""
   from petra_jax.engine.methods import forward_gradient  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.methods import local_learning  # pylint: disable=g-import-not-at-top
   from petra_jax.models import auxiliary  # pylint: disable=g-import-not-at-top
   fg, aux = config.forward_gradient, config.auxiliary
   try:
@@ -319,17 +320,16 @@ def _check_local(config) -> None:
   _check_unread_options(config)
   if config.method not in methods_lib.LOCAL_METHODS:
     return
-  quantized = [k for k in quantize_lib.PAYLOADS if config.quantize[k] != "none"]
   probes = [f for f in ("grad_quality_every", "reconstruction_error_every") if config[f]]
-  flags = [f"--config.quantize.{k}=none" for k in quantized] + [f"--config.{f}=0" for f in probes]
-  if flags:
-    what = (["quantised messages (labels and tangents travel unquantised)"] * bool(quantized)
-            + ["backward-pass probes (it has no exact backward pass)"] * bool(probes))
-    raise ConfigError(f"method {config.method!r} does not support {' or '.join(what)}: "
-                      f"pass {' '.join(flags)}.")
-  if jax.process_count() > 1:
-    raise ConfigError(f"method {config.method!r} runs in one process: launch it without "
-                      "launch/*.sh or jax.distributed.")
+  if probes:
+    raise ConfigError(f"method {config.method!r} does not support backward-pass probes (it has "
+                      f"no exact backward pass): pass {' '.join(f'--config.{f}=0' for f in probes)}.")
+  try:
+    local_learning.check_transport(
+        config.method, [k for k in quantize_lib.PAYLOADS if config.quantize[k] != "none"],
+        jax.process_count() > 1)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   if config.data_parallel > 1:
     raise ConfigError(f"method {config.method!r} runs one device per stage: pass "
                       "--config.data_parallel=1.")

@@ -226,9 +226,14 @@ class MessageFormats:
       check_format(getattr(self, kind))
 
   @property
+  def quantized(self) -> tuple:
+    """The payload kinds (of :data:`PAYLOADS`) that are quantised."""
+    return tuple(kind for kind in PAYLOADS if getattr(self, kind) != "none")
+
+  @property
   def active(self) -> bool:
     """Whether any payload kind is quantised."""
-    return any(getattr(self, kind) != "none" for kind in PAYLOADS)
+    return bool(self.quantized)
 
   def stochastic_for(self, kind: str) -> bool:
     """Whether payloads of ``kind`` round stochastically (int8 only)."""

@@ -15,7 +15,7 @@ from petra_jax.engine.arrays import packing
 from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.transport.pipeline_state import PipelineState
 from petra_jax.engine.stages.stage import Stage
-from petra_jax.engine.stages.steps import OneStage
+from petra_jax.engine.stages.steps import StageSteps
 
 
 
@@ -35,7 +35,7 @@ class StageContext:
   Attributes:
     j: the stage's index; ``last``: whether it is ``J - 1`` (the loss stage).
     stage: the :class:`Stage` (its module, for the local methods' own steps).
-    steps: its jitted steps (:class:`petra_jax.engine.stages.steps.OneStage`).
+    steps: its jitted steps (:class:`petra_jax.engine.stages.steps.StageSteps`).
     owned: whether this process runs it.
     keeps: what it holds between forward and backward (paper Table 4).
     send: its output to ``j + 1`` (None on the last stage).
@@ -49,11 +49,13 @@ class StageContext:
     device: its (first) device; ``loss_home``: the last stage's loss to stage 0's
       process (None unless several processes report losses).
     options: the method's options (``forward_gradient``: :class:`forward_gradient.Options`).
+    backprop: stage 0's ``(train_states, images, labels) -> (train_states, loss)``, the
+      whole model's update (method ``backprop``; None on the other stages).
   """
   j: int
   last: bool
   stage: Stage
-  steps: OneStage
+  steps: StageSteps
   owned: bool
   keeps: Keeps
   send: Optional[Route]
@@ -65,6 +67,7 @@ class StageContext:
   device: jax.Device
   loss_home: Optional[Callable] = None
   options: Any = None
+  backprop: Optional[Callable] = None
 
 
 def feeder(first, last, owns_first: bool, owns_last: bool) -> Callable:

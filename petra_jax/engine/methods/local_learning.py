@@ -43,20 +43,33 @@ def local_step(stage, state: StageState, x, labels):
   return state.apply_gradients(grads, stats), y, loss
 
 
-def check_setup(method, stages: Sequence, quantized: bool, multiprocess: bool,
+def check_transport(name: str, quantized: Sequence[str], multiprocess: bool) -> None:
+  """The local methods' rule (``local``, ``forward_gradient``): their messages travel
+  unquantised, in one process. ``quantized``: the quantised payload kinds
+  (:attr:`petra_jax.engine.arrays.quantize.MessageFormats.quantized`).
+
+  Raises:
+    ValueError: naming the flags that lift it.
+  """
+  if quantized:
+    flags = " ".join(f"--config.quantize.{k}=none" for k in quantized)
+    raise ValueError(f"method {name!r} does not support quantised messages (labels and "
+                     f"tangents travel unquantised): pass {flags}.")
+  if multiprocess:
+    raise ValueError(f"method {name!r} runs in one process: launch it without "
+                     "launch/*.sh or jax.distributed.")
+
+
+def check_setup(method, stages: Sequence, quantized: Sequence[str], multiprocess: bool,
                 guess: str) -> None:
-  """Raises ValueError for quantised messages, several processes, or a missing head.
+  """Raises ValueError for quantised messages, several processes (:func:`check_transport`),
+  or a missing head.
 
   ``method``: a :class:`petra_jax.engine.methods.Method` row that sends no
   cotangent; ``guess``: the forward-gradient guess (its heads are needed for ``"local"``).
   """
   name = method.name
-  if quantized:
-    raise ValueError(f"method {name!r} sends labels with its forward messages and does not "
-                     "quantise them: use --config.quantize.*=none.")
-  if multiprocess:
-    raise ValueError(f"method {name!r} runs in one process: launch it without "
-                     "jax.distributed.")
+  check_transport(name, quantized, multiprocess)
   if method.updates == "forward_gradient":
     if guess == "local" and not all(auxiliary.has_head(s) for s in stages[:-1]):
       raise ValueError("forward_gradient.guess='local' needs an auxiliary head on every stage "

@@ -16,7 +16,6 @@ from petra_jax.engine.methods.context import StageContext
 from petra_jax.engine.transport.pipeline_state import PipelineState, take
 
 PyTree = Any
-_LOSS_SPEC = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 class TickOutput(NamedTuple):
@@ -94,17 +93,12 @@ def backward_task(ctx: StageContext) -> Callable:
 
 def backward_halves(ctx: StageContext) -> tuple:
   """``(begin(state, m) -> (x, args), end(state, m, x, outputs) -> x~ or None)``."""
-  j, steps, owned, send, get = ctx.j, ctx.steps, ctx.owned, ctx.send_back, ctx.state_of
-  stashes, buffers, reconstructs = ctx.keeps.weights, ctx.keeps.input, steps.reconstructs
+  j, owned, send, get = ctx.j, ctx.owned, ctx.send_back, ctx.state_of
+  reconstructs = ctx.steps.reconstructs
 
   def begin(state: PipelineState, m: int):
-    message = take(state.grad_inbox[j], m, "cotangent", j)
-    if not owned:
-      return None, None
-    y, dy = message
-    x = take(state.buffers[j], m, "buffered input", j) if buffers else None
-    stashed = take(state.weight_stash[j], m, "stashed weights", j) if stashes else None
-    return x, (get(state),) + steps.backward_args(x=x, y=y, dy=dy, stashed=stashed)
+    x, args = _backward_inputs(ctx, state, m, take)
+    return x, None if args is None else (get(state),) + args
 
   def end(state: PipelineState, m: int, x, out):
     x_tilde = None
@@ -115,6 +109,38 @@ def backward_halves(ctx: StageContext) -> tuple:
       state.grad_inbox[j - 1][m] = send(x, out[-1], m)
     return x_tilde
   return begin, end
+
+
+def backward_args(ctx: StageContext, state: PipelineState, m: int) -> tuple:
+  """Stage ``j``'s backward arguments for micro-batch ``m`` (after its state), left in place.
+
+  What its backward (or loss) task will take: for the observers, which look before it runs.
+  """
+  return _backward_inputs(ctx, state, m, _peek)[1]
+
+
+def _peek(box: dict, m: int, what: str, j: int):
+  """Micro-batch ``m``'s entry of ``box``, left in place (:func:`take` without the pop)."""
+  return box[m]
+
+
+def _backward_inputs(ctx: StageContext, state: PipelineState, m: int, read: Callable) -> tuple:
+  """``(x, args or None)`` of stage ``j``'s backward on micro-batch ``m``, each read by
+  ``read(box, m, what, j)``: the cotangent message (or the last stage's input) always,
+  then, if owned, what the stage kept (its input, its stashed weights) or the labels."""
+  j, steps = ctx.j, ctx.steps
+  if ctx.last:
+    x = read(state.inbox[j], m, "input", j)
+    if not ctx.owned:
+      return x, None
+    return x, steps.backward_args(x=x, labels=read(state.labels, m, "labels", j))
+  message = read(state.grad_inbox[j], m, "cotangent", j)
+  if not ctx.owned:
+    return None, None
+  y, dy = message
+  x = read(state.buffers[j], m, "buffered input", j) if ctx.keeps.input else None
+  stashed = read(state.weight_stash[j], m, "stashed weights", j) if ctx.keeps.weights else None
+  return x, steps.backward_args(x=x, y=y, dy=dy, stashed=stashed)
 
 
 def pair_task(ctx: StageContext) -> Callable:
@@ -137,10 +163,9 @@ def loss_task(ctx: StageContext) -> Callable:
   loss_home = ctx.loss_home
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
-    x, loss, dx = take(state.inbox[j], m, "input", j), None, None
+    (x, args), loss, dx = _backward_inputs(ctx, state, m, take), None, None
     if owned:
-      labels = take(state.labels, m, "labels", j)
-      state.stage_states[j], dx, loss = steps.backward(get(state), x, labels)
+      state.stage_states[j], dx, loss = steps.backward(get(state), *args)
     state.grad_inbox[j - 1][m] = send(x, dx, m)
     if loss_home is not None:
       loss = loss_home(loss)
@@ -150,12 +175,12 @@ def loss_task(ctx: StageContext) -> Callable:
 
 def backprop_task(ctx: StageContext) -> Callable:
   """``jax.grad`` of the composed model on one device."""
-  feed, steps = ctx.feed, ctx.steps
+  feed, backprop = ctx.feed, ctx.backprop
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     feed(state, m, batches)
     images = take(state.inbox[0], m, "input", 0)
     labels = take(state.labels, m, "labels", 0)
-    state.stage_states, loss = steps.backprop(state.train_states, images, labels)
+    state.stage_states, loss = backprop(state.train_states, images, labels)
     return TaskResult(loss=loss)
   return task

@@ -19,7 +19,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from petra_jax.engine.arrays import packing
 from petra_jax.engine.arrays import quantize as quantize_lib
 from petra_jax.engine.methods import tasks
 from petra_jax.engine.methods.context import StageContext
@@ -73,15 +72,11 @@ def weight_grad_step(state: StageState, residuals) -> StageState:
   return state.apply_gradients(vjp(dy)[0], state.batch_stats)
 
 
-def _jit(fn: Callable, donate_argnums) -> Callable:
-  return jax.jit(packing.on_packed(fn), donate_argnums=donate_argnums)
-
-
 def input_grad_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s B: ``(None, dx)`` to ``j - 1``; the residuals kept for its W."""
-  j, owned, send, get = ctx.j, ctx.owned, ctx.send_back, ctx.state_of
-  take_stats = not ctx.steps.stats_in_forward
-  step = _jit(functools.partial(input_grad_step, ctx.stage, j > 0, take_stats), 0)
+  j, owned, send, get, steps = ctx.j, ctx.owned, ctx.send_back, ctx.state_of, ctx.steps
+  take_stats = not steps.stats_in_forward
+  step = steps.jit(functools.partial(input_grad_step, steps.stage, j > 0, take_stats), 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     _, dy = take(state.grad_inbox[j], m, "cotangent", j)
@@ -98,7 +93,7 @@ def input_grad_task(ctx: StageContext) -> Callable:
 def weight_grad_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s W: the update from the residuals its B kept."""
   j, owned, get = ctx.j, ctx.owned, ctx.state_of
-  step = _jit(weight_grad_step, 0)
+  step = ctx.steps.jit(weight_grad_step, 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     if owned:
@@ -111,7 +106,7 @@ def weight_grad_task(ctx: StageContext) -> Callable:
 def loss_input_grad_task(ctx: StageContext) -> Callable:
   """The last stage's F and B: ``(None, dx)`` to ``J - 2``; the residuals kept for its W."""
   j, owned, send, get, loss_home = ctx.j, ctx.owned, ctx.send_back, ctx.state_of, ctx.loss_home
-  step = _jit(functools.partial(loss_input_grad_step, ctx.stage), 0)
+  step = ctx.steps.jit(functools.partial(loss_input_grad_step, ctx.steps.stage), 0)
 
   def task(state: PipelineState, m: int, batches) -> tasks.TaskResult:
     x, loss, dx = take(state.inbox[j], m, "input", j), None, None

@@ -129,165 +129,156 @@ def _jit(fn: Callable, donate_argnums=(), wrap: Optional[Callable] = None):
   return jax.jit(fn if wrap is None else wrap(fn), donate_argnums=donate_argnums)
 
 
+_copy_params = _jit(params_step)  # shared by every stage (one compilation per shape)
+_replace_stats = _jit(stats_step, donate_argnums=0)
+
+
 class StageSteps:
-  """Every stage's jitted steps: which backward a stage runs, on which arguments, donating which.
+  """Stage ``j``'s jitted steps (what its tasks call): which backward it runs, on which
+  arguments, donating which; its forward, fused tick, prediction, evaluation and gradient.
 
   Args:
+    stage: the :class:`Stage`; ``j`` its index of ``num_stages``.
     method: a :class:`petra_jax.engine.methods.Method` row.
     bn_stats: one of :data:`BN_POLICIES`.
-    predictors: per stage, None or ``(params, opt_state) -> params``.
-    wrap: applied to the steps before they are jitted.
+    predictor: None or ``(params, opt_state) -> params`` (the forward's weights).
+    donate_messages: whether a reconstructing backward donates its messages.
+    wrap: applied to the steps before they are jitted (:meth:`jit`).
   """
 
-  def __init__(self, stages: Sequence[Stage], method, bn_stats: str,
-               predictors: Optional[Sequence[Optional[Callable]]] = None,
-               donate_messages: bool = True, wrap: Optional[Callable] = None):
-    self.stages, self.method = list(stages), method
-    self.donate_messages, self._wrap = donate_messages, wrap
-    self._predictors = list(predictors or [None] * len(stages))
-    self._predict = [None if p is None else _jit(functools.partial(predict_step, p), wrap=wrap)
-                     for p in self._predictors]
-    self._params, self._stats = _jit(params_step), _jit(stats_step, donate_argnums=0)
-    self.num_stages = len(stages)
+  def __init__(self, stage: Stage, j: int, num_stages: int, method, bn_stats: str,
+               predictor: Optional[Callable] = None, donate_messages: bool = True,
+               wrap: Optional[Callable] = None):
+    self.stage, self.j, self.method = stage, j, method
+    self.last = j == num_stages - 1
+    self._wrap, self._predictor = wrap, predictor
     self.stats_in_forward = bn_stats == "forward"
-    self.reconstructs = [method.reconstructs_stage(s.reversible) for s in stages]
-    self._forward = [_jit(functools.partial(forward_step, s), wrap=wrap) for s in stages]
-    self._eval = [_jit(functools.partial(eval_step, s)) for s in stages]
-    self._eval_all = jax.jit(functools.partial(eval_all_step, self.stages))
-    self._backward = [_jit(self._backward_fn(j), donate_argnums=self._donated(j), wrap=wrap)
-                      for j in range(self.num_stages)]
-    self._fused = [self._fused_jit(j) for j in range(self.num_stages - 1)]
-    self._backprop = jax.jit(functools.partial(backprop_step, self.stages), donate_argnums=0)
+    self.reconstructs = method.reconstructs_stage(stage.reversible)
+    self._predict = None if predictor is None else self.jit(
+        functools.partial(predict_step, predictor))
+    self._forward = self.jit(functools.partial(forward_step, stage))
+    self._eval = _jit(functools.partial(eval_step, stage))
+    donated = self._donated(donate_messages)
+    self._backward = self.jit(self._backward_fn(), donated)
+    self._fused = None if self.last else self._fused_jit(donated)
 
-  def _fused_jit(self, j: int):
-    fn = functools.partial(fused_step, functools.partial(forward_step, self.stages[j]),
-                           self._backward_fn(j), self._predictors[j], self.stats_in_forward,
+  def jit(self, fn: Callable, donate_argnums=()) -> Callable:
+    """``fn(state, *args)`` jitted as every step is: on packed states too, through the
+    pipeline's ``step_wrap``, donating ``donate_argnums`` (a schedule's own steps)."""
+    return _jit(fn, donate_argnums, self._wrap)
+
+  def _fused_jit(self, donated):
+    fn = functools.partial(fused_step, functools.partial(forward_step, self.stage),
+                           self._backward_fn(), self._predictor, self.stats_in_forward,
                            self.method.stashes_weights)
-    donated = self._donated(j)
-    donated = (0, 2, 3) if donated != 0 else 0
-    return _jit(fn, donate_argnums=donated, wrap=self._wrap)
+    return self.jit(fn, (0, 2, 3) if donated != 0 else 0)
 
-  def _backward_fn(self, j: int, grads_only: bool = False):
-    """Stage ``j``'s backward step (or its gradient only) on :meth:`backward_args`."""
-    s, take = self.stages[j], not self.stats_in_forward
-    if j == self.num_stages - 1:
+  def _backward_fn(self, grads_only: bool = False):
+    """The backward step (or its gradient only) on :meth:`backward_args`."""
+    s, take, j = self.stage, not self.stats_in_forward, self.j
+    if self.last:
       return functools.partial(loss_grads if grads_only else loss_step, s)
-    if self.reconstructs[j]:
+    if self.reconstructs:
       return functools.partial(reverse_grads, s) if grads_only else functools.partial(
           reverse_backward_step, s, take)
     return functools.partial(recompute_grads, s, j > 0) if grads_only else functools.partial(
         recompute_backward_step, s, take, j > 0)
 
-  def _donated(self, j: int):
-    messages = self.donate_messages and self.reconstructs[j] and j < self.num_stages - 1
+  def _donated(self, donate_messages: bool):
+    messages = donate_messages and self.reconstructs and not self.last
     return (0, 1, 2) if messages else 0
 
-  def backward_args(self, j: int, *, x=None, y=None, dy=None, labels=None,
-                    stashed=None) -> tuple:
+  def backward_args(self, *, x=None, y=None, dy=None, labels=None, stashed=None) -> tuple:
     """``(x, labels)`` (last), ``(y, dy)`` (reconstructing) or ``(x, dy)``; + ``stashed``."""
-    if j == self.num_stages - 1:
+    if self.last:
       return (x, labels)
-    args = (y, dy) if self.reconstructs[j] else (x, dy)
+    args = (y, dy) if self.reconstructs else (x, dy)
     return args + (stashed,) if self.method.stashes_weights else args
 
-  def backward(self, j: int, train_state: StageState, *args):
-    """Stage ``j``'s backward (donating the state).
+  def backward(self, train_state: StageState, *args):
+    """The backward (donating the state).
 
     Returns ``(state, x~, dx)`` reconstructing, ``(state, dx, loss)`` last, else ``(state, dx)``.
     """
-    return self._backward[j](train_state, *args)
+    return self._backward(train_state, *args)
 
-  def forward_backward(self, j: int, train_state: StageState, x, *args) -> tuple:
-    """:func:`fused_step` of stage ``j``, donating ``train_state``."""
-    return self._fused[j](train_state, x, *args)
+  def forward_backward(self, train_state: StageState, x, *args) -> tuple:
+    """:func:`fused_step` (not on the last stage), donating ``train_state``."""
+    return self._fused(train_state, x, *args)
 
-  def gradient(self, j: int, train_state: StageState, *args) -> PyTree:
-    """The gradient stage ``j``'s backward would apply, without applying it or donating."""
-    if not hasattr(self, "_gradient"):
-      self._gradient = [_jit(self._backward_fn(i, grads_only=True))
-                        for i in range(self.num_stages)]
-    out = self._gradient[j](train_state, *args)
-    return out[2] if self.reconstructs[j] or j == self.num_stages - 1 else out[1]
+  def gradient(self, train_state: StageState, *args) -> PyTree:
+    """The gradient the backward would apply, without applying it or donating."""
+    if not hasattr(self, "_gradient"):  # built on a probe's first use only
+      self._gradient = _jit(self._backward_fn(grads_only=True))
+    out = self._gradient(train_state, *args)
+    return out[2] if self.reconstructs or self.last else out[1]
 
-  def forward_params(self, j: int, train_state: StageState):
-    """The weights stage ``j``'s forward uses: predicted, or the current ones."""
-    predicted = self.predicted_params(j, train_state)
+  def forward_params(self, train_state: StageState):
+    """The weights the forward uses: predicted, or the current ones."""
+    predicted = self.predicted_params(train_state)
     return train_state.params if predicted is None else predicted
 
-  def predicted_params(self, j: int, train_state: StageState):
-    """Stage ``j``'s predicted weights, or None without a predictor."""
-    predict = self._predict[j]
-    return None if predict is None else predict(train_state)
+  def predicted_params(self, train_state: StageState):
+    """The predicted weights, or None without a predictor."""
+    return None if self._predict is None else self._predict(train_state)
 
-  def current_params(self, j: int, train_state: StageState):
-    """A copy of stage ``j``'s current weights."""
-    return self._params(train_state)
+  def current_params(self, train_state: StageState):
+    """A copy of the current weights."""
+    return _copy_params(train_state)
 
-  def with_stats(self, j: int, train_state: StageState, batch_stats):
+  def with_stats(self, train_state: StageState, batch_stats):
     """``train_state`` (donated, packed or not) with ``batch_stats``."""
     if isinstance(train_state, StageState):
       return train_state.replace(batch_stats=batch_stats)
-    return self._stats(train_state, batch_stats)
+    return _replace_stats(train_state, batch_stats)
 
-  def forward(self, j: int, train_state: StageState, x, params=None):
-    """Stage ``j``'s jitted forward: ``(y, batch_stats)``, at ``params`` if given."""
+  def forward(self, train_state: StageState, x, params=None):
+    """The jitted forward: ``(y, batch_stats)``, at ``params`` if given."""
     if params is None:
-      return self._forward[j](train_state, x)
-    return self._forward[j](train_state, x, params)
+      return self._forward(train_state, x)
+    return self._forward(train_state, x, params)
 
-  def jitted_steps(self, j: int) -> tuple:
-    """Stage ``j``'s jitted ``(forward, backward)``."""
-    return self._forward[j], self._backward[j]
+  def jitted_steps(self) -> tuple:
+    """The jitted ``(forward, backward)``."""
+    return self._forward, self._backward
+
+  def evaluate(self, train_state: StageState, x):
+    """The forward with the running BatchNorm statistics."""
+    return self._eval(train_state, x)
+
+
+class PipelineSteps:
+  """Every stage's :class:`StageSteps` (``steps[j]``), and the two steps that span the
+  stages: backprop's whole-model update and the one-program evaluation.
+
+  Args:
+    predictors: per stage, None or ``(params, opt_state) -> params``.
+    The others: as :class:`StageSteps`'s.
+  """
+
+  def __init__(self, stages: Sequence[Stage], method, bn_stats: str,
+               predictors: Optional[Sequence[Optional[Callable]]] = None,
+               donate_messages: bool = True, wrap: Optional[Callable] = None):
+    J, stages = len(stages), list(stages)
+    predictors = list(predictors or [None] * J)
+    self._per_stage = [StageSteps(s, j, J, method, bn_stats, predictors[j], donate_messages,
+                                  wrap) for j, s in enumerate(stages)]
+    self._eval_all = jax.jit(functools.partial(eval_all_step, stages))
+    self._backprop = jax.jit(functools.partial(backprop_step, stages), donate_argnums=0)
+
+  def __getitem__(self, j: int) -> StageSteps:
+    return self._per_stage[j]
+
+  def __len__(self) -> int:
+    return len(self._per_stage)
+
+  def __iter__(self):
+    return iter(self._per_stage)
 
   def evaluate_all(self, train_states: Sequence, x):
     """Every stage's forward with the running statistics, in one call (stages on one device)."""
     return self._eval_all(list(train_states), x)
 
-  def evaluate(self, j: int, train_state: StageState, x):
-    """Stage ``j``'s forward with the running BatchNorm statistics."""
-    return self._eval[j](train_state, x)
-
   def backprop(self, train_states: list, images, labels):
     """``jax.grad`` of the composed model and every update: ``(new_states, loss)``."""
     return self._backprop(train_states, images, labels)
-
-
-class OneStage:
-  """Stage ``j``'s jitted steps of a :class:`StageSteps` (what its tasks call)."""
-
-  def __init__(self, steps: StageSteps, j: int):
-    self._steps, self._j = steps, j
-    self.reconstructs = steps.reconstructs[j]
-    self.stats_in_forward = steps.stats_in_forward
-
-  def forward(self, train_state, x, params=None):
-    """:meth:`StageSteps.forward`."""
-    return self._steps.forward(self._j, train_state, x, params)
-
-  def backward(self, train_state, *args):
-    """:meth:`StageSteps.backward`."""
-    return self._steps.backward(self._j, train_state, *args)
-
-  def backward_args(self, **kwargs) -> tuple:
-    """:meth:`StageSteps.backward_args`."""
-    return self._steps.backward_args(self._j, **kwargs)
-
-  def forward_backward(self, train_state, x, *args) -> tuple:
-    """:meth:`StageSteps.forward_backward`."""
-    return self._steps.forward_backward(self._j, train_state, x, *args)
-
-  def predicted_params(self, train_state):
-    """:meth:`StageSteps.predicted_params`."""
-    return self._steps.predicted_params(self._j, train_state)
-
-  def current_params(self, train_state):
-    """:meth:`StageSteps.current_params`."""
-    return self._steps.current_params(self._j, train_state)
-
-  def with_stats(self, train_state, batch_stats):
-    """:meth:`StageSteps.with_stats`."""
-    return self._steps.with_stats(self._j, train_state, batch_stats)
-
-  def backprop(self, train_states: list, images, labels):
-    """:meth:`StageSteps.backprop` (every stage's update)."""
-    return self._steps.backprop(train_states, images, labels)
