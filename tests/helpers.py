@@ -362,3 +362,35 @@ class Paused:
   def kill(self):
     self.proc.kill()
     self.proc.wait()
+
+
+def reference_revnet():
+  """stem, rev, rev, head at width 2: the reference loop's RevNet (J = 4, BatchNorm)."""
+  from petra_jax import models  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages.stage import Stage  # pylint: disable=g-import-not-at-top
+  return [Stage("stem", models.Stem(2), False),
+          Stage("rev0", models.BasicResidual(2), True),
+          Stage("rev1", models.BasicResidual(2), True),
+          Stage("head", models.Head(10), False)]
+
+
+def reference_revvit():
+  """A depth-1 RevViT at width 2 grouped into 3 stages (1, 2, 1): the reference loop's RevViT."""
+  from petra_jax import models  # pylint: disable=g-import-not-at-top
+  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
+  blocks = models.build_model("revvit_tiny", width=2, depth=1, patch_size=4)
+  return partition.group_stages(blocks, (1, 2, 1))
+
+
+def drained_run(pipe, batches, num_micro_batches):
+  """``pipe`` from seed 0 over ``num_micro_batches`` micro-batches, drained: ``(initial params,
+  initial statistics, losses [M] in micro-batch order, final params, final statistics)``."""
+  state = pipe.init(0, batches(0)[0])
+  p0 = [jax.tree.map(np.array, s.params) for s in state.train_states]
+  s0 = [jax.tree.map(np.array, s.batch_stats) for s in state.train_states]
+  state, out = pipe.run(state, pipe.schedule(num_micro_batches), batches)
+  assert state.in_flight() == 0
+  assert sorted(o.micro_batch for o in out) == list(range(num_micro_batches))
+  losses = np.array([float(o.loss) for o in sorted(out)])
+  final = state.train_states
+  return p0, s0, losses, [s.params for s in final], [s.batch_stats for s in final]

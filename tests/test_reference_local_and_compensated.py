@@ -27,13 +27,11 @@ import optax
 import pytest
 
 import reference_loop as ref
+from helpers import drained_run, reference_revnet, reference_revvit
 from helpers import random_batch
 from petra_jax import config as config_lib
-from petra_jax import models
 from petra_jax.engine import pipeline
 from petra_jax.engine.methods import forward_gradient as fg_lib
-from petra_jax.engine.stages import partition
-from petra_jax.engine.stages.stage import Stage
 from petra_jax.models import auxiliary
 from petra_jax.optim import compensation
 from petra_jax.optim.muon import muon
@@ -48,16 +46,7 @@ def _batches(m):
   return random_batch(batch=8, size=8, seed=m % POOL)
 
 
-def _revnet():
-  return [Stage("stem", models.Stem(2), False),
-          Stage("rev0", models.BasicResidual(2), True),
-          Stage("rev1", models.BasicResidual(2), True),
-          Stage("head", models.Head(10), False)]
-
-
-def _revvit():
-  blocks = models.build_model("revvit_tiny", width=2, depth=1, patch_size=4)
-  return partition.group_stages(blocks, (1, 2, 1))
+_revnet, _revvit = reference_revnet, reference_revvit
 
 
 def _with_heads(stages):
@@ -68,14 +57,7 @@ def _run_engine(stages, txs, method, predictors=None, options=None):
   """The engine over ``NUM_MICRO`` micro-batches, drained: ``(p0, s0, losses, params, stats)``."""
   pipe = pipeline.Pipeline(stages, txs, jax.devices()[:1], method=method, accumulation_steps=K,
                            predictors=predictors, forward_gradient=options)
-  state = pipe.init(0, _batches(0)[0])
-  p0 = [jax.tree.map(np.array, s.params) for s in state.train_states]
-  s0 = [jax.tree.map(np.array, s.batch_stats) for s in state.train_states]
-  state, out = pipe.run(state, pipe.schedule(NUM_MICRO), _batches)
-  assert state.in_flight() == 0 and sorted(o.micro_batch for o in out) == list(range(NUM_MICRO))
-  losses = np.array([float(o.loss) for o in sorted(out)])
-  final = state.train_states
-  return p0, s0, losses, [s.params for s in final], [s.batch_stats for s in final]
+  return drained_run(pipe, _batches, NUM_MICRO)
 
 
 def _check(engine, want, loss_rtol=LOSS_RTOL, params_rtol=PARAMS_RTOL):

@@ -25,12 +25,12 @@ import optax
 import pytest
 
 import reference_loop as ref
+from helpers import drained_run, reference_revnet, reference_revvit
 from helpers import random_batch
 from petra_jax import config as config_lib
 from petra_jax import models
 from petra_jax.engine.stages import partition
 from petra_jax.engine import pipeline
-from petra_jax.engine.stages.stage import Stage
 from petra_jax.optim import compensation, optimizers
 
 NUM_MICRO, POOL = 12, 4
@@ -49,16 +49,7 @@ def adamw():
   return optax.adamw(1e-2, weight_decay=0.05)
 
 
-def _revnet():
-  return [Stage("stem", models.Stem(2), False),
-          Stage("rev0", models.BasicResidual(2), True),
-          Stage("rev1", models.BasicResidual(2), True),
-          Stage("head", models.Head(10), False)]
-
-
-def _revvit():
-  blocks = models.build_model("revvit_tiny", width=2, depth=1, patch_size=4)
-  return partition.group_stages(blocks, (1, 2, 1))
+_revnet, _revvit = reference_revnet, reference_revvit
 
 
 MODELS = {  # name: (stages, k, per-stage optimizer)
@@ -89,14 +80,7 @@ def _engine(name, method):
   stages, _, k, txs = _model(name)
   pipe = pipeline.Pipeline(stages, [optimizers.accumulate(tx, k) for tx in txs],
                            jax.devices()[:1], method=method, accumulation_steps=k)
-  state = pipe.init(0, _batches(0)[0])
-  p0 = [jax.tree.map(np.array, s.params) for s in state.train_states]
-  s0 = [jax.tree.map(np.array, s.batch_stats) for s in state.train_states]
-  state, out = pipe.run(state, pipe.schedule(NUM_MICRO), _batches)
-  assert state.in_flight() == 0 and sorted(o.micro_batch for o in out) == list(range(NUM_MICRO))
-  losses = np.array([float(o.loss) for o in sorted(out)])
-  final = state.train_states
-  return p0, s0, losses, [s.params for s in final], [s.batch_stats for s in final]
+  return drained_run(pipe, _batches, NUM_MICRO)
 
 
 def _reference(name, row, p0, s0):

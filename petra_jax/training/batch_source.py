@@ -34,11 +34,10 @@ def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
     batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch)
     batches = lambda m: batch_fn(train, _micro_rows(rows, m, k), host_fold_in(data_key, m))
     return prefetch.Prefetcher(batches, config.prefetch) if config.prefetch else batches
-  updates = _UpdateBatches(info, train, pipe, rows, data_key, k)
-  if not config.prefetch:
-    return updates
-  ahead = prefetch.Prefetcher(updates.prepare, depth=-(-config.prefetch // k), workers=1)
-  return _Ahead(ahead, k)
+  prepare = _UpdateBatches(info, train, pipe, rows, data_key, k).prepare
+  if config.prefetch:  # updates prepared ahead in one background thread
+    prepare = prefetch.Prefetcher(prepare, depth=-(-config.prefetch // k), workers=1)
+  return _ByUpdate(prepare, k)
 
 
 def _update_rows(config, num_examples: int, steps_per_epoch: int) -> Callable:
@@ -66,7 +65,6 @@ class _UpdateBatches:
     self._fn = data_lib.make_update_batch_fn(info, pipe.placements[0].batch, k)
     self._labels_to = pipe.placements[-1].batch if pipe.owns_output else None
     self._train, self._rows, self._key, self._k = train, rows, data_key, k
-    self._update, self._batches = -1, None
 
   def prepare(self, s: int) -> list:
     """Update ``s``'s ``k`` micro-batches ``(images, labels)`` on their devices (thread-safe)."""
@@ -78,25 +76,18 @@ class _UpdateBatches:
       labels = jax.device_put(labels, self._labels_to)
     return list(zip(self._fn(self._train, indices, keys), labels))
 
-  def __call__(self, m: int) -> tuple:
-    s = m // self._k
-    if s != self._update:
-      self._update, self._batches = s, self.prepare(s)
-    return self._batches[m % self._k]
 
+class _ByUpdate:
+  """``m ->`` micro-batch ``m`` of ``prepare(m // k)`` (each update prepared once, in order)."""
 
-class _Ahead:
-  """Micro-batch ``m`` of updates prepared ahead in a background thread (gather, transfer and
-  augmentation dispatch off the training loop's thread)."""
-
-  def __init__(self, updates: prefetch.Prefetcher, k: int):
-    self._updates, self._k = updates, k
+  def __init__(self, prepare: Callable[[int], list], k: int):
+    self._prepare, self._k = prepare, k
     self._update, self._batches = -1, None
 
   def __call__(self, m: int) -> tuple:
     s = m // self._k
     if s != self._update:
-      self._update, self._batches = s, self._updates(s)
+      self._update, self._batches = s, self._prepare(s)
     return self._batches[m % self._k]
 
 
