@@ -187,7 +187,8 @@ def test_each_method_with_gradient_probes_is_probed_or_refused_in_one_line(metho
   assert "\n" not in str(e.value) and "--config.grad_quality_every=0" in str(e.value)
 
 
-@pytest.mark.parametrize("method", ["approximate_input", "dsp", "gpipe", "1f1b"])
+@pytest.mark.parametrize("method", ["gpipe"] + [
+    pytest.param(m, marks=pytest.mark.long) for m in ("approximate_input", "dsp", "1f1b")])
 def test_a_probed_method_produces_its_probes(method):
   """(petra, delayed and revprop: the tests above.)"""
   _, _, stages, quality = _run(method, 8)

@@ -92,7 +92,8 @@ FG_CASES = {  # name: (guess, perturb, with heads)
 }
 
 
-@pytest.mark.parametrize("case", list(FG_CASES))
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[] if c == "random_activity" else [pytest.mark.long]) for c in FG_CASES])
 def test_forward_gradient_equals_the_reference(case):
   """Forward gradients on the stream, delays 6, 4, 2, 0 ticks, k = 2, seed 5: the same
   guesses from the same key derivation, the same estimate; not the exact gradient."""
@@ -173,8 +174,9 @@ def _compensated(model, comp, method):
   return engine, want, plain
 
 
-@pytest.mark.parametrize("method", ["petra", "delayed"])
-@pytest.mark.parametrize("comp", list(COMPENSATIONS))
+@pytest.mark.parametrize("method, comp", [
+    pytest.param(m, c, marks=[] if m == "petra" else [pytest.mark.long])
+    for m in ("petra", "delayed") for c in COMPENSATIONS])
 def test_compensation_equals_the_reference_revnet(comp, method):
   """Each compensation, as a run builds it, at D_j = 3, 2, 1, 0 updates; it changes the
   trajectory (the reference without it differs)."""
