@@ -170,6 +170,24 @@ def test_timed_segments_follow_each_other(method):
   assert [str(t) for t in warm + first + second] == [str(t) for t in whole[:len(warm) + 2 * len(first)]]
 
 
+@pytest.mark.parametrize("method", ["petra", "1f1b"])
+def test_timed_segments_run_only_programs_the_warm_up_compiled(method):
+  cfg = accelerator.run_config("revnet18", "cifar10", 2, method, 2, "float32", 1,
+                               executor="compiled", periods=3)
+  info = accelerator.data_lib.get_dataset_info("cifar10")
+  pipe, _, _ = accelerator.assembly.build_pipeline(cfg, "", info, 2, 10)
+  run = accelerator.compiled.executor(pipe, "compiled", 3)
+  warm, (first, _), _ = accelerator.segments(pipe, 5, 2, repeats=2, per_call=3)
+  table = warm + first
+  images, labels = accelerator.random_batch(info.image_shape, info.num_classes, 2)
+  state = accelerator._run_ticks(run, pipe.init(0, images), table, 0, len(warm), images, labels)
+  programs, calls = len(run._programs), run.dispatches
+  accelerator._run_ticks(run, state, table, len(warm), len(table), images, labels)
+  # Every timed tick ran inside a full call of 3 periods, none compiled a new program.
+  assert len(run._programs) == programs
+  assert (run.dispatches - calls) * 3 * len(run.period.ticks) == len(first)
+
+
 @pytest.mark.parametrize("flag, says", [("--methods=petra,sgd", "choose from"),
                                         ("--micro-batches=0", "at least 1"),
                                         ("--dtypes=float16", "choose from"),

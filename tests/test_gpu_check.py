@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
   parts = gpu_check.parts(tiny=False, out=str(tmp_path), executor="host")
-  assert [p.name for p in parts] == ["info", "accelerator_float32", "accelerator_bfloat16",
-                                     "train", "language_model"]
+  assert [p.name for p in parts] == ["info", "accelerator_float32", "accelerator_host",
+                                     "accelerator_bfloat16", "train", "language_model"]
   assert sum(p.seconds + gpu_check.GRACE_S for p in parts) <= 8 * 60
   for dtype in ("float32", "bfloat16"):
     argv = next(p.argv for p in parts if p.name == f"accelerator_{dtype}")
@@ -34,7 +34,7 @@ def test_unknown_executor_is_refused(tmp_path):
 
 def test_every_timed_part_runs_under_the_chosen_executor(tmp_path):
   parts = gpu_check.parts(tiny=True, out=str(tmp_path), executor="compiled")
-  timed = [p for p in parts if p.name != "info"]
+  timed = [p for p in parts if p.name not in ("info", "accelerator_host")]
   assert all("--executor=compiled" in p.argv or "--config.executor=compiled" in p.argv
              for p in timed)
 
@@ -73,7 +73,7 @@ def test_tiny_check_runs_on_the_cpu(tmp_path):
   assert {(x["method"], x["micro_batch"], x["dtype"]) for x in rows} == {
       (m, b, "float32") for m in ("petra", "backprop") for b in (2, 4)}
   assert all(0 < x["busy_fraction"] <= 1 and x["device_idle_us_per_tick"] >= 0 for x in rows)
-  assert "petra float32: tick H =" in (out / "summary.txt").read_text()
+  assert "petra float32 host: tick H =" in (out / "summary.txt").read_text()
   with tarfile.open(f"{out}.tar.gz") as tar:
     names = set(tar.getnames())
   assert {"check/info.log", "check/rows.jsonl", "check/summary.txt",

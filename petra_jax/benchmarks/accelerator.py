@@ -83,25 +83,34 @@ def random_batch(shape: Sequence[int], num_classes: int, batch: int, seed: int =
           jax.random.randint(kl, (batch,), 0, num_classes, np.int32))
 
 
-def segments(pipe, ticks: int, warmup: int, repeats: int = 1):
+def segments(pipe, ticks: int, warmup: int, repeats: int = 1, per_call: int = 1):
   """``(untimed ticks, [timed ticks] * repeats, micro-batches completed per timed segment)``.
 
   Consecutive segments of one schedule, so each may follow the one before. Stream: ``2(J-1) +
   warmup`` filling ticks then ``repeats`` segments of ``ticks``; periodic schedules: whole
-  rounds.
+  rounds. ``per_call``: steady-state periods one executor call runs (ticks for a stream,
+  rounds for a periodic schedule); warm-up and each segment are rounded up to whole calls, so
+  the untimed ticks compile every program the timed ones run.
   """
   if pipe.method.delayed:
+    ticks, warmup = _whole(ticks, per_call), _whole(max(warmup, 1), per_call)
     fill = schedule_lib.drain_ticks(pipe.num_stages) + warmup
     table = list(pipe.schedule(fill + repeats * ticks))
     return table[:fill], [table[fill + i * ticks:fill + (i + 1) * ticks]
                           for i in range(repeats)], ticks
   size = pipe.schedule(0).round_size
-  warm_rounds, rounds = math.ceil(warmup / size), math.ceil(ticks / size)
+  warm_rounds = _whole(math.ceil(warmup / size), per_call)
+  rounds = _whole(math.ceil(ticks / size), per_call)
   table = list(pipe.schedule(size * (warm_rounds + repeats * rounds)))
   per_round = len(table) // (warm_rounds + repeats * rounds)
   fill, length = per_round * warm_rounds, per_round * rounds
   return table[:fill], [table[fill + i * length:fill + (i + 1) * length]
                         for i in range(repeats)], size * rounds
+
+
+def _whole(count: int, per_call: int) -> int:
+  """``count`` rounded up to a multiple of ``per_call``."""
+  return per_call * math.ceil(count / per_call)
 
 
 def _all_arrays(state, losses=()):
@@ -137,7 +146,8 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch)
   row["executor"] = executor.name
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
-  warm, (timed, profiled), done = segments(pipe, ticks, warmup, repeats=2)
+  warm, (timed, profiled), done = segments(pipe, ticks, warmup, repeats=2,
+                                           per_call=getattr(executor, "n", 1))
   table, a, b = warm + timed + profiled, len(warm), len(warm) + len(timed)
   state = _run_ticks(executor, pipe.init(seed, images), table, 0, a, images, labels)
   row.update(num_stages=pipe.num_stages, compile_s=time.perf_counter() - start)
@@ -174,18 +184,21 @@ def _late(row: dict, phase: str, start: float, limit: float) -> bool:
 
 
 def fits(rows: Sequence[dict]) -> list[dict]:
-  """Per (method, dtype), the lines ``tick_ms = H + C B`` and ``device_ms = H + C B``.
+  """Per (method, dtype, executor), the lines ``tick_ms = H + C B`` and ``device_ms = H + C B``.
 
-  Each entry: ``{"method", "dtype", "tick": fit, "device": fit}`` with ``fit`` as
-  :func:`device_time.fit_line` (None with fewer than two micro-batches measured).
+  Each entry: ``{"method", "dtype", "executor", "tick": fit, "device": fit}`` with ``fit`` as
+  :func:`device_time.fit_line` (None with fewer than two micro-batches measured); ``executor``
+  is "" for rows that name none.
   """
+  def key(r):
+    return r["method"], r["dtype"], r.get("executor", "")
   out = []
-  for method, dtype in dict.fromkeys((r["method"], r["dtype"]) for r in rows):
-    mine = [r for r in rows if (r["method"], r["dtype"]) == (method, dtype)]
-    entry = {"method": method, "dtype": dtype}
-    for key, field in (("tick", "tick_ms"), ("device", "device_ms")):
+  for method, dtype, executor in dict.fromkeys(key(r) for r in rows):
+    mine = [r for r in rows if key(r) == (method, dtype, executor)]
+    entry = {"method": method, "dtype": dtype, "executor": executor}
+    for name, field in (("tick", "tick_ms"), ("device", "device_ms")):
       got = [r for r in mine if field in r]
-      entry[key] = device_time.fit_line([r["micro_batch"] for r in got], [r[field] for r in got])
+      entry[name] = device_time.fit_line([r["micro_batch"] for r in got], [r[field] for r in got])
     out.append(entry)
   return out
 
@@ -258,7 +271,7 @@ def benchmark(args: argparse.Namespace) -> dict:
   return report
 
 
-_HEADER = (f"{'method':<9}{'B':>5} {'dtype':<9}{'images/s':>10}{'tick ms':>10}{'prof. ms':>10}"
+_HEADER = (f"{'method':<9}{'B':>5} {'dtype':<9}{'executor':<9}{'images/s':>10}{'tick ms':>10}{'prof. ms':>10}"
            f"{'device ms':>11}{'busy':>7}{'idle us':>10}{'compile s':>10}")
 
 
@@ -266,7 +279,8 @@ def _row_line(x: dict) -> str:
   """One table line; fields a row did not reach print as ``-``."""
   def f(key, fmt, width):
     return format(x[key], fmt).rjust(width) if key in x else "-".rjust(width)
-  line = (f"{x['method']:<9}{x['micro_batch']:>5} {x['dtype']:<9}" + f("images_per_s", ".1f", 10)
+  line = (f"{x['method']:<9}{x['micro_batch']:>5} {x['dtype']:<9}{x.get('executor', '-'):<9}"
+          + f("images_per_s", ".1f", 10)
           + f("tick_ms", ".2f", 10) + f("profiled_tick_ms", ".2f", 10)
           + f("device_ms", ".2f", 11) + f("busy_fraction", ".2f", 7)
           + f("device_idle_us_per_tick", ".0f", 10) + f("compile_s", ".1f", 10))
@@ -287,7 +301,7 @@ def _print_report(r: dict) -> None:
     print(_row_line(x))
   print("tick = H + C * B (least squares over the micro-batches):")
   for f in r["fits"]:
-    print(f"  {f['method']:<9}{f['dtype']:<9} tick {_fit_text(f['tick'])}; "
+    print(f"  {f['method']:<9}{f['dtype']:<9}{f['executor']:<9} tick {_fit_text(f['tick'])}; "
           f"device {_fit_text(f['device'])}")
   e = r.get("reconstruction_error")
   if e:

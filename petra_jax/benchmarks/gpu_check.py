@@ -7,12 +7,14 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 ``DIR/<part>.log``; a part that runs out of time is stopped and the others still run:
 
 - ``info`` (15): date, ``nvidia-smi``, JAX's devices and versions, the git commit.
-- ``accelerator_float32`` (175), ``accelerator_bfloat16`` (115): ``petra`` and ``backprop`` ticks
+- ``accelerator_float32`` (160), ``accelerator_bfloat16`` (95): ``petra`` and ``backprop`` ticks
   of RevNet18 width 64 (10 stages, k = 1) at micro-batches 64, 256, 1024
   (:mod:`petra_jax.benchmarks.accelerator`); rows land in ``DIR/rows.jsonl`` as they end.
-- ``train`` (85): the main job (``configs/cifar10.py``, real CIFAR-10) with a progress line
+- ``accelerator_host`` (50): ``petra`` float32 at 64 and 256 under the host executor (the
+  reference loop), beside the rows above.
+- ``train`` (80): the main job (``configs/cifar10.py``, real CIFAR-10) with a progress line
   every 10 s, stopped by its limit: its img/s. Needs ``cifar10`` in the data dir.
-- ``language_model`` (55): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
+- ``language_model`` (50): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
   sequences in 4 micro-batches): its sequences/s and tokens/s. Needs ``tiny_shakespeare``.
 - ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
   (method, dtype) from the rows, the last progress line of each training run.
@@ -56,16 +58,17 @@ class Part:
   until_stopped: bool = False
 
 
-def _accelerator(dtype: str, tiny: bool, seconds: float, out: str, executor: str) -> Part:
+def _accelerator(name: str, dtype: str, tiny: bool, seconds: float, out: str, executor: str,
+                 methods: str = "petra,backprop", micro_batches: str = "64,256,1024") -> Part:
   sizes = (["--width=2", "--num-stages=2", "--micro-batches=2,4", "--ticks=3", "--warmup=1"]
-           if tiny else ["--width=64", "--micro-batches=64,256,1024", "--ticks=30",
+           if tiny else ["--width=64", f"--micro-batches={micro_batches}", "--ticks=30",
                          "--warmup=2"])
   argv = [_PY, "-m", "petra_jax.benchmarks.accelerator", "--model=revnet18", "--dataset=cifar10",
           f"--executor={executor}",
-          f"--dtypes={dtype}", "--methods=petra,backprop", "--accumulation-steps=1",
+          f"--dtypes={dtype}", f"--methods={methods}", "--accumulation-steps=1",
           "--no-reconstruction", f"--row-seconds={seconds:g}",
           f"--rows-file={os.path.join(out, 'rows.jsonl')}", "--json", *sizes]
-  return Part(f"accelerator_{dtype}", tuple(argv), seconds)
+  return Part(name, tuple(argv), seconds)
 
 
 def _train(name: str, config: str, overrides: Sequence[str], seconds: float, out: str,
@@ -97,14 +100,16 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           "--config.model.context=256", "--config.model.stage_sizes=()",
           "--config.model.num_stages=4", "--config.batch_size=64",
           "--config.accumulation_steps=4", "--config.num_epochs=1000"]
-  times = (30, 150, 150, 150, 150) if tiny else (15, 175, 115, 85, 55)
+  times = (30, 150, 150, 150, 150, 150) if tiny else (15, 160, 50, 95, 80, 50)
   every = 1 if tiny else 10
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
-          _accelerator("float32", tiny, times[1], out, executor),
-          _accelerator("bfloat16", tiny, times[2], out, executor),
-          _train("train", "configs/cifar10.py", main_job, times[3], out, data_dir, every,
+          _accelerator("accelerator_float32", "float32", tiny, times[1], out, executor),
+          _accelerator("accelerator_host", "float32", tiny, times[2], out, "host",
+                       methods="petra", micro_batches="64,256"),
+          _accelerator("accelerator_bfloat16", "bfloat16", tiny, times[3], out, executor),
+          _train("train", "configs/cifar10.py", main_job, times[4], out, data_dir, every,
                  executor),
-          _train("language_model", "configs/shakespeare_cpu.py", lm, times[4], out, data_dir,
+          _train("language_model", "configs/shakespeare_cpu.py", lm, times[5], out, data_dir,
                  every, executor)]
 
 
@@ -180,7 +185,8 @@ def summary(out: str, results: Sequence[dict]) -> str:
   for r in rows:
     lines.append(accelerator._row_line(r))
   for fit in accelerator.fits(rows):
-    lines.append(f"{fit['method']} {fit['dtype']}: tick {accelerator._fit_text(fit['tick'])}; "
+    name = " ".join(x for x in (fit["method"], fit["dtype"], fit["executor"]) if x)
+    lines.append(f"{name}: tick {accelerator._fit_text(fit['tick'])}; "
                  f"device {accelerator._fit_text(fit['device'])}")
   lines.append("main job: " + (last_line(os.path.join(out, "train.log"), "img/s")
                                or "no progress line"))
