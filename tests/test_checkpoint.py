@@ -218,3 +218,19 @@ def test_missing_orbax_name_fails_naming_the_tested_version():
   with pytest.raises(ImportError, match=r"orbax\.checkpoint\.type_handlers\.NoSuch.*"
                      r"pip install orbax-checkpoint==0\.12\.8"):
     orbax_local._public("type_handlers.NoSuch")  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_local_write_needs_no_dtype_in_the_spec(tmp_path, dtype):
+  # Some orbax releases build zarr specs without "dtype" in the metadata (seen on a GPU
+  # image: tensorstore then refused the save); the writer passes the array's own dtype.
+  import asyncio
+  import tensorstore as ts
+  from petra_jax.training import orbax_local
+  value = np.arange(6).reshape(2, 3).astype(jax.numpy.dtype(dtype))
+  spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")},
+          "metadata": {"chunks": [2, 3], "shape": [2, 3]}}
+  asyncio.run(orbax_local._write(value, spec, ts.Context()))
+  back = ts.open(ts.Spec(spec), open=True).result().read().result()
+  assert back.dtype == value.dtype
+  np.testing.assert_array_equal(np.asarray(back, np.float64), np.arange(6).reshape(2, 3))

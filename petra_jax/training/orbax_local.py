@@ -83,8 +83,13 @@ class LocalNumpyHandler(_NumpyHandler):
 
 
 async def _write(value: np.ndarray, spec: dict, context) -> None:
-  """Writes ``value`` to the tensorstore of JSON spec ``spec``."""
-  store = await ts.open(ts.Spec(spec), create=True, open=True, context=context)
+  """Writes ``value`` to the tensorstore of JSON spec ``spec``.
+
+  The dtype is passed beside the spec: some orbax releases leave it out of a zarr spec's
+  metadata, which tensorstore then refuses ("dtype" must be specified).
+  """
+  store = await ts.open(ts.Spec(spec), create=True, open=True, context=context,
+                        dtype=value.dtype)
   await store.write(value, can_reference_source_data_indefinitely=True)
 
 
