@@ -104,6 +104,19 @@ def test_union_length_matches_a_grid_count():
   assert device_time.union_length([(0.0, 500.0)], lo, hi) == hi - lo
 
 
+def test_time_by_name_clips_and_sums_per_name():
+  events = [("conv", 0.0, 10.0), ("copy", 5.0, 8.0), ("conv", 95.0, 120.0), ("late", 200.0, 210.0)]
+  # By hand: conv 10 + (100 - 95) = 15 inside [0, 100]; copy 3; "late" lies outside.
+  assert device_time.time_by_name(events, 0.0, 100.0) == {"conv": 15.0, "copy": 3.0}
+  assert list(device_time.time_by_name(events, 0.0, 100.0)) == ["conv", "copy"]
+
+
+def test_kernel_families_drop_instance_numbers():
+  got = accelerator.kernel_families({"fusion.12": 5.0, "fusion.3": 2.0, "loop_add_fusion_3": 4.0,
+                                     "copy": 1.0})
+  assert got == [("fusion", 7.0), ("loop_add_fusion", 4.0), ("copy", 1.0)]
+
+
 def test_fit_line_recovers_a_line():
   bs = [64, 256, 1024]
   fit = device_time.fit_line(bs, [2.5 + 0.02 * b for b in bs])

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import platform
+import re
 import sys
 import time
 from typing import Optional, Sequence
@@ -58,6 +59,7 @@ import numpy as np
 
 METHODS = ("backprop", "petra", "1f1b")
 MATMUL_PRECISIONS = ("default", "highest")
+TOP_KERNELS = 12  # a row's longest device kernels, in microseconds per tick
 _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 
@@ -169,8 +171,20 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   row.update(profiled_tick_ms=profiled_ms, device_ms=busy_ms,
              busy_fraction=window.busy_fraction,
              device_idle_us_per_tick=1e3 * (profiled_ms - busy_ms),
-             device_events=window.num_events, seconds=time.perf_counter() - start)
+             device_events=window.num_events, seconds=time.perf_counter() - start,
+             top_kernels=[[name, round(1e-3 * ns / done, 1)]
+                          for name, ns in kernel_families(window.kernels)[:TOP_KERNELS]])
   return row
+
+
+def kernel_families(kernels: dict) -> list:
+  """``[(family, ns)]`` largest first: device time per kernel name with its instance number
+  (``fusion.12``, ``loop_add_fusion_3``) dropped."""
+  total: dict = {}
+  for name, ns in kernels.items():
+    family = re.sub(r"[._]\d+$", "", name)
+    total[family] = total.get(family, 0.0) + ns
+  return sorted(total.items(), key=lambda kv: -kv[1])
 
 
 def _late(row: dict, phase: str, start: float, limit: float) -> bool:

@@ -34,13 +34,15 @@ class Window:
   """Filled by :func:`profile_window` once the ``with`` block ends.
 
   ``wall_ns``: length of the marked window (ns, profiler clock); ``busy_ns``: the device's busy
-  time inside it (ns), ``0 <= busy_ns <= wall_ns``; ``num_events``: device events seen.
+  time inside it (ns), ``0 <= busy_ns <= wall_ns``; ``num_events``: device events seen;
+  ``kernels``: device time (ns, clipped to the window, overlaps counted per event) by event name.
   """
 
   def __init__(self):
     self.wall_ns = 0.0
     self.busy_ns = 0.0
     self.num_events = 0
+    self.kernels: dict = {}
 
   @property
   def busy_fraction(self) -> float:
@@ -73,10 +75,12 @@ def profile_window(name: str = "petra_jax_timed_window",
       jax.profiler.stop_trace()
     data = jax.profiler.ProfileData.from_file(_xplane_file(log_dir))
     start, end = _window_bounds(data, name)
-    intervals = list(device_intervals(data, platform or jax.default_backend()))
+    named = list(device_events(data, platform or jax.default_backend()))
+    intervals = [(lo, hi) for _, lo, hi in named]
     window.wall_ns = end - start
     window.busy_ns = union_length(intervals, start, end)
     window.num_events = len(intervals)
+    window.kernels = time_by_name(named, start, end)
 
 
 def _xplane_file(log_dir: str) -> str:
@@ -99,6 +103,22 @@ def _window_bounds(data, name: str) -> tuple[float, float]:
 def device_intervals(data, platform: str) -> Iterable[tuple[float, float]]:
   """``(start_ns, end_ns)`` of every device event of a ``jax.profiler.ProfileData`` whose
   device is a ``platform`` one (``"cpu"``, ``"gpu"``, ``"tpu"``; module docstring)."""
+  return ((lo, hi) for _, lo, hi in device_events(data, platform))
+
+
+def time_by_name(events: Iterable[tuple[str, float, float]], lo: float, hi: float) -> dict:
+  """``{name: ns}``: each event's length clipped to ``[lo, hi]``, summed per name, largest
+  first."""
+  total: dict = {}
+  for name, start, end in events:
+    length = min(end, hi) - max(start, lo)
+    if length > 0:
+      total[name] = total.get(name, 0.0) + length
+  return dict(sorted(total.items(), key=lambda kv: -kv[1]))
+
+
+def device_events(data, platform: str) -> Iterable[tuple[str, float, float]]:
+  """``(name, start_ns, end_ns)`` of every device event (as :func:`device_intervals`)."""
   for plane in data.planes:
     on_device = plane.name.startswith("/device:")
     if on_device == (platform == "cpu"):
@@ -108,7 +128,7 @@ def device_intervals(data, platform: str) -> Iterable[tuple[float, float]]:
         continue
       for e in line.events:
         if on_device or _is_xla_op(e):
-          yield float(e.start_ns), float(e.end_ns)
+          yield e.name, float(e.start_ns), float(e.end_ns)
 
 
 def _is_xla_op(event) -> bool:
