@@ -1,6 +1,8 @@
 """The compiled executor against the host executor (the reference): same losses, same
 weights, a fraction of the dispatches, no implicit transfer, no wait inside a call."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import optax
 import pytest
 
 from petra_jax.engine import compiled, methods
+from petra_jax.engine.transport import rings
 from petra_jax.engine.arrays import quantize
 from petra_jax.engine.observers import GradientProbe
 from petra_jax.engine.pipeline import Pipeline
@@ -170,3 +173,38 @@ def test_auto_is_compiled_on_an_accelerator_and_host_on_the_cpu():
   else:
     assert isinstance(ex, compiled.CompiledExecutor)
   assert isinstance(compiled.executor(pipe, "compiled"), compiled.CompiledExecutor)
+
+
+def _ring_leaf_shapes(ex, carry) -> set:
+  _, boxes = carry
+  held = jax.eval_shape(lambda b: rings.views(
+      b, lambda box, key: rings.to_ring(box, ex.period.shift)), boxes)
+  found = []
+  rings.views(held, lambda r, key: found.append(r) if isinstance(r, rings.Ring) else None)
+  return {tuple(x.shape) for r in found for x in jax.tree.leaves(r.data)}
+
+
+def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole():
+  """PETRA keeps each non-reversible stage's input for tau_j ticks: those messages stay in one
+  ring per box (slot m mod R), which the compiled loop updates in place: no `copy` in the
+  optimized program has a ring's shape (re-keyed slots were copied every tick before)."""
+  n = 4
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, n)
+  t = 0
+  while ex.dispatches < 1:
+    state, _, ran = ex.advance(state, table, t, batches)
+    t += ran
+  periods, s = ex.steady_periods(table, t, len(table))
+  assert periods == n
+  carry = compiled.to_carry(state, s)
+  shapes = _ring_leaf_shapes(ex, carry)
+  assert shapes  # stage 0 keeps its images, and stages keep their inputs, over several ticks
+  inputs = tuple(tuple(batches(m + s + i)[:2] for m in ex.period.fed) for i in range(n))
+  fn, _ = ex._program(carry, inputs, n)
+  text = fn.lower(*compiled._split(carry), inputs).compile().as_text()
+  copied = {tuple(int(d) for d in dims.split(",") if d)
+            for dims in re.findall(r"= \w+\[([\d,]*)\]\S*\s+copy\(", text)}
+  assert not copied & shapes, copied & shapes

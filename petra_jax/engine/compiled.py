@@ -38,9 +38,10 @@ import jax.numpy as jnp
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
-from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, message_fields
+from petra_jax.engine.transport import rings
+from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError
 
-_BOXES = tuple((f.name, f.metadata["messages"] == "per_stage") for f in message_fields())
+_BOXES = rings.BOXES
 EXECUTORS = ("auto", "compiled", "host")
 
 
@@ -100,23 +101,20 @@ def _shifted(tick, s: int) -> tuple:
   return tuple((j, kind, m + s) for j, kind, m in tick)
 
 
-def _rekey(box: dict, s: int) -> dict:
-  return {m + s: v for m, v in box.items()}
-
-
 def to_carry(state: PipelineState, s: int) -> tuple:
   """``(stage_states, boxes)`` with every box keyed by ``m - s`` (a pytree)."""
   boxes = {}
   for name, per_stage in _BOXES:
     box = getattr(state, name)
-    boxes[name] = [_rekey(b, -s) for b in box] if per_stage else _rekey(box, -s)
+    boxes[name] = [rings.rekey(b, -s) for b in box] if per_stage else rings.rekey(box, -s)
   return list(state.stage_states), boxes
 
 
 def from_carry(carry: tuple, s: int, tick: int) -> PipelineState:
   """The :class:`PipelineState` at ``tick`` of ``carry`` keyed by ``m - s``."""
   stage_states, boxes = carry
-  fields = {name: [_rekey(b, s) for b in boxes[name]] if per_stage else _rekey(boxes[name], s)
+  fields = {name: [rings.rekey(b, s) for b in boxes[name]] if per_stage
+            else rings.rekey(boxes[name], s)
             for name, per_stage in _BOXES}
   return PipelineState(stage_states=list(stage_states), tick=tick, **fields)
 
@@ -208,13 +206,16 @@ class CompiledExecutor:
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(carry))):
       return None
     mbs = tuple(out_mbs)
+    reads = rings.read_sets(self.period, self.pipe, self._plan, carry, inputs[0])
+    ring_body = rings.ring_body(self.period, self.pipe, self._plan, reads)
 
     def run(donated, kept, inputs_per_period):
       carry = _join(donated, kept)
       if periods == 1:
         return body(carry, inputs_per_period[0])
       xs = jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period)
-      carry, losses = jax.lax.scan(body, carry, xs)
+      carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods,
+                                            self.period.shift)
       return carry, tuple(loss[i] for i in range(periods) for loss in losses)
     return jax.jit(run, donate_argnums=0), mbs
 
