@@ -222,9 +222,14 @@ class Pipeline:
     """
     if batches is not None:
       batches = input_checks.checked(batches, self.input_spec)
+    # New containers around the same arrays: the tasks pop and insert messages in place, and the
+    # caller's state must stay as it was (its arrays are donated, its dicts are not).
     state = state.successor()
     outputs = self.run_tasks(state, tick, batches)
     if self.regime.defer:
+      # Messages sent this tick were Deferred receipts: they move together at the tick's end
+      # (local ones in one device_put, then the transfers between processes), so a message is
+      # consumed on the next tick, never on the one that sent it.
       self.messages.flush()
       resolve(state.inbox)
       resolve(state.grad_inbox)
@@ -248,6 +253,8 @@ class Pipeline:
     while i < n:
       task = tick[i]
       if pairs is not None and task.kind == TaskKind.FORWARD and i + 1 < n:
+        # One call for a stage's forward and backward of the same tick: half the dispatches,
+        # and XLA may overlap them (they touch different micro-batches).
         after = tick[i + 1]
         if after.stage == task.stage and after.kind == TaskKind.BACKWARD:
           pairs[task.stage](state, task.micro_batch, after.micro_batch, batches)

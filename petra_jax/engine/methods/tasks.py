@@ -48,11 +48,16 @@ def forward_task(ctx: StageContext) -> Callable:
     x, y, kept = begin(state, m, batches), None, None
     if owned:
       st = get(state)
+      # Weight prediction (a compensation) runs the forward on weights extrapolated to when
+      # this micro-batch's gradient will arrive; None means the current weights.
       params = steps.predicted_params(st)
       y, stats = steps.forward(st, x, params)
       if stashes:
+        # Stashing methods (delayed, approximate_input) take the backward on the forward's
+        # weights; a copy, because the next step donates (frees) the stage's state.
         kept = steps.current_params(st) if params is None else copy_tree(params)
       if steps.stats_in_forward:
+        # BatchNorm running statistics move with every forward, not with the update.
         state.stage_states[ctx.j] = steps.with_stats(st, stats)
     end(state, m, x, y, kept)
     return NOTHING
@@ -73,7 +78,11 @@ def forward_halves(ctx: StageContext) -> tuple:
     if kept is not None:
       state.weight_stash[j][m] = kept
     if keeps_input:
+      # Only a stage that cannot invert itself keeps x_j (PETRA: the stem and downsampling
+      # stages): it waits tau_j = 2(J-1-j) ticks for its cotangent. A reversible stage keeps
+      # nothing and rebuilds x_j from y_j in its backward (Eq. 5).
       state.buffers[j][m] = encode(x, m)
+    # y waits in stage j+1's inbox until j+1's forward on the next tick.
     state.inbox[j + 1][m] = send(y, m)
   return begin, end
 
@@ -103,9 +112,12 @@ def backward_halves(ctx: StageContext) -> tuple:
   def end(state: PipelineState, m: int, x, out):
     x_tilde = None
     if owned:
-      state.stage_states[j] = out[0]
+      state.stage_states[j] = out[0]  # the update (or the accumulated gradient) is applied
+      # A reconstructing backward rebuilt x~_j from y_j with the *current* weights; sending it
+      # down lets stage j-1 rebuild its own input in turn, so no activation is stored.
       x_tilde = x = out[1] if reconstructs else x
     if send is not None:
+      # (x~_j or None, delta_j) waits in j-1's grad_inbox for j-1's backward on the next tick.
       state.grad_inbox[j - 1][m] = send(x, out[-1], m)
     return x_tilde
   return begin, end
@@ -137,7 +149,7 @@ def _backward_inputs(ctx: StageContext, state: PipelineState, m: int, read: Call
   message = read(state.grad_inbox[j], m, "cotangent", j)
   if not ctx.owned:
     return None, None
-  y, dy = message
+  y, dy = message  # y: this stage's output as j+1 rebuilt it; dy: the cotangent delta_{j+1}
   x = read(state.buffers[j], m, "buffered input", j) if ctx.keeps.input else None
   stashed = read(state.weight_stash[j], m, "stashed weights", j) if ctx.keeps.weights else None
   return x, steps.backward_args(x=x, y=y, dy=dy, stashed=stashed)
@@ -163,6 +175,7 @@ def loss_task(ctx: StageContext) -> Callable:
   loss_home = ctx.loss_home
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
+    # Forward, loss and backward in one tick: the last stage's gradient is never late (tau = 0).
     (x, args), loss, dx = _backward_inputs(ctx, state, m, take), None, None
     if owned:
       state.stage_states[j], dx, loss = steps.backward(get(state), *args)
