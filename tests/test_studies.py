@@ -436,3 +436,18 @@ def test_depth_finished_only_reads_back_and_trains_nothing_else(monkeypatch, tmp
   assert studies.main(["depth", "--rows=revprop_adamw", "--epochs=2", "--finished-only",
                        f"--workdir={work}", f"--out={tmp_path / 'x'}"]) == 1
   assert len(fake.configs) == 2
+
+
+def test_references_get_at_least_as_many_probes_as_petra():
+  # Issue 48: the references of each depth together get at least as many variants on the
+  # tuning seed as PETRA's most-probed row set (8 stages, k = 4: one row per optimizer).
+  from petra_jax.studies import depth
+  petra_probes = sum(1 for r in depth.ROWS if r.startswith("petra_J8_k4_"))
+  for deep in (False, True):
+    probes = [r for r in depth.PROBED_REFERENCES if ("depth8" in r) == deep]
+    assert len(probes) >= petra_probes, (deep, len(probes), petra_probes)
+  row = depth.ROWS["revprop_muon_depth8_lr0.04"]
+  assert row["optim.muon_learning_rate"] == 0.04 and row["model.depth"] == 8
+  assert depth.describe("revprop_adamw_b2_0.99")["reference"]
+  assert depth.ROWS["revprop_adamw_b2_0.99"]["optim.adam_b2"] == 0.99
+  assert depth.ROWS["revprop_adamw_b2_0.99"]["optim.learning_rate"] == depth.REFERENCE_ADAMW_LR

@@ -104,6 +104,28 @@ for _lr, _suffix in ((1e-3, ""), (3e-3, "_lr3e-3")):
 REFERENCES["vit_tiny_adamw"] = _reference("vit_tiny", 4, {
     "optim.name": "adam", "optim.learning_rate": REFERENCE_ADAMW_LR, "compensation.name": "none"})
 
+# The references' own knobs, probed on the tuning seed (100) as hard as PETRA's rows were
+# (issue 48: PETRA in 8 stages at k = 4 got 18 optimizer variants): each reference's rate,
+# momentum or beta1 (and AdamW's beta2), warm-up and weight decay, one knob at a time around
+# the reference. A row is ``<reference>_<probe>``.
+_SHARED_PROBES = {"warmup0": {"optim.warmup_epochs": 0.0}, "warmup1": {"optim.warmup_epochs": 1.0},
+                  "wd0.01": {"optim.weight_decay": 0.01}, "wd0.1": {"optim.weight_decay": 0.1}}
+REFERENCE_PROBES = {
+    "muon": {**{f"lr{x:g}": {"optim.muon_learning_rate": x} for x in (0.01, 0.03, 0.04, 0.06)},
+             **{f"b{x:g}": {"optim.muon_momentum": x} for x in (0.8, 0.9, 0.98)},
+             "lr0.04_b0.9": {"optim.muon_learning_rate": 0.04, "optim.muon_momentum": 0.9},
+             "adam_lr1e-3": {"optim.learning_rate": 1e-3}, **_SHARED_PROBES},
+    "adamw": {**{f"lr{x:g}": {"optim.learning_rate": x} for x in (1e-3, 2e-3, 6e-3, 8e-3)},
+              **{f"b{x:g}": {"optim.adam_b1": x} for x in (0.8, 0.95)},
+              "b2_0.99": {"optim.adam_b2": 0.99}, "b2_0.98": {"optim.adam_b2": 0.98},
+              "eps1e-6": {"optim.adam_eps": 1e-6}, **_SHARED_PROBES},
+}
+PROBED_REFERENCES = {}  # the rows of REFERENCE_PROBES: references too, run on seed 100 only
+for _name in REFERENCES:
+  _optimizer = _name.split("_")[1] if _name.startswith("revprop_") else ""
+  for _probe, _fields in REFERENCE_PROBES.get(_optimizer, {}).items():
+    PROBED_REFERENCES[f"{_name}_{_probe}"] = dict(REFERENCES[_name], **_fields)
+
 
 def pipeline_row(method: str, J: int, k: int, optimizer: str) -> dict:
   """The recipe's fields of ``<method>_J<J>_k<k>_<optimizer>``."""
@@ -111,7 +133,7 @@ def pipeline_row(method: str, J: int, k: int, optimizer: str) -> dict:
           "accumulation_steps": k, **OPTIMIZERS[optimizer]}
 
 
-ROWS = dict(REFERENCES)
+ROWS = {**REFERENCES, **PROBED_REFERENCES}
 for _J in SPLITS:
   for _k in KS:
     for _method in ("petra", "delayed"):
@@ -122,7 +144,7 @@ for _J in SPLITS:
 def describe(row: str) -> dict:
   """``{"J", "k", "method", "optimizer", "depth", "reference"}`` of a row of :data:`ROWS`."""
   fields = ROWS[row]
-  if row in REFERENCES:
+  if row in REFERENCES or row in PROBED_REFERENCES:
     return {"J": 1, "k": fields.get("accumulation_steps", 0), "method": fields["method"],
             "optimizer": row.split("_")[1], "depth": fields["model.depth"], "reference": True}
   method, j, k, optimizer = row.split("_", 3)
@@ -139,7 +161,7 @@ def row_config(args, row: str, seed: int):
   """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
   if row not in ROWS:
     raise ValueError(f"unknown depth-study row {row!r}; rows are REFERENCES "
-                     f"{list(REFERENCES)} or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
+                     f"{list(REFERENCES)}, <reference>_<probe of REFERENCE_PROBES> or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
                      f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}> (--rows=a,b).")
   return common.row_config(args, ROWS[row], seed)
 
