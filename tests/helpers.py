@@ -263,11 +263,11 @@ def restored_test_metrics(config, workdir, blocks):
   stage) in float32 and :func:`loss_and_accuracy`."""
   from petra_jax import data  # noqa: PLC0415
   from petra_jax.training import assembly  # noqa: PLC0415
-  run = assembly.setup(config, str(workdir))
+  run, progress = assembly.setup(config, str(workdir))
   run.checkpointer.close()
   test = data.load_split(config.dataset, run.info.test_split, config.data_dir,
                          limit=config.eval_examples or None)
-  states = run.state.train_states
+  states = progress.state.train_states
   assert len(states) == len(blocks)
   forward = jax.jit(lambda params, stats, x: composed_logits(blocks, params, stats, x))
   params, stats = [s.params for s in states], [s.batch_stats for s in states]

@@ -187,11 +187,12 @@ def test_drained_checkpoint_resumes_with_four_stages(cifar10_dir, tmp_path):
   assert sorted(saved) == [f"{b:03d}" for b in range(10)]
 
   c4 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 4, "checkpoint_drain": False}))
-  run = assembly.setup(c4, wd)
+  run, progress = assembly.setup(c4, wd)
   assert run.restored_step == 2 and run.pipe.num_stages == 4
   assert schedule_lib.fed(run.schedule[0]) == 4  # the stream restarts at update 2
   b = 0
-  for st in run.state.train_states:
+  assert progress.step == 2 and progress.state.tick == 0
+  for st in progress.state.train_states:
     n = checkpoint_blocks.stage_block_count(st)
     for i in range(n):
       got_p = st.params[f"block_{i}"] if n > 1 else st.params

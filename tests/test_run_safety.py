@@ -3,6 +3,7 @@ without duplicate metrics, a finished run left alone, config.json, and one
 line for each failure."""
 
 import errno
+import dataclasses
 import io
 import json
 import os
@@ -23,6 +24,7 @@ from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.engine.stages import objective
 from petra_jax.engine import pipeline
+from petra_jax.training import assembly
 from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
 from petra_jax.training import run_record, workdir as workdir_lib
 from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process
@@ -202,6 +204,23 @@ def test_preempted_line_is_not_glued_to_the_progress_bar(monkeypatch):
   before = err.getvalue().split("preempted by SIGTERM at step 3")[0]
   assert "3/10" in before and before[-1] in "\r\n", repr(before[-80:])
   bar.close()
+
+
+def test_the_set_up_is_frozen_and_the_progress_holds_what_changes():
+  # Issue 49, item 5: the loop and its hooks change only the run's Progress.
+  required = [f.name for f in dataclasses.fields(assembly.Setup)
+              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  run = assembly.Setup(**dict.fromkeys(required))
+  for name in ("total_steps", "schedule", "pipe", "checkpointer", "restored_step", "start"):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(run, name, 3)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    del run.config
+  assert run.drain_points == {} and not hasattr(run.drain_points, "__setitem__")
+  progress = assembly.Progress(state="state")
+  assert [f.name for f in dataclasses.fields(progress)] == ["state", "step", "last_save", "result"]
+  assert (progress.step, progress.result) == (0, {})
+  assert not {f.name for f in dataclasses.fields(run)} & {"state", "step", "last_save", "result"}
 
 
 def test_summary_names_the_automatic_learning_rate(capsys):

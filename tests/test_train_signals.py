@@ -191,13 +191,11 @@ def test_processes_agree_to_stop_only_every_n_updates(monkeypatch):
   stop.request()
   stopped = []
   for step in range(1, 13):
-    run.step = step
-    if loop._stop_requested(run, stop):  # pylint: disable=protected-access
+    if loop._stop_requested(run, step, stop):  # pylint: disable=protected-access
       stopped.append(step)
   assert stopped == [4, 8, 12] and len(calls) == 3
   run.pipe.multiprocess = False
-  run.step = 5
-  assert loop._stop_requested(run, stop) and len(calls) == 3  # pylint: disable=protected-access
+  assert loop._stop_requested(run, 5, stop) and len(calls) == 3  # pylint: disable=protected-access
 
 
 def test_loss_relay_delivers_each_loss_once_per_flush_in_order():

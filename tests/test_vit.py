@@ -192,7 +192,7 @@ def test_train_checkpoint_and_reshard_on_real_cifar10(cifar10_dir, tmp_path):
   assert any("reconstruction" in str(r) for r in records)
   c2 = tiny_config(cifar10_dir, **dict(base, **{"model.num_stages": 2, "num_epochs": 2,
                                                  "model.reversible_backward": "pareprop"}))
-  run = assembly.setup(c2, wd)
+  run, _ = assembly.setup(c2, wd)
   assert run.restored_step == 4 and run.pipe.num_stages == 2
   run.checkpointer.close()
   train.train_and_evaluate(c2, wd)

@@ -1,7 +1,8 @@
 """A training run put together: data, stages, pipeline, schedule, checkpoint.
 
-:func:`setup` turns a config and a workdir into a :class:`Run`, the state
-that the loop (:mod:`petra_jax.training.loop`) and its hooks share.
+:func:`setup` turns a config and a workdir into a :class:`Setup`, what the
+loop (:mod:`petra_jax.training.loop`) and its hooks read and never change, and
+the run's :class:`Progress` (its state, step, last checkpoint, last evaluation).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional
+import types
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from absl import logging
 import jax
@@ -42,12 +44,34 @@ from petra_jax.training import validation
 from petra_jax.training.loss_log import LossLog, LossRelay
 
 
-@dataclasses.dataclass
-class Run:
-  """A training run between updates: what the loop and its hooks share.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setup:
+  """A training run as set up: what stays the same from its first update to its last.
 
-  Built by :func:`setup`; ``step`` counts the updates whose micro-batches
-  have all entered the pipeline (their gradients may still be in flight).
+  Built by :func:`setup` (with the run's :class:`Progress`); the loop
+  (:mod:`petra_jax.training.loop`) and its hooks read it and never reassign a
+  field. Some fields are stateful objects (the writer, the loss log and its
+  relay, the checkpointer, the executor, the batch source, the probes): the
+  same object for the whole run.
+
+  Attributes:
+    config, workdir: the validated config and the run's directory.
+    info, train, test: the data set's ``DatasetInfo`` and its opened splits.
+    pipe: the :class:`Pipeline` of the stages.
+    schedule: the tick table from the restored update (or 0) to ``total_steps``.
+    batches: ``m -> micro-batch m`` (:func:`batch_source.batch_source`).
+    writer, loss_log, relay: the metrics writer, the ``train_loss`` log and the
+      losses' way to it (multi-process: to process 0).
+    checkpointer: this process's :class:`checkpoint.Checkpointer`.
+    executor: runs the ticks (:mod:`petra_jax.engine.compiled`).
+    steps_per_epoch, total_steps: updates per epoch and in the whole run.
+    restored_step: the update of the checkpoint the run resumed from (None: a new run).
+    start: the wall-clock origin of the metrics' ``wall_time`` (a resumed run's
+      goes on from its checkpoint's).
+    drain_points: ``{tick: update}`` after which the pipeline is drained and
+      checkpointed (``checkpoint_drain``; else empty).
+    reconstruction, grad_quality: the observers of ``reconstruction_error_every``
+      and ``grad_quality_every`` (None when off).
   """
   config: ml_collections.ConfigDict
   workdir: str
@@ -55,28 +79,53 @@ class Run:
   train: Any
   test: Any
   pipe: Pipeline
-  state: Any
   schedule: schedule_lib.Chained
   batches: Callable
   writer: Any
   loss_log: LossLog
+  relay: LossRelay
   checkpointer: checkpoint_lib.Checkpointer
+  executor: Any
   steps_per_epoch: int
   total_steps: int
-  step: int = 0
   restored_step: Optional[int] = None
+  start: float = 0.0
+  drain_points: Mapping[int, int] = dataclasses.field(
+      default_factory=lambda: types.MappingProxyType({}))
   reconstruction: Optional[observers.ReconstructionProbe] = None
   grad_quality: Optional[observers.GradientProbe] = None
-  start: float = dataclasses.field(default_factory=time.time)
-  result: dict = dataclasses.field(default_factory=dict)
-  drain_points: dict = dataclasses.field(default_factory=dict)
-  relay: Optional[LossRelay] = None  # the losses on their way to loss_log
+
+
+@dataclasses.dataclass
+class Progress:
+  """How far a run has come: what changes between updates.
+
+  Only the loop (:func:`petra_jax.training.loop.train_and_evaluate`) assigns
+  its fields; the hooks read it and return the new values.
+
+  Attributes:
+    state: the pipeline's state (its TrainStates, in-flight buffers, tick).
+    step: the updates whose micro-batches have all entered the pipeline
+      (their gradients may still be in flight).
+    last_save: ``time.time()`` of the last checkpoint (or of the set-up).
+    result: the last evaluation's metrics plus ``wall_time`` (empty before one).
+  """
+  state: Any
+  step: int = 0
   last_save: float = dataclasses.field(default_factory=time.time)
-  executor: Any = None  # runs the ticks (:mod:`petra_jax.engine.compiled`)
+  result: dict = dataclasses.field(default_factory=dict)
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
+def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, Progress]:
   """Validates the config, opens the data, builds the pipeline, restores.
+
+  Args:
+    config: the run's config (:mod:`petra_jax.config`).
+    workdir: the run's directory; its newest checkpoint, if any, is restored.
+
+  Returns:
+    ``(setup, progress)``: the run's :class:`Setup` and its :class:`Progress` at
+    the restored update (a new run: update 0, the initial state).
 
   Raises:
     ConfigError, data.DataError, checkpoint.CheckpointError.
@@ -99,30 +148,46 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Run:
   logging.info("%s %s: %d stages on %s", config.method, config.model.name, pipe.num_stages,
                [d.id for d in pipe.devices])
   ckpt = checkpointer(config, workdir, pipe, sizes)
-  restored = ckpt.restore(state, [p.state_sharding for p in pipe.placements])
-  step, extra, extra_arrays, start_step = 0, {}, {}, 0
-  if restored is not None:
-    step, state, extra, extra_arrays = restored
-    start -= extra.get("wall_time", 0.0)  # metrics' wall_time goes on from the checkpoint's
-    if not state.in_flight():  # drained: the stream restarts at this step
-      start_step, state.tick = step, 0
+  restored = _restore(ckpt, pipe, state)
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
-                                    truncate_to=extra.get("metrics_offset"))
+                                    truncate_to=restored.extra.get("metrics_offset"))
   loss_log = LossLog(writer, k, config.log_every, steps_per_epoch, lr)
-  if restored is not None and jax.process_index() == 0:  # (the losses live on process 0)
-    loss_log.restore(extra["loss_log"], extra_arrays)
-  schedule, drain_points = _schedule(config, pipe, start_step, total_steps)
+  if restored.step is not None and jax.process_index() == 0:  # (the losses live on process 0)
+    loss_log.restore(restored.extra["loss_log"], restored.extra_arrays)
+  schedule, drain_points = _schedule(config, pipe, restored.start_step, total_steps)
   try:
     executor = compiled.executor(pipe, config.executor, config.periods_per_dispatch)
   except compiled.Unsupported as e:
     raise validation.ConfigError(str(e)) from None
-  return Run(config, workdir, info, train, test, pipe, state, schedule,
-             batch_source.batch_source(config, info, train, pipe, steps_per_epoch), writer, loss_log, ckpt,
-             steps_per_epoch, total_steps, step=step,
-             restored_step=None if restored is None else step,
-             reconstruction=probes.get("reconstruction"),
-             grad_quality=probes.get("grad_quality"), start=start, drain_points=drain_points,
-             relay=_loss_relay(pipe, loss_log), executor=executor)
+  run = Setup(config, workdir, info, train, test, pipe, schedule,
+              batch_source.batch_source(config, info, train, pipe, steps_per_epoch), writer,
+              loss_log, _loss_relay(pipe, loss_log), ckpt, executor, steps_per_epoch,
+              total_steps, restored_step=restored.step,
+              start=start - restored.extra.get("wall_time", 0.0),  # wall_time goes on
+              drain_points=types.MappingProxyType(drain_points),
+              reconstruction=probes.get("reconstruction"), grad_quality=probes.get("grad_quality"))
+  return run, Progress(restored.state, step=restored.step or 0)
+
+
+class _Restored(NamedTuple):
+  """What :func:`setup` takes from the newest checkpoint (a new run: ``step`` None)."""
+  step: Optional[int]
+  state: Any
+  extra: dict
+  extra_arrays: dict
+  start_step: int  # the schedule's first update: 0, or a drained checkpoint's step
+
+
+def _restore(ckpt: checkpoint_lib.Checkpointer, pipe: Pipeline, state) -> _Restored:
+  """The newest checkpoint's state, or ``state`` itself with nothing restored."""
+  restored = ckpt.restore(state, [p.state_sharding for p in pipe.placements])
+  if restored is None:
+    return _Restored(None, state, {}, {}, 0)
+  step, state, extra, extra_arrays = restored
+  start_step = 0
+  if not state.in_flight():  # drained: the stream restarts at this step
+    start_step, state.tick = step, 0
+  return _Restored(step, state, extra, extra_arrays, start_step)
 
 
 def _loss_relay(pipe: Pipeline, loss_log: LossLog) -> LossRelay:

@@ -127,7 +127,11 @@ def backend_error() -> Optional[str]:
 
 
 def setup_summary(run) -> None:
-  """The run in two lines: what trains where on what, and how long."""
+  """The run in a few lines: what trains where on what, how long, how it checkpoints.
+
+  Args:
+    run: the run's :class:`~petra_jax.training.assembly.Setup`.
+  """
   c, pipe = run.config, run.pipe
   sizes = [len(s.blocks) or 1 for s in pipe.stages]
   examples = pipe.objective.examples
@@ -138,7 +142,7 @@ def setup_summary(run) -> None:
   say(f"data: {c.dataset} read from {os.path.abspath(data_lib.resolve_data_dir(c.data_dir))}")
   resumed = ""
   if run.restored_step is not None:
-    resumed = (f", resumed at update {run.step} (resumed from "
+    resumed = (f", resumed at update {run.restored_step} (resumed from "
                f"{run.checkpointer.directory}/{run.restored_step})")
   say(f"{run.total_steps} updates of {c.batch_size} {examples} ({c.accumulation_steps} "
       f"micro-batches each), {run.steps_per_epoch} per epoch{resumed}")

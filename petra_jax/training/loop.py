@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import ml_collections
@@ -19,7 +19,7 @@ from petra_jax.training import distributed
 from petra_jax.training import preemption
 from petra_jax.training import run_record
 from petra_jax.training import validation
-from petra_jax.training.assembly import Run, setup
+from petra_jax.training.assembly import Progress, Setup, setup
 from petra_jax.training.evaluate import evaluate
 from petra_jax.training.loss_log import Diverged
 
@@ -34,7 +34,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   record), ``metrics.jsonl`` and TensorBoard events. A run whose last
   checkpoint ends it prints one line and returns its last evaluation;
   ``restart`` deletes the workdir's run first (after validating the config).
-  ``on_accepted()`` is called once the set-up has succeeded.
+
+  Args:
+    config: the run's config (:mod:`petra_jax.config`).
+    workdir: the run's directory (resumed from its newest checkpoint, if any).
+    restart: start over: delete the workdir's run first.
+    on_accepted: called once the set-up has succeeded.
 
   Returns:
     The last evaluation's metrics plus ``wall_time`` (seconds since start).
@@ -47,27 +52,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if _begin(config, workdir, restart):
     return run_record.last_result(workdir)
   with preemption.StopOnSignal(announce=False) as stop:
-    run = _setup(config, workdir, stop)
+    # Set up: data, pipeline, schedule, checkpointer; the newest checkpoint restored.
+    run, progress = _set_up(config, workdir, stop)
     _record(run)
     if on_accepted is not None:
       on_accepted()
     if run.restored_step == run.total_steps:  # (a run-length field changed, not its end)
       _say_finished(workdir, run.total_steps)
-      run.checkpointer.close()
-      run.writer.close()
+      _close(run)
       return run_record.last_result(workdir)
     run.writer.write_text("config", "```\n" + config.to_json(indent=2, sort_keys=True) + "\n```")
     console.setup_summary(run)
-    _run_ticks(run, stop)
+    # Train: every update, logged, evaluated and checkpointed as the config says.
+    progress = _train(run, progress, stop)
+    # Finish: the last losses, evaluation and checkpoint.
     with _discard_diverged(run):
-      return finish(run)
+      return finish(run, progress)
 
 
-def _setup(config, workdir: str, stop: preemption.StopOnSignal) -> Run:
+def _set_up(config, workdir: str, stop: preemption.StopOnSignal) -> tuple[Setup, Progress]:
   """:func:`setup`; a signal during it exits (75) with one line, nothing trained."""
   stop.raising = True
   try:
-    run = setup(config, workdir)
+    run, progress = setup(config, workdir)
   except preemption.Interrupted as e:
     message = (f"preempted by {e.signal_name} during start-up, before any training; "
                "re-run the same command to start again.")
@@ -76,60 +83,106 @@ def _setup(config, workdir: str, stop: preemption.StopOnSignal) -> Run:
                            preemption.PREEMPTED_EXIT_CODE)
     preemption.exit_preempted(message)
   stop.raising = False
-  return run
+  return run, progress
 
 
-def _tokens_per_example(run: Run) -> int:
+def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Progress:
+  """The tick table from the restored tick on: after each update its hooks (a train_loss
+  line, an evaluation, a checkpoint) as the config says; a stop request checkpoints and
+  exits (75). Returns the progress after the last tick."""
+  c = run.config
+  bar, lines = _progress_display(run, progress.step)
+  with _discard_diverged(run), contextlib.closing(bar):
+    t = progress.state.tick
+    while t < len(run.schedule):
+      # A call runs several updates only up to the next one whose hooks act (log,
+      # evaluation, checkpoint): the hooks then see the state of that very update.
+      progress.state, outputs, n = run.executor.advance(
+          progress.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
+          last_micro_batch=_next_due_step(run, progress.step) * c.accumulation_steps - 1)
+      for out in outputs:
+        run.relay.add(out.micro_batch, out.loss)
+      updates = _updates_fed(run, t, t + n)
+      progress.step = updates[-1] if updates else progress.step
+      t += n
+      if t in run.drain_points:  # (checkpoint_drain) the pipeline is empty
+        progress.last_save = save_checkpoint(run, progress)
+      if not updates:
+        continue
+      bar.update(len(updates) * c.batch_size)
+      if progress.step < run.total_steps:  # (the last update's hooks: finish)
+        due = _due(run, progress.step)
+        if due.log or due.evaluate:
+          run.relay.flush()  # multi-process: the losses so far reach process 0
+        if due.log:
+          _log_diagnostics(run)
+        if due.evaluate:
+          progress.result = evaluate_and_log(run, progress)
+        if _checkpoint_due(run, progress, due.epoch_end):
+          progress.last_save = save_checkpoint(run, progress)
+      lines.update(progress.step, run.loss_log.last_loss)
+      if _stop_requested(run, progress.step, stop) and progress.step < run.total_steps:
+        bar.close()
+        preempt(run, progress, stop.signal_name or "a signal to another process")
+  return progress
+
+
+def _progress_display(run: Setup, step: int) -> tuple:
+  """``(bar, lines)``: the progress bar and the progress lines from update ``step`` on."""
+  c, examples = run.config, run.pipe.objective.examples
+  bar = console.progress(run.total_steps * c.batch_size, c.method, examples,
+                         initial=step * c.batch_size)
+  lines = console.ProgressLines(c.progress_seconds, bar, run.total_steps, run.steps_per_epoch,
+                                c.batch_size, step, examples,
+                                tokens_per_example=_tokens_per_example(run))
+  return bar, lines
+
+
+def _tokens_per_example(run: Setup) -> int:
   """Tokens in one training example: a sequence's length ``T`` for text, 0 for images."""
   if run.pipe.objective.examples == "images":
     return 0
   return int(run.config.model.context or run.info.image_shape[0])
 
 
-def _run_ticks(run: Run, stop: preemption.StopOnSignal) -> None:
-  """The tick table from the run's tick on: every update logged, checkpointed and
-  evaluated as the config says; a stop request checkpoints and exits (75)."""
-  config = run.config
-  bar = console.progress(run.total_steps * config.batch_size, config.method,
-                         run.pipe.objective.examples, initial=run.step * config.batch_size)
-  examples = run.pipe.objective.examples
-  lines = console.ProgressLines(config.progress_seconds, bar, run.total_steps,
-                                run.steps_per_epoch, config.batch_size, run.step, examples,
-                                tokens_per_example=_tokens_per_example(run))
-  with _discard_diverged(run), contextlib.closing(bar):
-    t = run.state.tick
-    while t < len(run.schedule):
-      run.state, outputs, n = run.executor.advance(
-          run.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
-          last_micro_batch=_next_due_step(run) * config.accumulation_steps - 1)
-      for out in outputs:
-        run.relay.add(out.micro_batch, out.loss)
-      # A call runs several updates only up to the next one whose hooks act (log,
-      # evaluation, checkpoint): the hooks then see the state of that very update.
-      fed = sum(_update_fed(run, run.schedule[u]) for u in range(t, t + n))
-      t += n
-      if t in run.drain_points:  # (checkpoint_drain) the pipeline is empty
-        save_checkpoint(run)
-      if fed:
-        bar.update(fed * config.batch_size)
-        on_update(run)
-        lines.update(run.step, run.loss_log.last_loss)
-        if _stop_requested(run, stop) and run.step < run.total_steps:
-          bar.close()
-          preempt(run, stop.signal_name or "a signal to another process")
+def _updates_fed(run: Setup, t: int, end: int) -> list:
+  """The updates whose last micro-batch ticks ``t`` to ``end - 1`` fed, in order
+  (update ``s`` counts ``s`` updates fed: 1 for the first)."""
+  k, updates = run.config.accumulation_steps, []
+  for u in range(t, end):
+    m = schedule_lib.fed(run.schedule[u])
+    if m is not None and (m + 1) % k == 0:
+      updates.append((m + 1) // k)
+  return updates
 
 
-def _next_drain_point(run: Run, t: int) -> int:
+def _next_drain_point(run: Setup, t: int) -> int:
   """The first tick after ``t`` at which the pipeline is drained (checkpoint_drain), or the end."""
   return min([p for p in run.drain_points if p > t] + [len(run.schedule)])
 
 
-def _next_due_step(run: Run) -> int:
-  """The next update after ``run.step`` at which a hook acts: a train_loss line, an epoch's
+def _next_due_step(run: Setup, step: int) -> int:
+  """The next update after ``step`` at which a hook acts: a train_loss line, an epoch's
   end (evaluation, checkpoint), ``checkpoint_every``, or the last update."""
-  c, s = run.config, run.step
+  c = run.config
   every = [c.log_every, run.steps_per_epoch] + ([c.checkpoint_every] if c.checkpoint_every else [])
-  return min([(s // n + 1) * n for n in every] + [run.total_steps])
+  return min([(step // n + 1) * n for n in every] + [run.total_steps])
+
+
+class _Due(NamedTuple):
+  """The hooks due after an update: a train_loss line, an evaluation; whether it ends an epoch."""
+  log: bool
+  evaluate: bool
+  epoch_end: bool
+
+
+def _due(run: Setup, step: int) -> _Due:
+  """What to do after update ``step`` (before the last) as ``log_every`` and ``eval_every`` say."""
+  c = run.config
+  epoch_end = step % run.steps_per_epoch == 0
+  evaluate_now = bool(epoch_end and c.eval_every
+                      and (step // run.steps_per_epoch) % c.eval_every == 0)
+  return _Due(step % c.log_every == 0, evaluate_now, epoch_end)
 
 
 def _begin(config, workdir: str, restart: bool) -> bool:
@@ -154,7 +207,7 @@ def _begin(config, workdir: str, restart: bool) -> bool:
   return False
 
 
-def _record(run: Run) -> None:
+def _record(run: Setup) -> None:
   """After a successful set-up: ``config.json`` (process 0)."""
   if jax.process_index() == 0:
     run_record.write_config(run.workdir, run.config)
@@ -165,30 +218,29 @@ def _say_finished(workdir: str, step: int) -> None:
               "nothing to do (pass --restart to train it again from scratch).")
 
 
+def _close(run: Setup) -> None:
+  """Closes the checkpointer (after its last save) and the metrics writer."""
+  run.checkpointer.wait()
+  run.checkpointer.close()
+  run.writer.close()
+
+
 def checkpointing(config) -> bool:
   """Whether the run checkpoints at all."""
   return bool(config.checkpoint_every or config.checkpoint_minutes)
 
 
-def on_update(run: Run) -> None:
-  """After update ``run.step``: logs, evaluations and checkpoints as configured."""
-  c, step = run.config, run.step
-  if step == run.total_steps:
-    return
-  epoch_end = step % run.steps_per_epoch == 0
-  evaluating = epoch_end and c.eval_every and (step // run.steps_per_epoch) % c.eval_every == 0
-  if step % c.log_every == 0 or evaluating:
-    run.relay.flush()  # multi-process: the losses so far reach process 0
-  if step % c.log_every == 0:
-    _log_diagnostics(run)
-  if evaluating:
-    evaluate_and_log(run)
-  if not c.checkpoint_drain and ((c.checkpoint_every and step % c.checkpoint_every == 0)
-                                 or _auto_checkpoint_due(run, epoch_end)):
-    save_checkpoint(run)
+def _checkpoint_due(run: Setup, progress: Progress, epoch_end: bool) -> bool:
+  """Whether to checkpoint after update ``progress.step`` (not the last, not with
+  ``checkpoint_drain``: that one checkpoints at its drain points)."""
+  c = run.config
+  if c.checkpoint_drain:
+    return False
+  return bool((c.checkpoint_every and progress.step % c.checkpoint_every == 0)
+              or _auto_checkpoint_due(run, progress, epoch_end))
 
 
-def _auto_checkpoint_due(run: Run, epoch_end: bool) -> bool:
+def _auto_checkpoint_due(run: Setup, progress: Progress, epoch_end: bool) -> bool:
   """``checkpoint_minutes``: at an epoch's end or that long after the last
   checkpoint (multi-process: process 0's clock, agreed every
   ``preemption_check_every`` updates).
@@ -198,82 +250,115 @@ def _auto_checkpoint_due(run: Run, epoch_end: bool) -> bool:
     return False
   if epoch_end:
     return True
-  late = time.time() - run.last_save >= 60 * minutes
+  late = time.time() - progress.last_save >= 60 * minutes
   if not run.pipe.multiprocess:
     return late
-  if run.step % run.config.distributed.preemption_check_every:
+  if progress.step % run.config.distributed.preemption_check_every:
     return False
   return bool(distributed.broadcast_int(int(late)))
 
 
-def finish(run: Run) -> dict:
-  """After the last tick: the last losses, evaluation and checkpoint."""
+def finish(run: Setup, progress: Progress) -> dict:
+  """After the last tick: the last losses, evaluation and checkpoint.
+
+  Args:
+    run: the run's set-up.
+    progress: the progress after the last tick (``step == run.total_steps``).
+
+  Returns:
+    The last evaluation's metrics plus ``wall_time`` (text: and the final split's).
+
+  Raises:
+    Diverged: a NaN/Inf loss.
+  """
   run.relay.flush()
   run.loss_log.finish(run.total_steps)
   _log_diagnostics(run, wait=True)
-  evaluate_and_log(run)
+  result = evaluate_and_log(run, progress)
   if run.info.final_split:
-    _evaluate_final_split(run)
+    result = {**result, **_evaluate_final_split(run, progress)}
   if checkpointing(run.config) and (run.restored_step or 0) < run.total_steps:
-    save_checkpoint(run)
+    save_checkpoint(run, progress)
   run.checkpointer.prune(verified_through=run.total_steps)
-  run.checkpointer.wait()
-  run.checkpointer.close()
-  run.writer.close()
+  _close(run)
   console.outputs(run.workdir,
                   run.checkpointer.directory if checkpointing(run.config) else None)
-  return run.result
+  return result
 
 
-def evaluate_and_log(run: Run) -> None:
-  """Test metrics with the current weights, written at ``run.step``."""
-  result = evaluate(run.pipe, run.state, run.test, run.info, run.config.eval_batch_size,
+def evaluate_and_log(run: Setup, progress: Progress) -> dict:
+  """Test metrics with the weights of update ``progress.step``, written at that step.
+
+  Args:
+    run: the run's set-up (its test split, writer).
+    progress: the state to evaluate and its step.
+
+  Returns:
+    The metrics plus ``wall_time`` (seconds since the run's start).
+  """
+  result = evaluate(run.pipe, progress.state, run.test, run.info, run.config.eval_batch_size,
                     prefix=run.info.eval_prefix)
   result["wall_time"] = time.time() - run.start
-  run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
+  run.writer.write(progress.step, epoch=progress.step / run.steps_per_epoch, **result)
   if result.keys() - {"wall_time"}:
-    console.epoch_line(run.step, run.steps_per_epoch, run.loss_log.last_loss, result)
-  run.result = result
+    console.epoch_line(progress.step, run.steps_per_epoch, run.loss_log.last_loss, result)
+  return result
 
 
-def _evaluate_final_split(run: Run) -> None:
+def _evaluate_final_split(run: Setup, progress: Progress) -> dict:
   """The final figure: ``test_*`` metrics on ``info.final_split`` (text's test split)."""
   split = data_lib.open_eval_split(run.config.dataset, run.info.final_split, run.test.context,
                                    run.test.vocabulary, run.config.data_dir or None)
-  result = evaluate(run.pipe, run.state, split, run.info, run.config.eval_batch_size)
-  run.writer.write(run.step, epoch=run.step / run.steps_per_epoch, **result)
-  run.result.update(result)
+  result = evaluate(run.pipe, progress.state, split, run.info, run.config.eval_batch_size)
+  run.writer.write(progress.step, epoch=progress.step / run.steps_per_epoch, **result)
   if result:
     console.say(" ".join(f"{k} {v:.4f}" for k, v in result.items()))
+  return result
 
 
-def save_checkpoint(run: Run) -> None:
-  """Saves the whole pipeline at ``run.step`` (every process, its part);
+def save_checkpoint(run: Setup, progress: Progress) -> float:
+  """Saves the whole pipeline at ``progress.step`` (every process, its part);
   older known-good checkpoints beyond ``keep_checkpoints`` are pruned first.
+
+  Args:
+    run: the run's set-up (its checkpointer, loss log, writer).
+    progress: the state to save and its step.
+
+  Returns:
+    The time of the save (``time.time()``), the progress's next ``last_save``.
+
+  Raises:
+    Diverged: a NaN/Inf loss among those not yet verified.
   """
   run.relay.flush()
   run.checkpointer.prune(verified_through=_verified_through(run))
   _log_diagnostics(run, wait=True)
   log_meta, log_arrays = run.loss_log.state()
   run.writer.flush()
-  run.checkpointer.save(run.step, run.state, extra={
+  run.checkpointer.save(progress.step, progress.state, extra={
       "loss_log": log_meta, "metrics_offset": run.writer.offset(),
       "config": run_record.as_dict(run.config),
       "run": run_record.run_end(run.config, run.total_steps),
       "wall_time": time.time() - run.start}, extra_arrays=log_arrays)
-  run.last_save = time.time()
+  return time.time()
 
 
-def preempt(run: Run, signal_name: str) -> None:
+def preempt(run: Setup, progress: Progress, signal_name: str) -> None:
   """SIGTERM/SIGINT: checkpoint at this update, one line, exit 75 (every
   process; process 0 prints).
+
+  Args:
+    run: the run's set-up.
+    progress: the state to save and its step.
+    signal_name: the signal's name for the line (``SIGTERM``).
+
+  Raises:
+    SystemExit: always (75, ``preemption.PREEMPTED_EXIT_CODE``).
   """
-  if run.checkpointer.latest_step() != run.step:
-    save_checkpoint(run)
-  run.checkpointer.wait()
-  run.checkpointer.close()
-  run.writer.close()
-  message = (f"preempted by {signal_name} at step {run.step}: checkpoint saved in "
+  if run.checkpointer.latest_step() != progress.step:
+    save_checkpoint(run, progress)
+  _close(run)
+  message = (f"preempted by {signal_name} at step {progress.step}: checkpoint saved in "
              f"{run.checkpointer.directory}; re-run the same command to resume.")
   if run.pipe.multiprocess:  # skip jax.distributed's shutdown barrier
     distributed.exit_now(message if jax.process_index() == 0 else "",
@@ -281,7 +366,7 @@ def preempt(run: Run, signal_name: str) -> None:
   preemption.exit_preempted(message)
 
 
-def _verified_through(run: Run) -> int:
+def _verified_through(run: Setup) -> int:
   """The updates whose losses are all known finite (process 0's count);
   raises Diverged on every process if one is NaN/Inf.
   """
@@ -299,7 +384,7 @@ def _verified_through(run: Run) -> int:
   return verified
 
 
-def _log_diagnostics(run: Run, wait: bool = False) -> None:
+def _log_diagnostics(run: Setup, wait: bool = False) -> None:
   """Writes the reconstruction errors and gradient qualities measured so far
   (computed ticks ago: reading them does not wait, unless ``wait``)."""
   k = run.config.accumulation_steps
@@ -321,7 +406,7 @@ def _write_grad_quality(writer, results, k: int, steps_per_epoch: int):
 
 
 @contextlib.contextmanager
-def _discard_diverged(run: Run):
+def _discard_diverged(run: Setup):
   """On :class:`Diverged` at step N, deletes the checkpoints at steps >= N."""
   try:
     yield
@@ -330,21 +415,12 @@ def _discard_diverged(run: Run):
     raise
 
 
-def _update_fed(run: Run, tick) -> bool:
-  """Whether ``tick`` fed the last micro-batch of an update; sets ``run.step``."""
-  m = schedule_lib.fed(tick)
-  if m is None or (m + 1) % run.config.accumulation_steps:
-    return False
-  run.step = (m + 1) // run.config.accumulation_steps
-  return True
-
-
-def _stop_requested(run: Run, stop: preemption.StopOnSignal) -> bool:
-  """Whether to stop at this update: a signal here or, multi-process, on
+def _stop_requested(run: Setup, step: int, stop: preemption.StopOnSignal) -> bool:
+  """Whether to stop after update ``step``: a signal here or, multi-process, on
   any process (agreed only every ``preemption_check_every`` updates).
   """
   if not run.pipe.multiprocess:
     return stop.requested
-  if run.step % run.config.distributed.preemption_check_every:
+  if step % run.config.distributed.preemption_check_every:
     return False
   return distributed.any_process(stop.requested)
