@@ -139,7 +139,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.reconstruction_error_every = 0
   c.grad_quality_every = 0
   c.checkpoint_every = 0
-  c.checkpoint_minutes = 10.0  # also at each epoch end and at least this often; 0 = checkpoint_every only
+  c.checkpoint_minutes = 10.0  # at least this often, and at epoch ends a minute apart; 0 = checkpoint_every only
   c.keep_checkpoints = 2
   c.checkpoint_drain = False
   c.distributed = _distributed_config()
@@ -212,8 +212,8 @@ HELP = {
     "reconstruction_error_every": "updates between reconstruction-error probes; 0 = off",
     "grad_quality_every": "updates between gradient-quality probes (paper App. B); 0 = off",
     "checkpoint_every": "updates between checkpoints; 0 = off",
-    "checkpoint_minutes": "also checkpoint at each epoch end and at least this often (minutes); "
-                          "0 = checkpoint_every only",
+    "checkpoint_minutes": "also checkpoint at least this often (minutes), and at each epoch end "
+                          "a minute or more after the last save; 0 = checkpoint_every only",
     "keep_checkpoints": "how many of the latest checkpoints to keep",
     "checkpoint_drain": "drain the pipeline before each periodic checkpoint (reshardable)",
     "distributed.coordinator_address": "host:port of process 0; '' = $JAX_COORDINATOR_ADDRESS",

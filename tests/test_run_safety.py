@@ -297,3 +297,19 @@ def test_cli_disk_full_is_one_line_and_keeps_the_saved_checkpoint(cifar10_dir, t
       "to resume."]
   step, meta = checkpoint.newest_meta(str(tmp_path / "checkpoints"))
   assert step == 2 and meta["extra"]["run"]["total_steps"] == 4
+
+
+@pytest.mark.parametrize("epoch_end, saved_ago, due", [
+    (True, None, True),     # the first epoch end of a run always saves
+    (True, 10.0, False),    # an epoch of seconds (a GPU) is not saved again so soon
+    (True, 61.0, True),
+    (False, 61.0, False),   # between epoch ends only checkpoint_minutes (10) counts
+    (False, 601.0, True),
+    (False, None, False)])  # set up 5 s ago, never saved
+def test_epoch_end_checkpoints_a_minute_apart(epoch_end, saved_ago, due):
+  now = time.time()
+  run = types.SimpleNamespace(config=config_lib.get_config(), began=now - 5.0,
+                              pipe=types.SimpleNamespace(multiprocess=False))
+  progress = types.SimpleNamespace(step=7, last_save=None if saved_ago is None else now - saved_ago)
+  assert run.config.checkpoint_minutes == 10.0
+  assert loop._auto_checkpoint_due(run, progress, epoch_end) == due

@@ -68,6 +68,8 @@ class Setup:
     restored_step: the update of the checkpoint the run resumed from (None: a new run).
     start: the wall-clock origin of the metrics' ``wall_time`` (a resumed run's
       goes on from its checkpoint's).
+    began: ``time.time()`` when this process set the run up (the checkpoint timer's origin
+      before its first save).
     drain_points: ``{tick: update}`` after which the pipeline is drained and
       checkpointed (``checkpoint_drain``; else empty).
     reconstruction, grad_quality: the observers of ``reconstruction_error_every``
@@ -90,6 +92,7 @@ class Setup:
   total_steps: int
   restored_step: Optional[int] = None
   start: float = 0.0
+  began: float = dataclasses.field(default_factory=time.time)
   drain_points: Mapping[int, int] = dataclasses.field(
       default_factory=lambda: types.MappingProxyType({}))
   reconstruction: Optional[observers.ReconstructionProbe] = None
@@ -107,12 +110,12 @@ class Progress:
     state: the pipeline's state (its TrainStates, in-flight buffers, tick).
     step: the updates whose micro-batches have all entered the pipeline
       (their gradients may still be in flight).
-    last_save: ``time.time()`` of the last checkpoint (or of the set-up).
+    last_save: ``time.time()`` of this run's last checkpoint; None before its first.
     result: the last evaluation's metrics plus ``wall_time`` (empty before one).
   """
   state: Any
   step: int = 0
-  last_save: float = dataclasses.field(default_factory=time.time)
+  last_save: Optional[float] = None
   result: dict = dataclasses.field(default_factory=dict)
 
 

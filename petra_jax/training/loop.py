@@ -24,6 +24,8 @@ from petra_jax.training.evaluate import evaluate
 from petra_jax.training.loss_log import Diverged
 
 
+EPOCH_END_MIN_SECONDS = 60.0  # an epoch end this soon after a save is not saved again
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        restart: bool = False, on_accepted: Optional[Callable] = None) -> dict:
   """Trains ``config.model`` with ``config.method`` and evaluates it.
@@ -241,19 +243,20 @@ def _checkpoint_due(run: Setup, progress: Progress, epoch_end: bool) -> bool:
 
 
 def _auto_checkpoint_due(run: Setup, progress: Progress, epoch_end: bool) -> bool:
-  """``checkpoint_minutes``: at an epoch's end or that long after the last
-  checkpoint (multi-process: process 0's clock, agreed every
-  ``preemption_check_every`` updates).
+  """``checkpoint_minutes``: that long after the last checkpoint, and at an epoch's end unless
+  this run saved less than :data:`EPOCH_END_MIN_SECONDS` ago (on a GPU an epoch can take
+  seconds, and a save each would cost a large share of them). Multi-process: process 0's
+  clock, agreed at epoch ends and every ``preemption_check_every`` updates.
   """
   minutes = run.config.checkpoint_minutes
   if not minutes:
     return False
-  if epoch_end:
-    return True
-  late = time.time() - progress.last_save >= 60 * minutes
+  now, last = time.time(), progress.last_save
+  since = now - (run.began if last is None else last)
+  late = since >= 60 * minutes or (epoch_end and (last is None or since >= EPOCH_END_MIN_SECONDS))
   if not run.pipe.multiprocess:
     return late
-  if progress.step % run.config.distributed.preemption_check_every:
+  if not epoch_end and progress.step % run.config.distributed.preemption_check_every:
     return False
   return bool(distributed.broadcast_int(int(late)))
 
