@@ -7,14 +7,14 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 ``DIR/<part>.log``; a part that runs out of time is stopped and the others still run:
 
 - ``info`` (15): date, ``nvidia-smi``, JAX's devices and versions, the git commit.
-- ``accelerator_float32`` (160), ``accelerator_bfloat16`` (95): ``petra`` and ``backprop`` ticks
+- ``accelerator_float32`` (160), ``accelerator_bfloat16`` (80): ``petra`` and ``backprop`` ticks
   of RevNet18 width 64 (10 stages, k = 1) at micro-batches 64, 256, 1024
   (:mod:`petra_jax.benchmarks.accelerator`); rows land in ``DIR/rows.jsonl`` as they end.
 - ``accelerator_host`` (50): ``petra`` float32 at 64 and 256 under the host executor (the
   reference loop), beside the rows above.
 - ``train`` (80): the main job (``configs/cifar10.py``, real CIFAR-10) with a progress line
   every 10 s, stopped by its limit: its img/s. Needs ``cifar10`` in the data dir.
-- ``language_model`` (50): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
+- ``language_model`` (65): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
   sequences in 4 micro-batches): its sequences/s and tokens/s. Needs ``tiny_shakespeare``.
 - ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
   (method, dtype) from the rows, the last progress line of each training run.
@@ -100,7 +100,7 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           "--config.model.context=256", "--config.model.stage_sizes=()",
           "--config.model.num_stages=4", "--config.batch_size=64",
           "--config.accumulation_steps=4", "--config.num_epochs=1000"]
-  times = (30, 150, 150, 150, 150, 150) if tiny else (15, 160, 50, 95, 80, 50)
+  times = (30, 150, 150, 150, 150, 150) if tiny else (15, 160, 50, 80, 80, 65)
   every = 1 if tiny else 10
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
           _accelerator("accelerator_float32", "float32", tiny, times[1], out, executor),
