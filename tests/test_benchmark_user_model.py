@@ -1,6 +1,7 @@
 """The benchmark commands take a user's MODULE:FUNCTION model as the zoo's."""
 
 import argparse
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +10,7 @@ import pytest
 
 from petra_jax.benchmarks import cli
 
-from helpers import REPO
+from helpers import REPO, without_virtual_devices
 
 USER_MODULE = textwrap.dedent("""
     import flax.linen as nn
@@ -52,6 +53,10 @@ def test_model_flag_takes_zoo_names_and_module_functions():
 def test_memory_benchmark_runs_on_a_user_model(tmp_path):
   (tmp_path / "user_bench_mod.py").write_text(USER_MODULE)
   env = {"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+  # conftest's compile options (one device) and the session's compilation cache: compile speed
+  keep = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+  env.update({k: v for k, v in without_virtual_devices(os.environ).items() if k in keep})
   out = subprocess.run(
       [sys.executable, "-m", "petra_jax.benchmarks.memory", "--model=user_bench_mod:tiny",
        "--dataset=cifar10", "--width=4", "--batch-size=4"],

@@ -39,7 +39,8 @@ def _logged(workdir, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["custom_linen.py", "custom_nnx.py"])
+@pytest.mark.parametrize("script", [  # custom_nnx.py's model is custom_linen.py's (below): long
+    "custom_linen.py", pytest.param("custom_nnx.py", marks=pytest.mark.long)])
 def test_custom_model_example_trains(script, cifar10_dir, tmp_path):
   """20 updates at width 2: the logged train loss falls, and the test loss
   ends below chance's."""
@@ -115,6 +116,7 @@ OWN_LOOP_CHECKS = textwrap.dedent("""
     """)
 
 
+@pytest.mark.long  # the own loop's API (init, run_tick, predict, trained_variables): test_first_hour
 @pytest.mark.slow
 def test_own_loop_example_reads_back_trained_variables(cifar10_dir, tmp_path):
   """own_loop.py prints every micro-batch's loss and the same logits through
@@ -133,6 +135,7 @@ def test_own_loop_example_reads_back_trained_variables(cifar10_dir, tmp_path):
   assert all(checks["read_back"]) and all(checks["changed"]), checks
 
 
+@pytest.mark.long  # test_api's user MODULE:FUNCTION model through the same CLI hook (CI time)
 @pytest.mark.slow
 def test_my_models_example_runs_the_cli(cifar10_dir, tmp_path):
   _run([str(EXAMPLES / "my_models.py")], "--steps", "2", "--data_dir", cifar10_dir,

@@ -20,7 +20,7 @@ import pytest
 
 import petra_jax
 from petra_jax import train
-from helpers import REPO
+from helpers import REPO, SMALL_EVAL
 
 
 def _listing(path):
@@ -84,7 +84,7 @@ def test_refused_config_leaves_another_runs_record_alone(tmp_path, capsys):
 def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys):
   # Also item 10: the logs of a run whose output is not a terminal (capsys).
   run = [f"--config={CPU}:runlocal", f"--workdir={tmp_path}", f"--config.data_dir={cifar10_dir}",
-         "--config.max_steps=2"]
+         "--config.max_steps=2", *SMALL_EVAL]
   assert cli(*run, "--config.progress_seconds=1e-9") == 0
   out = capsys.readouterr().out.splitlines()
   assert f"data: cifar10 read from {os.path.abspath(cifar10_dir)}" in out
@@ -279,7 +279,7 @@ def test_predict_and_init_refuse_nchw_and_uint8():
 @pytest.mark.slow
 def test_wall_time_goes_on_across_a_resume(cifar10_dir, tmp_path):
   run = [f"--config={CPU}:runlocal", f"--workdir={tmp_path}", f"--config.data_dir={cifar10_dir}",
-         "--config.eval_every=0"]
+         "--config.eval_every=0", *SMALL_EVAL]
   assert cli(*run, "--config.max_steps=1") == 0
   meta = tmp_path / "checkpoints" / "1" / "meta" / "metadata"
   saved = json.loads(meta.read_text())

@@ -205,8 +205,9 @@ def test_depth_only_for_fixed_size_models():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, extra", [("revnet18_inv", {}),
-                                         ("revnet_fixed", {"model.depth": 3})])
+@pytest.mark.parametrize("name, extra", [  # revnet18_inv: long (its stages: the tests above)
+    pytest.param("revnet18_inv", {}, marks=pytest.mark.long),
+    ("revnet_fixed", {"model.depth": 3})])
 def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   """Every middle stage of the invertible model reconstructs; loss finite and
   the reconstruction error recorded for each of them."""
@@ -224,6 +225,7 @@ def test_new_models_train_with_petra(cifar10_dir, tmp_path, name, extra):
   np.testing.assert_allclose(result["test_loss"], loss, rtol=1e-5)
   records = metrics_lib.read_metrics(str(tmp_path))
   assert all(np.isfinite(r["train_loss"]) for r in records if "train_loss" in r)
+  assert all({"epoch", "learning_rate"} <= r.keys() for r in records if "train_loss" in r)
   stages = models.build_model(name, width=4, depth=extra.get("model.depth"))
   reversible = {j for j, s in enumerate(stages) if s.reversible}
   seen = {int(k.rsplit("_", 1)[1]) for r in records for k in r

@@ -70,7 +70,8 @@ def single_process(worker_env, cifar10_dir):
   return _result(out)
 
 
-@pytest.mark.parametrize("num_processes", [2, 4])
+@pytest.mark.parametrize("num_processes", [  # 4 cross every boundary 2 do (and more); 2: long
+    pytest.param(2, marks=pytest.mark.long), 4])
 def test_multiprocess_losses_equal_single_process(num_processes, single_process, worker_env,
                                                   cifar10_dir):
   rc, out = _run([LAUNCH, str(num_processes), f"--data_dir={cifar10_dir}"], worker_env)

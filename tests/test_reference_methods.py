@@ -182,13 +182,18 @@ def user_model(tmp_path_factory):
   del MODELS["user"]
 
 
-@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb_h1", "delayed"])
+# The exact methods on the RevNet and RevViT rows above, zb_h1 on a user model in
+# test_zero_bubble: long here (CI time).
+@pytest.mark.parametrize("method", [
+    pytest.param(m, marks=pytest.mark.long) for m in ("gpipe", "1f1b", "zb_h1")] + ["delayed"])
 def test_user_model_equals_the_reference(user_model, method):
   """``1f1b``, ``gpipe`` and ``zb_h1`` equal backprop by ``jax.grad`` of the composed user
   model; ``delayed`` equals the reference with real delays."""
   test_engine_equals_the_reference(user_model, method)
 
 
+@pytest.mark.long  # delayed against the reference: the rows above; a run's optimizers against
+# it: test_depth_optimizers and test_delay_optimizers (CI time)
 def test_delayed_over_100_updates_with_the_run_optimizer():
   """``delayed`` on a RevViT of 4 stages (delays 6, 4, 2, 0 ticks; k = 2:
   3, 2, 1, 0 updates) with the optimizer a run builds (AdamW, linear warm-up

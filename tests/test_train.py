@@ -20,6 +20,9 @@ from petra_jax.training import metrics
 from petra_jax.engine.pipeline import Pipeline
 from helpers import REPO, SMALL_EVAL, config_file, restored_test_metrics, tiny_config, train_in_process
 
+# Long (CI time): PETRA lowering the loss on the real data, test_examples' custom_linen.py;
+# the restored weights' evaluation and the metrics' fields, test_invertible's revnet_fixed run.
+@pytest.mark.long
 @pytest.mark.slow
 def test_petra_run_lowers_loss_and_writes_metrics(cifar10_dir, tmp_path):
   # With delays of up to 18 ticks and no warm-up, a width-4 model needs a

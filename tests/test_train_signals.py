@@ -94,6 +94,7 @@ def test_busy_workdir_is_refused_then_ctrl_c_stops_and_resumes_exactly(cifar10_d
   assert train_losses(wd) == reference[0]  # every step, exactly
 
 
+@pytest.mark.long  # the Ctrl-C test's stop and resume; test_train_resume's SIGTERM (CI time)
 @pytest.mark.slow
 def test_sigterm_stops_with_a_checkpoint_and_resumes_exactly(cifar10_dir, tmp_path, reference):
   # Resumed for 1 more update (max_steps): a max_steps run's losses are those

@@ -69,7 +69,10 @@ def test_coupling_inverse_round_trip():
   assert rel_err(back, h) < 1e-5
 
 
-@pytest.mark.parametrize("method", PIPELINED)
+# The other methods at zero delay: test_methods (a RevNet); on a RevViT with real delays:
+# test_reference_methods (its revvit rows). Here a reconstructing and a delayed one; the rest long.
+@pytest.mark.parametrize("method", [
+    m if m in ("revprop", "petra") else pytest.param(m, marks=pytest.mark.long) for m in PIPELINED])
 def test_zero_delay_equals_jax_grad(method):
   """Drained after every micro-batch (every delay 0), each method's update on
   a RevViT is -lr * jax.grad of the composed model (helpers.composed_loss)."""
@@ -106,7 +109,11 @@ def _reference_losses(blocks, params, num_micro=4):
   return np.array(out)
 
 
-@pytest.mark.parametrize("method", list(methods.METHODS))
+# Each method on a RevViT with real delays against the reference loop: test_reference_methods
+# (its revvit rows). Here the stream and the vit_ twin; the rest long (CI time).
+@pytest.mark.parametrize("method", [
+    m if m in ("petra", "backprop") else pytest.param(m, marks=pytest.mark.long)
+    for m in methods.METHODS])
 def test_every_method_with_real_delays_against_sgd_on_the_composed_model(method):
   """3 stages of 2 blocks (stem+attn | mlp+attn | mlp+head), 4 micro-batches
   (backprop on the vit_ twin). The synchronous methods are sequential SGD
