@@ -112,7 +112,11 @@ def _forward_gradient_config() -> ml_collections.ConfigDict:
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """The default configuration: RevNet18 on CIFAR-10 trained with PETRA."""
+  """The default configuration: RevNet18 on CIFAR-10 trained with PETRA.
+
+  Returns:
+    A fresh ``ml_collections.ConfigDict`` (every field and its help: docs/config.md).
+  """
   c = ml_collections.ConfigDict()
   c.method = "petra"
   c.dataset = "cifar10"

@@ -21,7 +21,7 @@ from ml_collections import config_flags
 from petra_jax import config as config_lib
 from petra_jax import data as data_lib
 from petra_jax.engine.transport import transfers as transport
-from petra_jax.training import checkpoint_blocks
+from petra_jax.training.checkpoint import blocks as checkpoint_blocks
 from petra_jax.training import console
 from petra_jax.training import preemption
 from petra_jax.training import run_record

@@ -12,7 +12,9 @@ import pytest
 
 from petra_jax import data, models
 
-from petra_jax.benchmarks import memory, memory_live, memory_model, throughput, timeline
+from petra_jax.benchmarks import memory, throughput, timeline
+from petra_jax.benchmarks.memory import live as memory_live
+from petra_jax.benchmarks.memory import model as memory_model
 from petra_jax.engine.arrays import quantize
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost

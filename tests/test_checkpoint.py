@@ -9,7 +9,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from petra_jax.training import checkpoint_blocks
+from petra_jax.training.checkpoint import blocks as checkpoint_blocks
 
 from petra_jax.training import checkpoint
 
@@ -144,7 +144,7 @@ def test_quantised_messages_in_flight_restore_bit_exactly(tmp_path):
 # ----------------------------------------------------------------------------
 
 def _local_manager(path, **async_options):
-  from petra_jax.training import orbax_local
+  from petra_jax.training.checkpoint import orbax_local
   options = orbax_local.manager_options(str(path))
   if async_options:
     options.async_options = ocp.AsyncOptions(**async_options)
@@ -185,7 +185,7 @@ def test_orbax_sets_no_signal_when_directories_are_created_synchronously(tmp_pat
   # orbax_local relies on it: orbax names the signals of a save after an
   # operation counter that every process of a run shares in jax.distributed's
   # key-value store; two processes saving at once must not set any.
-  from petra_jax.training import orbax_local
+  from petra_jax.training.checkpoint import orbax_local
   try:
     # pylint: disable-next=g-import-not-at-top
     from orbax.checkpoint._src.futures import signaling_client
@@ -214,7 +214,7 @@ def test_orbax_sets_no_signal_when_directories_are_created_synchronously(tmp_pat
 
 
 def test_missing_orbax_name_fails_naming_the_tested_version():
-  from petra_jax.training import orbax_local
+  from petra_jax.training.checkpoint import orbax_local
   with pytest.raises(ImportError, match=r"orbax\.checkpoint\.type_handlers\.NoSuch.*"
                      r"pip install orbax-checkpoint==0\.12\.8"):
     orbax_local._public("type_handlers.NoSuch")  # pylint: disable=protected-access
@@ -226,7 +226,7 @@ def test_local_write_needs_no_dtype_in_the_spec(tmp_path, dtype):
   # image: tensorstore then refused the save); the writer passes the array's own dtype.
   import asyncio
   import tensorstore as ts
-  from petra_jax.training import orbax_local
+  from petra_jax.training.checkpoint import orbax_local
   value = np.arange(6).reshape(2, 3).astype(jax.numpy.dtype(dtype))
   spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(tmp_path / "a")},
           "metadata": {"chunks": [2, 3], "shape": [2, 3]}}

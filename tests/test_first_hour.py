@@ -304,7 +304,7 @@ def test_models_summarises_a_user_nnx_model(monkeypatch, capsys):
 
 
 RUNNABLE = ["petra_jax.benchmarks.accelerator", "petra_jax.benchmarks.gpu_check",
-            "petra_jax.benchmarks.memory",
+            "petra_jax.benchmarks.host", "petra_jax.benchmarks.memory",
             "petra_jax.benchmarks.profile_step", "petra_jax.benchmarks.scaling",
             "petra_jax.benchmarks.throughput", "petra_jax.benchmarks.timeline",
             "petra_jax.benchmarks.torch_side_by_side", "petra_jax.plots",
@@ -330,8 +330,8 @@ def test_every_cli_option_has_help(module, monkeypatch):
   assert [a.option_strings or a.dest for a in parser._actions if not a.help] == []
 
 
-@pytest.mark.parametrize("module", ["simulate", "host", "reversible_backward", "memory_model",
-                                    "memory_live", "scaling_processes", "scaling_roles"])
+@pytest.mark.parametrize("module", ["simulate", "reversible_backward", "memory.model",
+                                    "memory.live", "scaling.processes", "scaling.roles"])
 def test_benchmark_libraries_name_their_command(module, monkeypatch, capsys):
   import runpy
   monkeypatch.setattr(sys, "argv", [module, "--help"])

@@ -160,3 +160,21 @@ def test_a_tick_moves_its_messages_in_one_batched_device_put(monkeypatch):
   assert calls[moved_before:] == [1, 1, 6]
   waiting = [v for box in state.inbox + state.grad_inbox for v in box.values()]
   assert waiting and not any(isinstance(v, Deferred) for v in waiting)
+
+
+def test_python_m_host_runs_the_benchmark_with_its_flags(monkeypatch, capsys):
+  """``python -m petra_jax.benchmarks.host`` (the issue's command) hands its flags to
+  :func:`host.benchmark` and prints its report as one JSON line."""
+  import json
+  calls = []
+
+  def fake_benchmark(stages, shape, num_classes, batch_size, ticks, repeats, periods):
+    calls.append((len(stages), tuple(shape), num_classes, batch_size, ticks, repeats, periods))
+    return {"host_us_per_stage_tick": 1.0}
+  monkeypatch.setattr(host, "benchmark", fake_benchmark)
+  assert host.main(["--ticks=7", "--iters=2", "--periods-per-dispatch=4", "--json"]) == 0
+  # revnet18 at width 2 on CIFAR-10: stem, 8 reversible blocks, head = 10 stages.
+  assert calls == [(10, (32, 32, 3), 10, 2, 7, 2, 4)]
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out == {"host_us_per_stage_tick": 1.0, "model": "revnet18", "dataset": "cifar10",
+                 "width": 2}

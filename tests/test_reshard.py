@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from petra_jax.training import checkpoint_blocks
+from petra_jax.training.checkpoint import blocks as checkpoint_blocks
 from petra_jax.training import validation
 from petra_jax.training import assembly
 from petra_jax.engine.stages import partition

@@ -19,13 +19,14 @@ import pytest
 from ml_collections.config_flags import config_flags
 from tqdm import tqdm
 
-from petra_jax.training import checkpoint_blocks
+from petra_jax.training.checkpoint import blocks as checkpoint_blocks
 from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.engine.stages import objective
 from petra_jax.engine import pipeline
 from petra_jax.training import assembly
-from petra_jax.training import checkpoint, console, loop, metrics, orbax_local, preemption
+from petra_jax.training import checkpoint, console, loop, metrics, preemption
+from petra_jax.training.checkpoint import orbax_local
 from petra_jax.training import run_record, workdir as workdir_lib
 from helpers import SMALL_EVAL, random_batch, tensorboard_scalars, train_in_process
 
@@ -269,7 +270,8 @@ DISK_FULL = """
 import errno, sys
 from absl import app, flags
 from petra_jax import train
-from petra_jax.training import checkpoint, orbax_local
+from petra_jax.training import checkpoint
+from petra_jax.training.checkpoint import orbax_local
 real, save, full = orbax_local._write, checkpoint.Checkpointer.save, []
 async def write(*a, **k):
   if full:

@@ -5,7 +5,7 @@ import collections
 import pytest
 
 from petra_jax.benchmarks import simulate
-from petra_jax.benchmarks import memory_model
+from petra_jax.benchmarks.memory import model as memory_model
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.schedules import Schedule, TaskKind
 

@@ -61,7 +61,7 @@ def test_gpt_torch_command_passes_the_shapes(monkeypatch):
   monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
   args = sbs.parse_args(["--model=gpt_nano", "--torch-python=py", "--threads=3"])
   command, env = sbs._gpt_command(args)
-  assert command[0] == "py" and command[1].endswith("torch_gpt.py")
+  assert command[0] == "py" and command[1].endswith("torch_side_by_side/gpt.py")
   assert set(command[2:]) == {"--layers=4", "--heads=4", "--dim=128", "--context=64",
                               "--vocab=65", "--batch-size=12", "--iters=20", "--warmup=1",
                               "--threads=3"}
@@ -78,7 +78,7 @@ def test_gpt_report_refuses_a_torch_model_of_another_size():
 
 
 def test_the_torch_worker_imports_without_torch():
-  from petra_jax.benchmarks import torch_gpt
+  from petra_jax.benchmarks.torch_side_by_side import gpt as torch_gpt
   a = torch_gpt._parser().parse_args(["--layers=1", "--heads=2", "--dim=8", "--context=4",
                                       "--vocab=5", "--batch-size=2"])
   assert (a.layers, a.batch_size, a.iters, a.threads) == (1, 2, 5, 2)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from petra_jax import models
-from petra_jax.benchmarks import memory_model
+from petra_jax.benchmarks.memory import model as memory_model
 from petra_jax.benchmarks import simulate
 from petra_jax.engine import pipeline
 from petra_jax.engine.schedules import Schedule, Task, TaskKind

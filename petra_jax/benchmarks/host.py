@@ -1,7 +1,8 @@
 """The engine's host cost per stage and tick, and the tiny-model tick/step ratio.
 
-``python -m petra_jax.benchmarks.throughput --model=revnet18 --dataset=cifar10
---width=2 --batch-size=2 --host [--iters=N] --json`` runs :func:`benchmark`.
+``python -m petra_jax.benchmarks.host [--model=revnet18 --dataset=cifar10 --width=2
+--batch-size=2 --ticks=200 --iters=3 --periods-per-dispatch=16] [--json]`` (or
+``python -m petra_jax.benchmarks.throughput ... --host``) runs :func:`benchmark`.
 
 **Isolation method.** Two PETRA pipelines of the same stages run the same
 stream tick table on one device: the *real* one, and a *hollow* one whose
@@ -29,14 +30,17 @@ host_us_per_stage_tick)``) is how many ticks one host loop can drive at
 from __future__ import annotations
 
 import statistics
+import sys
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from petra_jax import data as data_lib
+from petra_jax.benchmarks import cli
 from petra_jax.engine import compiled
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
@@ -182,7 +186,25 @@ def print_report(r: dict, name: str) -> None:
         "backprop")
 
 
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """``python -m petra_jax.benchmarks.host``: :func:`benchmark` on a tiny model, printed or
+  as one JSON line (``--json``)."""
+  p = cli.parser("petra_jax.benchmarks.host", __doc__, model="revnet18", dataset="cifar10",
+                 width=2, batch_size=2, batch_help="micro-batch size (default 2)")
+  p.add_argument("--ticks", type=int, default=200, help="ticks per timed round")
+  p.add_argument("--iters", type=int, default=3, help="timed rounds (the median is reported)")
+  p.add_argument("--periods-per-dispatch", type=int, default=16,
+                 help="the compiled executor's ticks per call")
+  p.add_argument("--json", action="store_true", help="print JSON")
+  args = p.parse_args(argv)
+  stages = cli.build(args.model, args.dataset, args.width)
+  report = benchmark(stages, cli.image_shape(args.dataset),
+                     data_lib.DATASETS[args.dataset].num_classes, args.batch_size, args.ticks,
+                     args.iters, periods=args.periods_per_dispatch)
+  report.update(model=args.model, dataset=args.dataset, width=args.width)
+  return cli.emit(report, args.json, lambda r: print_report(r, args.model))
+
+
 if __name__ == "__main__":
-  import sys  # pylint: disable=g-import-not-at-top
-  from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
-  sys.exit(cli.library_main("host", "throughput"))
+  sys.exit(main())

@@ -32,7 +32,7 @@ from petra_jax.benchmarks import simulate  # noqa: E402
 from petra_jax.engine.stages import partition  # noqa: E402
 from petra_jax import data as data_lib  # noqa: E402
 from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
-from petra_jax.benchmarks.memory_model import stage_bytes, stored_bytes  # noqa: E402
+from petra_jax.benchmarks.memory.model import stage_bytes, stored_bytes  # noqa: E402
 from petra_jax.engine.arrays import quantize as quantize_lib  # noqa: E402
 from petra_jax.engine import schedules as schedule  # noqa: E402
 from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost  # noqa: E402

@@ -143,6 +143,10 @@ def build_model(name: str, *, width: int = 64, num_classes: int = 10,
     depth: blocks of a fixed-size model (ViT: layers); None for its default.
     image_shape: ``[H, W, C]``: a user model's stages are traced and checked.
 
+  Returns:
+    One :class:`Stage` per residual block (stem and head included), in order; group
+    them with :func:`group_stages`.
+
   Raises:
     ValueError: an unknown ``name``, ``width < 1``, a bad ``depth`` or
       ``tokenizer``, a user model that does not import or whose stages are wrong.

@@ -341,10 +341,10 @@ def measure_stage_ms(config, micro_batch: int, iters: int = 3) -> dict:
 
 def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
   """Per method (``petra``, ``gpipe``, ``1f1b``): the largest ``params_j + stored_j`` over the
-  stages (bytes; :mod:`petra_jax.benchmarks.memory_model`, shapes only). Stage 0's images are
+  stages (bytes; :mod:`petra_jax.benchmarks.memory.model`, shapes only). Stage 0's images are
   not counted for any method (re-read from the dataset, as paper Table 3)."""
   from petra_jax import models  # pylint: disable=g-import-not-at-top
-  from petra_jax.benchmarks import memory_model  # pylint: disable=g-import-not-at-top
+  from petra_jax.benchmarks.memory import model as memory_model  # pylint: disable=g-import-not-at-top
   from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
   m = config.model
   stages = partition.group_stages(
@@ -433,7 +433,7 @@ def simulation_section(args, results: Sequence[dict]) -> list[str]:
   lines += ["", "Stage costs: medians of each stage's jitted forward and backward on this "
             "machine's CPU (`WORKDIR/stage_ms_J<J>_k<k>.json`), fed to "
             "`petra_jax.benchmarks.simulate.ms_per_update`; memory: "
-            "`petra_jax.benchmarks.memory_model` (parameters + what a stage holds between "
+            "`petra_jax.benchmarks.memory.model` (parameters + what a stage holds between "
             "forward and backward, optimizer state excluded)."]
   if missing:
     lines += ["", f"No stage costs stored for {'; '.join(missing)} (`--finished-only` measures "

@@ -89,6 +89,14 @@ def group_sizes(groups: Sequence[tuple[int, int]]) -> list[int]:
 def group_stages(blocks: Sequence[Stage], sizes: Sequence[int]) -> list[Stage]:
   """Groups consecutive blocks into stages: stage ``g`` runs ``sizes[g]`` blocks.
 
+  Args:
+    blocks: one ``Stage`` per residual block, in order (:func:`build_model`'s list).
+    sizes: blocks per stage, e.g. ``[4, 3, 3, 4]``; their sum is ``len(blocks)``.
+
+  Returns:
+    ``len(sizes)`` stages; a stage of one block is that block, a larger one a group
+    whose variables are held under ``"block_i"``.
+
   Raises:
     ValueError: sizes that do not sum to ``len(blocks)``, fewer than 2
       stages, or more stages than blocks.

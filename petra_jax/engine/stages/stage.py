@@ -315,7 +315,15 @@ def composed_loss(stages: Sequence[Stage], params: Sequence, batch_stats: Sequen
                   images: jax.Array, labels: jax.Array):
   """Mean cross-entropy of the composed stages (paper Eq. 2): ``(loss, new_batch_stats)``.
 
-  ``images float32[B, H, W, C]``, ``labels int32[B]`` (or tokens and targets int32 ``[B, T]``).
+  Args:
+    stages: the model's stages, applied in order (the last gives the logits).
+    params: per stage its parameters; ``batch_stats``: per stage its BatchNorm statistics.
+    images: ``float32[B, H, W, C]`` (a language model: token ids ``int32[B, T]``).
+    labels: ``int32[B]`` (a language model: targets ``int32[B, T]``).
+
+  Returns:
+    ``(loss, new_batch_stats)``: the float32 scalar mean over the batch, and per stage
+    the statistics after this training-mode forward.
   """
   x, new_stats = images, []
   for stage, p, bs in zip(stages, params, batch_stats):

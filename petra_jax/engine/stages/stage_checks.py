@@ -95,6 +95,13 @@ def _failure(b, x, e: Exception) -> str:
 
 def trained_variables(state) -> list[dict]:
   """Per stage the host's ``{"params", "batch_stats"}``: a Flax variables dict (groups:
-  ``"block_i"``), for ``module.apply`` or :func:`update_nnx`."""
+  ``"block_i"``), for ``module.apply`` or :func:`update_nnx`.
+
+  Args:
+    state: a :class:`PipelineState` (``pipe.init``'s or a trained one).
+
+  Returns:
+    One dict per stage, its arrays copied to the host (NumPy); None for a stage that
+    another process owns."""
   return [None if s is None else unfreeze(jax.device_get(
       {"params": s.params, "batch_stats": s.batch_stats})) for s in state.train_states]

@@ -19,7 +19,7 @@ import optax
 from petra_jax.engine.stages import partition
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
-from petra_jax.benchmarks.scaling_processes import available_cores, pin_to_cores
+from petra_jax.benchmarks.scaling.processes import available_cores, pin_to_cores
 from petra_jax.engine.arrays import quantize as quantize_lib
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine import timing
@@ -211,4 +211,4 @@ def _round_trip_ms(pipe: Pipeline, b: int, images, iters: int) -> dict:
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
-  sys.exit(cli.library_main("scaling_roles", "scaling"))
+  sys.exit(cli.library_main("scaling.roles", "scaling"))

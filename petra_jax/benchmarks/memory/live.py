@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from petra_jax.benchmarks.memory_model import first_stream, stage_bytes, stored_bytes
+from petra_jax.benchmarks.memory.model import first_stream, stage_bytes, stored_bytes
 from petra_jax.engine.arrays import quantize as quantize_lib
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
@@ -92,4 +92,4 @@ def _working_set(fn, train_state, args, state_bytes: int) -> int:
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
-  sys.exit(cli.library_main("memory_live", "memory"))
+  sys.exit(cli.library_main("memory.live", "memory"))

@@ -14,7 +14,8 @@ import jax
 
 EIGEN_FLAG = "--xla_cpu_multi_thread_eigen=false"
 RESULT = "RESULT "  # a child's report line: RESULT <json>
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 
 def pin_to_cores(cores: Sequence[int]) -> list[int]:
@@ -92,4 +93,4 @@ def _median(results: list) -> dict:
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
-  sys.exit(cli.library_main("scaling_processes", "scaling"))
+  sys.exit(cli.library_main("scaling.processes", "scaling"))

@@ -162,7 +162,7 @@ def stored_bytes(sizes: Sequence[dict], method: str, *, rev_stash: str = "both",
   parameters if the method stashes weights.
 
   Args:
-    sizes: :func:`stage_bytes` (or :func:`petra_jax.benchmarks.memory_live.measure_live`'s
+    sizes: :func:`stage_bytes` (or :func:`petra_jax.benchmarks.memory.live.measure_live`'s
       ``sizes``).
     method: a name in :data:`METHODS`.
     rev_stash: ``"both"`` streams or only ``"x1"`` of a reversible stage's
@@ -244,4 +244,4 @@ def table3_extended(sizes: Sequence[dict], quantized: dict[str, Sequence[dict]],
 if __name__ == "__main__":
   import sys  # pylint: disable=g-import-not-at-top
   from petra_jax.benchmarks import cli  # pylint: disable=g-import-not-at-top
-  sys.exit(cli.library_main("memory_model", "memory"))
+  sys.exit(cli.library_main("memory.model", "memory"))

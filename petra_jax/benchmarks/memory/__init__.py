@@ -2,7 +2,7 @@
 
 ``python -m petra_jax.benchmarks.memory --model=revnet50 --dataset=imagenet --batch-size=64
 [--method=petra] [--device-memory] [--json]``: analytic bytes per stage for each buffer
-configuration and schedule (``memory_model``), checked against a live PETRA run at a small
+configuration and schedule (:mod:`petra_jax.benchmarks.memory.model`), checked against a live PETRA run at a small
 width; Table 3's model; per-stage device memory (``--device-memory``); quantised formats.
 """
 
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from typing import Callable, Optional, Sequence
 
 from petra_jax import data as data_lib
 from petra_jax import models
 from petra_jax.benchmarks import cli
-from petra_jax.benchmarks.memory_live import device_memory, measure_live
-from petra_jax.benchmarks.memory_model import (
+from petra_jax.benchmarks.memory.live import device_memory, measure_live
+from petra_jax.benchmarks.memory.model import (
     GB, METHODS, MIB, PAPER_TABLE3, bytes_per_tick, stage_bytes,
     stored_bytes, table3, table3_extended)
 from petra_jax.engine.arrays import quantize as quantize_lib
@@ -202,6 +201,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _print(r, list(METHODS) if args.method == "all" else [args.method])
   return 0
 
-
-if __name__ == "__main__":
-  sys.exit(main())

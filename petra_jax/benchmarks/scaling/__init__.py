@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 
 from petra_jax import models
 from petra_jax.benchmarks import cli
-from petra_jax.benchmarks.scaling_processes import RESULT, measure
-from petra_jax.benchmarks.scaling_roles import run_single, run_worker, stage_sizes
+from petra_jax.benchmarks.scaling.processes import RESULT, measure
+from petra_jax.benchmarks.scaling.roles import run_single, run_worker, stage_sizes
 from petra_jax.benchmarks.throughput import simulated_speedup
 from petra_jax.engine.pipeline import assign_devices
 
@@ -162,6 +162,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   _check(args)
   return cli.emit(report(args, *measure(args)), args.json, print_table)
 
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -8,7 +8,7 @@ torch that runs this file with ``--worker``. RevNet18 at width 64 on random CIFA
 float32 batches: the authors' PETRA and backprop steps against ours.
 
 ``--model=gpt_nano`` (no ``--petra-repo``; batch 12, 20 iterations by default): a plain
-PyTorch decoder in nanoGPT's layout (``torch_gpt``, run by ``PY``) at ``gpt_nano``'s shapes
+PyTorch decoder in nanoGPT's layout (:mod:`petra_jax.benchmarks.torch_side_by_side.gpt`, run by ``PY``) at ``gpt_nano``'s shapes
 (width 32: 4 layers, 4 heads, 128 wide, context 64, vocabulary 65) against our backprop
 step on ``gpt_nano`` and our PETRA tick on ``revgpt_nano`` in 4 stages, AdamW on random
 int tokens ``[B, 64]``; ms, tokens per second, parameter counts (checked equal).
@@ -162,9 +162,9 @@ def gpt_params() -> dict:
 
 
 def _gpt_command(args) -> tuple:
-  """``(command, env)`` of ``torch_gpt`` at :func:`gpt_shapes`; idle OpenMP threads sleep
+  """``(command, env)`` of :mod:`.gpt` at :func:`gpt_shapes`; idle OpenMP threads sleep
   (``OMP_WAIT_POLICY=PASSIVE`` unless set): spinning ones stall on a shared, loaded CPU."""
-  from petra_jax.benchmarks import torch_gpt  # noqa: PLC0415  (no torch at import)
+  from petra_jax.benchmarks.torch_side_by_side import gpt as torch_gpt  # noqa: PLC0415  (no torch at import)
   flags = {**gpt_shapes(), "batch-size": args.batch_size, "iters": args.iters,
            "warmup": args.warmup, "threads": args.threads}
   env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}

@@ -2,8 +2,8 @@
 accumulations, counters) with orbax ``CheckpointManager``.
 
 Every process writes its part into ``DIR/<step>/`` (process 0) or
-``DIR/process_<p>/<step>/``: ``arrays`` (blocks, :mod:`checkpoint_blocks`;
-in-flight payloads, :mod:`checkpoint_state`; the caller's arrays) and
+``DIR/process_<p>/<step>/``: ``arrays`` (blocks, :mod:`blocks`;
+in-flight payloads, :mod:`in_flight`; the caller's arrays) and
 ``meta`` (JSON: fingerprint, tick, ``drained``, layout, the caller's
 ``extra``). A step counts once every process that wrote it has committed
 its part (an *incomplete* step is deleted on restore); a step that cannot
@@ -25,11 +25,11 @@ import orbax.checkpoint as ocp
 
 from petra_jax import models
 from petra_jax.engine.transport.pipeline_state import PipelineState
-from petra_jax.training import checkpoint_blocks as blocks_lib
-from petra_jax.training import checkpoint_state as state_lib
-from petra_jax.training import orbax_local
+from petra_jax.training.checkpoint import blocks as blocks_lib
+from petra_jax.training.checkpoint import in_flight as state_lib
+from petra_jax.training.checkpoint import orbax_local
 from petra_jax.training.console import disk_full
-from petra_jax.training.checkpoint_blocks import (CheckpointError, merge_blocks, split_stage,
+from petra_jax.training.checkpoint.blocks import (CheckpointError, merge_blocks, split_stage,
                                                   stage_block_count)
 
 
@@ -41,7 +41,7 @@ def process_dir(directory: str, process: int) -> str:
 
 def _manager(path: str) -> ocp.CheckpointManager:
   """An orbax manager over one process's directory, run by this process
-  alone (:mod:`petra_jax.training.orbax_local`; the commit across processes is ours)."""
+  alone (:mod:`petra_jax.training.checkpoint.orbax_local`; the commit across processes is ours)."""
   return ocp.CheckpointManager(path, options=orbax_local.manager_options(path),
                                item_handlers=orbax_local.item_handlers(path))
 
