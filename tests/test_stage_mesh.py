@@ -60,8 +60,9 @@ def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
 
 
 def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
-  """Once compiled, each call of N steady ticks is one dispatch of the SPMD program, and no
-  jitted step of the host executor runs in between (tracing called them once)."""
+  """Once compiled, each call of N steady ticks is one dispatch of the SPMD program: no jitted
+  step of the host executor runs in between (tracing called them once), and the state a call
+  returns stays packed on the devices until read (the next call takes it as it is)."""
   n, M = 4, 30
   pipe = _pipe("petra")
   batches = _batches()
@@ -73,6 +74,7 @@ def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
     ticks.append(ran)
     t += ran
   assert t == 2 * (J - 1) + n and ticks == [1] * 2 * (J - 1) + [n]
+  first = state
   host_calls = []
   for steps in pipe.steps:
     for name in ("_forward", "_backward", "_fused"):
@@ -80,11 +82,17 @@ def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
       if fn is not None:  # (the last stage has no fused step)
         setattr(steps, name, lambda *a, fn=fn: host_calls.append(1) or fn(*a))
   steady = (M - 2 * (J - 1)) // n * n
+  conversions = ex.mesh.conversions  # (the first call packed the host's state)
   while t < 2 * (J - 1) + steady:
     state, outputs, ran = ex.advance(state, table, t, batches)
     assert ran == n and len(outputs) == n
     t += ran
-  assert ex.dispatches == steady // n and not host_calls
+  # Each call took the carry the last one left: no stage packed or unpacked in between.
+  assert ex.dispatches == steady // n and not host_calls and ex.mesh.conversions == conversions
+  with pytest.raises(RuntimeError, match="donated"):
+    first.stage_states  # noqa: B018  (a state a later call took)
+  assert state.in_flight() == 2 * (J - 1)  # read: unpacked, one call per stage
+  assert ex.mesh.conversions == conversions + J
 
 
 @pytest.mark.parametrize("build, missing", [

@@ -142,12 +142,55 @@ def _same(a, b) -> bool:
 
 class Program(NamedTuple):
   """One built stage-mesh program: ``fn``, each stage's ``layouts`` and jitted ``packs`` /
-  ``unpacks``, and the frame micro-batches of a period's losses (``mbs``)."""
+  ``unpacks``, the frame micro-batches of a period's losses (``mbs``), and the plain parts
+  (``abstract``, ``jax.ShapeDtypeStruct`` leaves) its carry holds at a period's start."""
   fn: Callable
   layouts: list
   packs: list
   unpacks: list
   mbs: tuple
+  abstract: list
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(PipelineState) if f.name != "tick")
+_DONATED = "donated"
+
+
+class Resident(PipelineState):
+  """The :class:`PipelineState` a stage-mesh call returns, left packed on the devices: its
+  fields are unpacked (one jitted call per stage) when first read; passed back unread to
+  the next call, that call takes the program's carry as it is (no dispatch but its own).
+
+  Raises (reading a field):
+    RuntimeError: a later call took (donated) its arrays.
+  """
+
+  def __init__(self, mesh: "StageMesh", program: Program, carry: tuple, s: int, tick: int):
+    self.tick = tick
+    self._packed = (mesh, program, carry, s)
+
+  def __getattr__(self, name):
+    packed = self.__dict__.get("_packed")
+    if packed is None or name not in _FIELDS:
+      raise AttributeError(name)
+    if packed is _DONATED:
+      raise RuntimeError("this pipeline state's arrays were donated to a later compiled call "
+                         "(advance donates the state it takes): use the state it returned.")
+    mesh, program, carry, s = packed
+    full = join(mesh.unpack(program, carry), s, self.tick)
+    self.__dict__.update({f: getattr(full, f) for f in _FIELDS}, _packed=None)
+    return self.__dict__[name]
+
+  def claim(self, mesh: "StageMesh", s: int) -> Optional[tuple]:
+    """``(program, carry)`` if unread, of ``mesh`` and keyed ``m - s``; else None."""
+    packed = self.__dict__.get("_packed")
+    if packed is None or packed is _DONATED or packed[0] is not mesh or packed[3] != s:
+      return None
+    return packed[1], packed[2]
+
+  def donate(self) -> None:
+    """Marks the carry taken by a call (its fields can no longer be read)."""
+    self.__dict__["_packed"] = _DONATED
 
 
 def _feed_images(state: PipelineState, m: int, batches) -> None:
@@ -278,14 +321,15 @@ class StageMesh:
 
   def _program(self, parts: list, x: tuple, periods: int) -> Optional[Program]:
     """The :class:`Program` for ``parts``' structure (built once), or None if not steady."""
-    key = (_signature(parts), periods)
+    key = (_signature(parts), jax.tree.map(lambda a: (a.shape, a.dtype), x), periods)
     if key not in self._programs:
       abstract = jax.eval_shape(lambda p: [_plain(q) for q in p], parts)
       lays = layouts(abstract)
       mbs = self._check(abstract, lays, x)
       self._programs[key] = None if mbs is None else Program(
           self._program_fn(lays, len(mbs), periods), lays,
-          [jax.jit(lay.pack) for lay in lays], [jax.jit(lay.unpack) for lay in lays], mbs)
+          [jax.jit(lay.pack) for lay in lays], [jax.jit(lay.unpack) for lay in lays], mbs,
+          abstract)
     return self._programs[key]
 
   def _global(self, x: jax.Array, home: int) -> jax.Array:
@@ -314,7 +358,7 @@ class StageMesh:
         for bufs in zip(*(stage[kind] for stage in per_stage)))
         for kind in range(3))
 
-  def _from_global(self, program: Program, carry: tuple) -> list[Part]:
+  def unpack(self, program: Program, carry: tuple) -> list[Part]:
     """Each stage's :class:`Part` from the program's carry (its shards unpacked)."""
     shards = [[{s.device: s.data for s in a.addressable_shards} for a in kind] for kind in carry]
     self.conversions += len(self.devices)
@@ -335,16 +379,21 @@ class StageMesh:
     fed = [[checked(m + s + i * period.shift) for m in period.fed] for i in range(periods)]
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                      (tuple(f[0] for f in fed[0]), tuple(f[1] for f in fed[0])))
-    parts = split(state, s)
-    program = self._program(parts, x, periods)
+    # The carry the last call left, if nobody read it since: taken as it is.
+    claimed = state.claim(self, s) if isinstance(state, Resident) else None
+    parts = None if claimed else split(state, s)
+    program = self._program(claimed[0].abstract if claimed else parts, x, periods)
     if program is None:
       return None
+    carry = claimed[1] if claimed else self._to_global(program, parts)
     images = tuple(tuple(self._global(f[0], 0) for f in row) for row in fed)
     labels = tuple(tuple(self._global(f[1], J - 1) for f in row) for row in fed)
-    carry, losses = program.fn(self._to_global(program, parts), images, labels)
+    if claimed is not None:
+      state.donate()
+    carry, losses = program.fn(carry, images, labels)
     n = len(program.mbs)
     outputs = [TickOutput(m + s + i * period.shift, losses[i * n + q])
                for i in range(periods) for q, m in enumerate(program.mbs)]
     ticks = periods * len(period.ticks)
     end = s + periods * period.shift
-    return join(self._from_global(program, carry), end, state.tick + ticks), outputs, ticks
+    return Resident(self, program, carry, end, state.tick + ticks), outputs, ticks
