@@ -22,9 +22,11 @@ move down by its micro-batches. Whether a state has that shape is checked
 once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
 
 Supported: one process, every stage on one device (or one group of
-``data_parallel`` devices), methods whose cotangents travel back
-(``updates == "backward"``), unquantised messages, no observers. Anything
-else raises :class:`Unsupported` naming what is missing.
+``data_parallel`` devices), or the stream with one stage per device (one SPMD
+program over a ``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
+methods whose cotangents travel back (``updates == "backward"``), unquantised
+messages, no observers. Anything else raises :class:`Unsupported` naming what
+is missing.
 """
 
 from __future__ import annotations
