@@ -152,3 +152,21 @@ def test_a_packed_pipeline_trains_exactly_as_an_unpacked_one(method, monkeypatch
     results[packs] = ([float(o.loss) for o in first + rest], state.train_states)
   assert results[True][0] == results[False][0]
   _same(results[True][1], results[False][1])
+
+
+def test_padded_layout_holds_trees_of_different_shapes_in_equal_buffers_exactly():
+  """Several stages' trees (other structures, shapes and dtypes) in one layout: every tree
+  packs to buffers of the same sizes (the largest tree's per dtype) and unpacks bit for bit."""
+  trees = [{"w": jnp.arange(6.0).reshape(2, 3), "n": jnp.int32(7)},
+           (jnp.ones((5,), jnp.bfloat16), jnp.full((2, 2), -1.5)),
+           {}]
+  layouts = packing.padded(trees)
+  packed = [lay.pack(t) for lay, t in zip(layouts, trees)]
+  assert len({tuple((b.shape, b.dtype) for b in p) for p in packed}) == 1
+  for lay, tree, buffers in zip(layouts, trees, packed):
+    back = lay.unpack(buffers)
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+      assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="PRNG key"):
+    packing.padded([{"key": jax.random.key(0)}])

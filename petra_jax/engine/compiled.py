@@ -22,9 +22,11 @@ move down by its micro-batches. Whether a state has that shape is checked
 once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
 
 Supported: one process, every stage on one device (or one group of
-``data_parallel`` devices), methods whose cotangents travel back
-(``updates == "backward"``), unquantised messages, no observers. Anything
-else raises :class:`Unsupported` naming what is missing.
+``data_parallel`` devices), or the stream with one stage per device (one SPMD
+program over a ``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
+methods whose cotangents travel back (``updates == "backward"``), unquantised
+messages, no observers. Anything else raises :class:`Unsupported` naming what
+is missing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from petra_jax.engine import schedules as schedule_lib
+from petra_jax.engine import stage_mesh
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
@@ -53,15 +56,31 @@ def unsupported(pipe) -> Optional[str]:
   """Why ``pipe`` cannot run compiled, or None if it can."""
   if pipe.multiprocess:
     return "its stages live in several processes"
-  if len(set(pipe.placements)) > 1:
-    return (f"its stages are on {len(set(pipe.placements))} devices (it runs pipelines whose "
-            "stages share one device or one data-parallel group)")
   if pipe.observers:
     return "observers (gradient-quality or reconstruction probes) run around every task"
   if pipe.method.updates != "backward":
     return f"method {pipe.method.name!r} sends no cotangent back (local updates)"
   if pipe.formats.active:
     return "quantised messages (--config.messages.*) draw per-micro-batch rounding keys"
+  return _across_devices(pipe)
+
+
+def _across_devices(pipe) -> Optional[str]:
+  """What the stage-mesh program (:mod:`stage_mesh`) lacks for ``pipe``'s placement, or None
+  (one device or one data-parallel group: the one-program executor)."""
+  places, J = len(set(pipe.placements)), pipe.num_stages
+  if places == 1:
+    return None
+  if pipe.placements[0].size > 1:
+    return (f"its stages are on {places} groups of {pipe.placements[0].size} data-parallel "
+            "devices (the stage-mesh program takes one device per stage)")
+  if places < J:
+    return (f"its {J} stages are on {places} devices (the stage-mesh program runs one stage "
+            "per device)")
+  family = pipe.method.schedule
+  if family.round_size(pipe.accumulation_steps):
+    return (f"its stages are on {places} devices and it runs the flushed schedule "
+            f"{family.name!r} (the stage-mesh program runs the stream only)")
   return None
 
 
@@ -162,6 +181,8 @@ class CompiledExecutor:
     self.pipe, self.n = pipe, periods_per_dispatch
     self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
     self._plan = pipe.plan(_traced_feed)
+    self.mesh = (stage_mesh.StageMesh(pipe, self.period) if len(set(pipe.placements)) > 1
+                 else None)
     self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
     self.dispatches = 0  # compiled calls made (a counter for tests and benchmarks)
 
@@ -169,7 +190,8 @@ class CompiledExecutor:
     """One phrase for the run's summary."""
     family = self.pipe.method.schedule
     unit = "rounds" if family.round_size(self.pipe.accumulation_steps) else "ticks"
-    return f"compiled ({self.n} steady-state {unit} per call)"
+    where = "" if self.mesh is None else f", one SPMD program over {len(self.mesh.devices)} devices"
+    return f"compiled ({self.n} steady-state {unit} per call{where})"
 
   def _body(self, out_mbs: list) -> Callable:
     """One period: ``(carry, inputs) -> (carry, losses)``; records the losses' micro-batches."""
@@ -263,6 +285,10 @@ class CompiledExecutor:
     return state, outputs, 1
 
   def _run_compiled(self, state: PipelineState, s: int, periods: int, batches):
+    if self.mesh is not None:
+      result = self.mesh.run(state, s, periods, batches)
+      self.dispatches += result is not None
+      return result
     period, checked = self.period, input_checks.checked(batches, self.pipe.input_spec)
     inputs = tuple(tuple(checked(m + s + i * period.shift) for m in period.fed)
                    for i in range(periods))

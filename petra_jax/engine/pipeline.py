@@ -296,16 +296,24 @@ class Pipeline:
         out[kind][j] = build(contexts[j])
     return out
 
-  def plan(self, feed: Callable) -> tuple:
+  def plan(self, feed: Callable, in_program: bool = False) -> tuple:
     """``(tasks, pairs)`` as the pipeline's own, with stage 0's ``feed`` replaced.
 
     ``feed(state, m, batches)`` puts micro-batch ``m``'s input in ``state.inbox[0]``
-    and its labels in ``state.labels`` (the compiled executor's traced feed). States
+    (and its labels in ``state.labels``: the compiled executor's traced feed). States
     are taken as they are, never packed (packing pays for dispatches, not in a program).
+    ``in_program``: messages are left where they are made (the compiled executor's
+    stage-mesh program moves them itself with ``lax.ppermute``).
     """
+    stay = lambda x, m: x  # noqa: E731
     contexts = [dataclasses.replace(c, feed=feed if c.feed is not None else None,
                                     state_of=context_lib.state_getter(c.j, False))
                 for c in self.contexts]
+    if in_program:
+      contexts = [dataclasses.replace(
+          c, send=c.send and stay, route_back=c.route_back and stay,
+          send_back=c.send_back and context_lib.back_route(stay, self.reconstructs[c.j - 1]))
+          for c in contexts]
     pairs = [tasks.pair_task(c) for c in contexts[:-1]] if self.regime.fuse else None
     return self._plan(contexts), pairs
 

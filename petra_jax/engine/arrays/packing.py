@@ -161,3 +161,63 @@ def on_packed(step: Callable) -> Callable:
     is_state = lambda x: isinstance(x, packer.kind)  # noqa: E731
     return jax.tree.map(lambda x: packer.pack(x) if is_state(x) else x, out, is_leaf=is_state)
   return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Padded:
+  """One of several pytrees in their common flat layout (hashable): one 1-D buffer per dtype
+  of ``dtypes`` (every tree's), each ``sizes[g]`` elements long (the largest tree's, at least
+  1); this tree's leaves first, in order, then zeros. Build them with :func:`padded`.
+
+  Attributes:
+    treedef: this tree's structure; ``shapes``, ``slots`` per leaf (``(buffer, offset,
+      size)`` as :class:`Packer`'s, ``buffer`` an index of ``dtypes``).
+  """
+  treedef: Any
+  shapes: tuple
+  slots: tuple
+  dtypes: tuple
+  sizes: tuple
+
+  def pack(self, tree: PyTree) -> tuple:
+    """``tree`` (this layout's structure) as ``len(dtypes)`` buffers ``dtype[size]``."""
+    groups = [[] for _ in self.dtypes]
+    for x, (g, _, _) in zip(jax.tree.leaves(tree), self.slots):
+      groups[g].append(jnp.ravel(x).astype(self.dtypes[g]))
+    out = []
+    for parts, dtype, size in zip(groups, self.dtypes, self.sizes):
+      used = sum(p.size for p in parts)
+      out.append(_concat(parts + [jnp.zeros((size - used,), dtype)] if used < size else parts))
+    return tuple(out)
+
+  def unpack(self, buffers: tuple) -> PyTree:
+    """The tree ``buffers`` (:meth:`pack`'s) hold: each leaf a static slice, reshaped."""
+    leaves = [jax.lax.slice(buffers[g], (o,), (o + n,)).reshape(shape)
+              for (g, o, n), shape in zip(self.slots, self.shapes)]
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+def padded(trees: list) -> list[Padded]:
+  """Each of ``trees`` (arrays or ``jax.ShapeDtypeStruct`` s) in one layout common to all:
+  one buffer per dtype, each as long as the largest tree's leaves of that dtype.
+
+  Raises:
+    ValueError: a leaf of an extended dtype (a PRNG key), which has no flat bits here.
+  """
+  flat = [jax.tree.flatten(t) for t in trees]
+  for leaves, _ in flat:
+    for x in leaves:
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        raise ValueError(f"a leaf of dtype {x.dtype} (a PRNG key) cannot be packed flat.")
+  dtypes = tuple(sorted({np.dtype(x.dtype) for leaves, _ in flat for x in leaves},
+                        key=lambda d: d.str))
+  layouts, sizes = [], [1] * len(dtypes)
+  for leaves, treedef in flat:
+    used, slots = [0] * len(dtypes), []
+    for x in leaves:
+      g, n = dtypes.index(np.dtype(x.dtype)), int(np.prod(x.shape, dtype=np.int64))
+      slots.append((g, used[g], n))
+      used[g] += n
+    sizes = [max(a, b) for a, b in zip(sizes, used)]
+    layouts.append((treedef, tuple(tuple(x.shape) for x in leaves), tuple(slots)))
+  return [Padded(t, s, slots, dtypes, tuple(sizes)) for t, s, slots in layouts]

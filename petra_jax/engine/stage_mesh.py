@@ -1,0 +1,399 @@
+"""The compiled executor across devices: the stream's steady ticks as one SPMD program.
+
+Stage ``j`` lives on device ``j`` of a ``stage`` mesh axis (one process, one stage per
+device). One program runs on every device (``jax.shard_map``): ``lax.switch`` on
+``lax.axis_index("stage")`` runs that device's stage with the very task functions the host
+executor calls (their jitted steps inline, paper Alg. 1: a forward on the newest micro-batch, a
+reconstructing backward, Eq. 5, on an older one); ``lax.ppermute`` moves the activations
+forward (``j -> j + 1``) and the cotangent messages ``(x~ or None, delta)`` back
+(``j -> j - 1``), each consumed on the next tick as on the host; ``lax.scan`` runs ``N`` ticks
+per dispatch. Stages differ (stem, reversible blocks, head), so what a device carries is packed
+into a layout common to every device (:func:`packing.padded`: one flat buffer per dtype,
+padded to the largest stage): ``local`` (its stage state, the inputs or weights it keeps, the
+last stage's labels), ``fwd`` (the activation that arrived) and ``bwd`` (the cotangent that
+arrived). Keys are a period's frame, ``m - s``, as in :mod:`petra_jax.engine.compiled`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from petra_jax.engine.arrays import packing
+from petra_jax.engine.methods.tasks import TickOutput
+from petra_jax.engine.stages import input_checks
+from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError
+from petra_jax.engine.transport.rings import rekey
+
+AXIS = "stage"
+_KEPT = ("buffers", "weight_stash")  # per-stage boxes a stage keeps over ticks
+
+
+class Part(NamedTuple):
+  """Stage ``j``'s share of a :class:`PipelineState` at a period's start, keyed ``m - s``.
+
+  ``local``: ``(stage state, {box: {m: payload}})`` (its kept inputs and weights; the last
+  stage's labels); ``fwd``: its inbox ``{m: x_j}``; ``bwd``: its grad_inbox
+  ``{m: (x~_{j+1} or None, delta_{j+1})}``.
+  """
+  local: tuple
+  fwd: dict
+  bwd: dict
+
+
+def split(state: PipelineState, s: int) -> list[Part]:
+  """Each stage's :class:`Part` of ``state``, keys moved by ``-s`` (no array touched)."""
+  J, parts = len(state.stage_states), []
+  for j in range(J):
+    kept = {name: rekey(getattr(state, name)[j], -s) for name in _KEPT}
+    if j == J - 1:
+      kept["labels"] = rekey(state.labels, -s)
+    parts.append(Part((state.stage_states[j], kept), rekey(state.inbox[j], -s),
+                      rekey(state.grad_inbox[j], -s)))
+  return parts
+
+
+def join(parts: list[Part], s: int, tick: int) -> PipelineState:
+  """The :class:`PipelineState` at ``tick`` whose stages' shares are ``parts`` keyed ``m - s``."""
+  state = PipelineState.empty([p.local[0] for p in parts], tick)
+  for j, p in enumerate(parts):
+    for name in _KEPT:
+      getattr(state, name)[j] = rekey(p.local[1][name], s)
+    state.inbox[j], state.grad_inbox[j] = rekey(p.fwd, s), rekey(p.bwd, s)
+  state.labels = rekey(parts[-1].local[1]["labels"], s)
+  return state
+
+
+def _plain(part: Part) -> Part:
+  """``part`` with a packed stage state unpacked (inside a trace: static slices)."""
+  st, kept = part.local
+  st = st.unpacked() if isinstance(st, packing.PackedState) else st
+  return Part((st, kept), part.fwd, part.bwd)
+
+
+def _signature(parts: list[Part]) -> tuple:
+  """What a program depends on: the parts' plain structures, shapes and dtypes (a packed
+  stage state read from its packer, so packed and plain states share one program)."""
+  def one(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(a.shape), np.dtype(a.dtype)) for a in leaves)
+  out = []
+  for part in parts:
+    st, kept = part.local
+    if isinstance(st, packing.PackedState):
+      k = st.packer
+      st = (k.treedef, tuple((shape, k.dtypes[g]) for shape, (g, _, _) in zip(k.shapes, k.slots)))
+    else:
+      st = one(st)
+    out.append((st, one((kept, part.fwd, part.bwd))))
+  return tuple(out)
+
+
+def _values(box: dict) -> tuple:
+  return tuple(box[m] for m in sorted(box))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Stage ``j``'s three layouts (:class:`packing.Padded`) and its arriving messages' keys."""
+  local: packing.Padded
+  fwd: packing.Padded
+  bwd: packing.Padded
+  fwd_keys: tuple
+  bwd_keys: tuple
+
+  def pack(self, part: Part) -> tuple:
+    """``(local, fwd, bwd)`` buffers of ``part`` (a jitted conversion's body)."""
+    part = _plain(part)
+    return (self.local.pack(part.local), self.fwd.pack(_values(part.fwd)),
+            self.bwd.pack(_values(part.bwd)))
+
+  def unpack(self, local: tuple, fwd: tuple, bwd: tuple) -> Part:
+    """The :class:`Part` the three buffers hold."""
+    return Part(self.local.unpack(local), dict(zip(self.fwd_keys, self.fwd.unpack(fwd))),
+                dict(zip(self.bwd_keys, self.bwd.unpack(bwd))))
+
+
+def layouts(parts: list[Part]) -> list[Layout]:
+  """Every stage's :class:`Layout` from its (abstract, plain) part.
+
+  Raises:
+    ValueError: a leaf of an extended dtype (:func:`packing.padded`).
+  """
+  local = packing.padded([p.local for p in parts])
+  fwd = packing.padded([_values(p.fwd) for p in parts])
+  bwd = packing.padded([_values(p.bwd) for p in parts])
+  return [Layout(a, b, c, tuple(sorted(p.fwd)), tuple(sorted(p.bwd)))
+          for a, b, c, p in zip(local, fwd, bwd, parts)]
+
+
+def _same(a, b) -> bool:
+  """Whether two pytrees have one structure and leaves of one shape and dtype."""
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      (x.shape, x.dtype) == (y.shape, y.dtype)
+      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+class Program(NamedTuple):
+  """One built stage-mesh program: ``fn``, each stage's ``layouts`` and jitted ``packs`` /
+  ``unpacks``, the frame micro-batches of a period's losses (``mbs``), and the plain parts
+  (``abstract``, ``jax.ShapeDtypeStruct`` leaves) its carry holds at a period's start."""
+  fn: Callable
+  layouts: list
+  packs: list
+  unpacks: list
+  mbs: tuple
+  abstract: list
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(PipelineState) if f.name != "tick")
+_DONATED = "donated"
+
+
+class Resident(PipelineState):
+  """The :class:`PipelineState` a stage-mesh call returns, left packed on the devices: its
+  fields are unpacked (one jitted call per stage) when first read; passed back unread to
+  the next call, that call takes the program's carry as it is (no dispatch but its own).
+
+  Raises (reading a field):
+    RuntimeError: a later call took (donated) its arrays.
+  """
+
+  def __init__(self, mesh: "StageMesh", program: Program, carry: tuple, s: int, tick: int):
+    self.tick = tick
+    self._packed = (mesh, program, carry, s)
+
+  def __getattr__(self, name):
+    packed = self.__dict__.get("_packed")
+    if packed is None or name not in _FIELDS:
+      raise AttributeError(name)
+    if packed is _DONATED:
+      raise RuntimeError("this pipeline state's arrays were donated to a later compiled call "
+                         "(advance donates the state it takes): use the state it returned.")
+    mesh, program, carry, s = packed
+    full = join(mesh.unpack(program, carry), s, self.tick)
+    self.__dict__.update({f: getattr(full, f) for f in _FIELDS}, _packed=None)
+    return self.__dict__[name]
+
+  def claim(self, mesh: "StageMesh", s: int) -> Optional[tuple]:
+    """``(program, carry)`` if unread, of ``mesh`` and keyed ``m - s``; else None."""
+    packed = self.__dict__.get("_packed")
+    if packed is None or packed is _DONATED or packed[0] is not mesh or packed[3] != s:
+      return None
+    return packed[1], packed[2]
+
+  def donate(self) -> None:
+    """Marks the carry taken by a call (its fields can no longer be read)."""
+    self.__dict__["_packed"] = _DONATED
+
+
+def _feed_images(state: PipelineState, m: int, batches) -> None:
+  """Stage 0's feed inside the program: micro-batch ``m``'s images only (the last stage's
+  branch takes the labels of the same tick itself, :meth:`StageMesh.stage_tick`)."""
+  state.inbox[0][m] = batches(m)
+
+
+def _zeros_like(buffers: tuple) -> tuple:
+  return tuple(jnp.zeros_like(b) for b in buffers)
+
+
+class StageMesh:
+  """The stream's steady ticks of ``pipe`` (one stage per device) as one SPMD program.
+
+  Args:
+    pipe: a pipeline whose ``J`` stages are on ``J`` distinct devices of this process.
+    period: the stream's period (:class:`petra_jax.engine.compiled.Period`: one tick).
+  """
+
+  def __init__(self, pipe, period):
+    self.pipe, self.period = pipe, period
+    self.devices = list(pipe.devices)
+    self.mesh = Mesh(np.array(self.devices), (AXIS,))
+    self.sharding = NamedSharding(self.mesh, P(AXIS))
+    self._plan = pipe.plan(_feed_images, in_program=True)
+    self._programs: dict = {}  # (parts' structure, leaf shapes, periods) -> Program or None
+    self._zeros: dict = {}
+    self.conversions = 0  # jitted calls outside the program: a part packed or unpacked
+
+  def stage_tick(self, j: int, part: Part, images: tuple, labels: tuple,
+                 mbs: Optional[list] = None) -> tuple:
+    """Stage ``j``'s tasks of one period on its plain ``part``, fed ``images`` and
+    ``labels`` (one per fed micro-batch): ``(local after, {m: x_{j+1}} to j + 1,
+    {m: (x~_j or None, delta_j)} to j - 1, [float32 losses])``, keys moved by ``-shift``;
+    ``mbs`` receives the losses' frame micro-batches.
+
+    Raises:
+      ScheduleError: a task's message has not arrived, or an arrived one is left (not steady).
+    """
+    J, period, (st, kept) = self.pipe.num_stages, self.period, part.local
+    state = PipelineState.empty([None] * J)
+    state.stage_states[j] = st
+    for name in _KEPT:
+      getattr(state, name)[j] = dict(kept[name])
+    if j == J - 1:  # what the host's feed sends the last stage on this tick
+      state.labels = {**kept["labels"], **dict(zip(period.fed, labels))}
+    state.inbox[j], state.grad_inbox[j] = dict(part.fwd), dict(part.bwd)
+    batch, outputs = dict(zip(period.fed, images)), []
+    for tick in period.ticks:
+      mine = tuple(task for task in tick if task.stage == j)
+      outputs += self.pipe.run_tasks(state, mine, batch.__getitem__, self._plan)
+    if state.inbox[j] or state.grad_inbox[j]:
+      raise ScheduleError(f"stage {j} left an arrived message unconsumed: not a steady tick.")
+    s = period.shift
+    kept = {name: rekey(getattr(state, name)[j], -s) for name in _KEPT}
+    if j == J - 1:
+      kept["labels"] = rekey(state.labels, -s)
+    if mbs is not None:
+      mbs[:] = [o.micro_batch for o in outputs]
+    return ((state.stage_states[j], kept), rekey(state.inbox[j + 1], -s) if j < J - 1 else {},
+            rekey(state.grad_inbox[j - 1], -s) if j > 0 else {},
+            [o.loss.astype(jnp.float32) for o in outputs])
+
+  def _check(self, parts: list, lays: list, x: tuple) -> Optional[tuple]:
+    """The frame micro-batches of a period's losses if each stage's period maps its share to
+    the same structure and sends each neighbour the messages it expects; else None."""
+    J, mbs = len(parts), []
+    for j in range(J):
+      seen: list = []
+      try:
+        local, ahead, back, _ = jax.eval_shape(
+            functools.partial(self.stage_tick, j, mbs=seen), parts[j], *x)
+      except ScheduleError:
+        return None
+      if j == J - 1:
+        mbs = seen
+      if not _same(local, parts[j].local):
+        return None
+      if j < J - 1 and (tuple(sorted(ahead)) != lays[j + 1].fwd_keys
+                        or not _same(_values(ahead), _values(parts[j + 1].fwd))):
+        return None
+      if j > 0 and (tuple(sorted(back)) != lays[j - 1].bwd_keys
+                    or not _same(_values(back), _values(parts[j - 1].bwd))):
+        return None
+    return tuple(mbs)
+
+  def _branch(self, j: int, lays: list, num_losses: int) -> Callable:
+    """Device ``j``'s period on its flat buffers: ``(local, fwd, bwd, x) -> (local, to
+    j + 1, to j - 1, float32[num_losses])``, messages packed in the receiver's layout."""
+    J, lay = len(lays), lays[j]
+
+    def branch(local, fwd, bwd, x):
+      local, ahead, back, losses = self.stage_tick(j, lay.unpack(local, fwd, bwd), *x)
+      ahead = lays[j + 1].fwd.pack(_values(ahead)) if j < J - 1 else _zeros_like(fwd)
+      back = lays[j - 1].bwd.pack(_values(back)) if j > 0 else _zeros_like(bwd)
+      losses = jnp.stack(losses) if losses else jnp.zeros((num_losses,), jnp.float32)
+      return lay.local.pack(local), ahead, back, losses
+    return branch
+
+  def _program_fn(self, lays: list, num_losses: int, periods: int) -> Callable:
+    """The jitted program: ``periods`` ticks of every stage, ``(carry, images, labels) ->
+    (carry, losses)``; the carry (``(local, fwd, bwd)``, global ``dtype[J * size]`` buffers
+    sharded on the stage axis) donated; ``num_losses * periods`` float32 scalars."""
+    J = len(lays)
+    branches = [self._branch(j, lays, num_losses) for j in range(J)]
+    ahead, back = [(j, j + 1) for j in range(J - 1)], [(j + 1, j) for j in range(J - 1)]
+
+    def per_device(local, fwd, bwd, images, labels):
+      stage = jax.lax.axis_index(AXIS)
+
+      def body(carry, x):
+        local, fwd, bwd, losses = jax.lax.switch(stage, branches, *carry, x)
+        fwd = tuple(jax.lax.ppermute(b, AXIS, ahead) for b in fwd)
+        bwd = tuple(jax.lax.ppermute(b, AXIS, back) for b in bwd)
+        return (local, fwd, bwd), losses
+      xs = jax.tree.map(lambda *a: jnp.stack(a), *zip(images, labels))
+      carry, losses = jax.lax.scan(body, (local, fwd, bwd), xs, length=periods)
+      return (*carry, jax.lax.psum(jnp.where(stage == J - 1, losses, 0.0), AXIS))
+
+    mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=P(AXIS),
+                           out_specs=(P(AXIS),) * 3 + (P(),), check_vma=False)
+
+    def run(carry, images, labels):
+      *carry, losses = mapped(*carry, images, labels)
+      return tuple(carry), tuple(losses[i, q] for i in range(periods) for q in range(num_losses))
+    return jax.jit(run, donate_argnums=0)
+
+  def _program(self, parts: list, x: tuple, periods: int) -> Optional[Program]:
+    """The :class:`Program` for ``parts``' structure (built once), or None if not steady."""
+    key = (_signature(parts), jax.tree.map(lambda a: (a.shape, a.dtype), x), periods)
+    if key not in self._programs:
+      abstract = jax.eval_shape(lambda p: [_plain(q) for q in p], parts)
+      lays = layouts(abstract)
+      mbs = self._check(abstract, lays, x)
+      self._programs[key] = None if mbs is None else Program(
+          self._program_fn(lays, len(mbs), periods), lays,
+          [jax.jit(lay.pack) for lay in lays], [jax.jit(lay.unpack) for lay in lays], mbs,
+          abstract)
+    return self._programs[key]
+
+  def _global(self, x: jax.Array, home: int) -> jax.Array:
+    """``x [B, ...]`` as device ``home``'s shard of a ``[J * B, ...]`` array on the stage axis
+    (zeros, allocated once, on the other devices; nothing copied)."""
+    d = self.devices[home]
+    x = jax.device_put(x, d)
+    shards = []
+    for device in self.devices:
+      if device == d:
+        shards.append(x)
+        continue
+      key = (x.shape, x.dtype, device)
+      if key not in self._zeros:
+        self._zeros[key] = jax.device_put(np.zeros(x.shape, x.dtype), device)
+      shards.append(self._zeros[key])
+    return jax.make_array_from_single_device_arrays(
+        (len(self.devices) * x.shape[0], *x.shape[1:]), self.sharding, shards)
+
+  def _to_global(self, program: Program, parts: list) -> tuple:
+    """The program's carry: each stage's part packed on its device, the shards joined."""
+    per_stage = [pack(part) for pack, part in zip(program.packs, parts)]
+    self.conversions += len(parts)
+    return tuple(tuple(jax.make_array_from_single_device_arrays(
+        (len(parts) * bufs[0].shape[0],), self.sharding, list(bufs))
+        for bufs in zip(*(stage[kind] for stage in per_stage)))
+        for kind in range(3))
+
+  def unpack(self, program: Program, carry: tuple) -> list[Part]:
+    """Each stage's :class:`Part` from the program's carry (its shards unpacked)."""
+    shards = [[{s.device: s.data for s in a.addressable_shards} for a in kind] for kind in carry]
+    self.conversions += len(self.devices)
+    return [unpack(*(tuple(by[d] for by in kind) for kind in shards))
+            for unpack, d in zip(program.unpacks, self.devices)]
+
+  def run(self, state: PipelineState, s: int, periods: int, batches) -> Optional[tuple]:
+    """``periods`` steady periods from ``state`` (keys ``m - s``) in one call.
+
+    Args:
+      batches: ``m -> (images [B, ...], labels [B, ...])``.
+
+    Returns:
+      ``(state, outputs, ticks)``, or None where the state is not steady (nothing ran).
+    """
+    period, J = self.period, len(self.devices)
+    checked = input_checks.checked(batches, self.pipe.input_spec)
+    fed = [[checked(m + s + i * period.shift) for m in period.fed] for i in range(periods)]
+    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                     (tuple(f[0] for f in fed[0]), tuple(f[1] for f in fed[0])))
+    # The carry the last call left, if nobody read it since: taken as it is.
+    claimed = state.claim(self, s) if isinstance(state, Resident) else None
+    parts = None if claimed else split(state, s)
+    program = self._program(claimed[0].abstract if claimed else parts, x, periods)
+    if program is None:
+      return None
+    carry = claimed[1] if claimed else self._to_global(program, parts)
+    images = tuple(tuple(self._global(f[0], 0) for f in row) for row in fed)
+    labels = tuple(tuple(self._global(f[1], J - 1) for f in row) for row in fed)
+    if claimed is not None:
+      state.donate()
+    carry, losses = program.fn(carry, images, labels)
+    n = len(program.mbs)
+    outputs = [TickOutput(m + s + i * period.shift, losses[i * n + q])
+               for i in range(periods) for q, m in enumerate(program.mbs)]
+    ticks = periods * len(period.ticks)
+    end = s + periods * period.shift
+    return Resident(self, program, carry, end, state.tick + ticks), outputs, ticks

@@ -1,0 +1,118 @@
+"""The compiled executor with one stage per device (conftest's 4 virtual CPU devices): one SPMD
+program over a ``stage`` mesh axis against the host executor (the reference)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from petra_jax import models
+from petra_jax.engine import compiled
+from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.stages.stage import Stage
+
+from test_compiled import _batches
+
+J = 4
+STREAM = ("petra", "approximate_input", "dsp", "delayed")  # the stream methods it runs
+
+
+def four_stages():
+  """stem, reversible, downsampling, head: a RevNet of width 2 whose stages all differ."""
+  return [Stage("stem", models.Stem(2), False), Stage("rev0", models.BasicResidual(2), True),
+          Stage("down", models.BasicDownsample(4, 2), False), Stage("head", models.Head(10), False)]
+
+
+def _pipe(method, k=1, tx=None):
+  return Pipeline(four_stages(), tx or optax.sgd(0.02, momentum=0.9), jax.devices()[:J],
+                  method=method, accumulation_steps=k)
+
+
+def _train(method, executor, micro_batches=16, k=2, n=4):
+  """``({m: loss}, final params, executor, ticks per advance)``."""
+  tx = optax.MultiSteps(optax.sgd(0.02, momentum=0.9), every_k_schedule=k)
+  pipe = _pipe(method, k, tx)
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(micro_batches), compiled.executor(pipe, executor, n)
+  t, losses, ran_each = 0, {}, []
+  while t < len(table):
+    state, outputs, ran = ex.advance(state, table, t, batches)
+    losses.update({o.micro_batch: float(o.loss) for o in outputs})
+    ran_each.append(ran)
+    t += ran
+  return losses, [s.params for s in state.train_states], ex, ran_each
+
+
+@pytest.mark.parametrize("method", [
+    m if m == "petra" else pytest.param(m, marks=pytest.mark.long) for m in STREAM])
+def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
+  """16 micro-batches: 6 filling ticks on the host, 10 steady ticks as 2 calls of 4 and 2 of
+  1, 6 draining ticks on the host; every loss and the final weights as the host's."""
+  host, host_params, _, _ = _train(method, "host")
+  comp, comp_params, ex, ran = _train(method, "compiled")
+  assert ex.mesh is not None and "SPMD program over 4 devices" in ex.describe()
+  assert ran == [1] * 6 + [4, 4, 1, 1] + [1] * 6 and ex.dispatches == 4
+  assert sorted(comp) == sorted(host) == list(range(16))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
+  """Once compiled, each call of N steady ticks is one dispatch of the SPMD program: no jitted
+  step of the host executor runs in between (tracing called them once), and the state a call
+  returns stays packed on the devices until read (the next call takes it as it is)."""
+  n, M = 4, 30
+  pipe = _pipe("petra")
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(M), compiled.CompiledExecutor(pipe, n)
+  t, ticks = 0, []
+  while ex.dispatches < 1:  # filling on the host executor, then the first call compiles
+    state, _, ran = ex.advance(state, table, t, batches)
+    ticks.append(ran)
+    t += ran
+  assert t == 2 * (J - 1) + n and ticks == [1] * 2 * (J - 1) + [n]
+  first = state
+  host_calls = []
+  for steps in pipe.steps:
+    for name in ("_forward", "_backward", "_fused"):
+      fn = getattr(steps, name)
+      if fn is not None:  # (the last stage has no fused step)
+        setattr(steps, name, lambda *a, fn=fn: host_calls.append(1) or fn(*a))
+  steady = (M - 2 * (J - 1)) // n * n
+  conversions = ex.mesh.conversions  # (the first call packed the host's state)
+  while t < 2 * (J - 1) + steady:
+    state, outputs, ran = ex.advance(state, table, t, batches)
+    assert ran == n and len(outputs) == n
+    t += ran
+  # Each call took the carry the last one left: no stage packed or unpacked in between.
+  assert ex.dispatches == steady // n and not host_calls and ex.mesh.conversions == conversions
+  with pytest.raises(RuntimeError, match="donated"):
+    first.stage_states  # noqa: B018  (a state a later call took)
+  assert state.in_flight() == 2 * (J - 1)  # read: unpacked, one call per stage
+  assert ex.mesh.conversions == conversions + J
+
+
+@pytest.mark.parametrize("build, missing", [
+    (lambda: _pipe("gpipe", k=2), "flushed schedule 'gpipe'"),
+    (lambda: _pipe("revprop"), "flushed schedule 'drained'"),
+    (lambda: Pipeline(four_stages(), optax.sgd(0.1), jax.devices()[:J], data_parallel=2),
+     "2 groups of 2 data-parallel devices"),
+    (lambda: Pipeline(four_stages(), optax.sgd(0.1), jax.devices()[:2]),
+     "4 stages are on 2 devices"),
+])
+def test_what_the_stage_mesh_cannot_run_is_one_line_naming_the_host_executor(build, missing):
+  pipe = build()
+  with pytest.raises(compiled.Unsupported) as e:
+    compiled.executor(pipe, "compiled")
+  message = str(e.value)
+  assert "\n" not in message and missing in message and "--config.executor=host" in message
+  assert isinstance(compiled.executor(pipe, "auto"), compiled.HostExecutor)
+
+
+def test_auto_stays_on_the_host_executor_on_the_cpu():
+  ex = compiled.executor(_pipe("petra"), "auto")
+  if jax.devices()[0].platform == "cpu":
+    assert isinstance(ex, compiled.HostExecutor) and "CPU" in ex.describe()
