@@ -129,6 +129,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.steps_per_epoch = 0       # 0 = the full training split
   c.max_steps = 0             # 0 = num_epochs epochs
   c.eval_every = 1            # epochs; 0 = at the end only
+  c.evals_per_epoch = 1       # evaluations in an evaluated epoch, evenly spaced, the last at its end
   c.eval_batch_size = 500
   c.eval_examples = 0         # the first N test examples; 0 = the whole split
   c.prefetch = 4
@@ -199,6 +200,7 @@ HELP = {
     "steps_per_epoch": "updates per epoch; 0 = the full training split",
     "max_steps": "stop after this many updates; 0 = num_epochs epochs",
     "eval_every": "epochs between test evaluations; 0 = at the end only",
+    "evals_per_epoch": "evaluations in each evaluated epoch, evenly spaced, the last at its end",
     "eval_batch_size": "images per evaluation batch",
     "eval_examples": "evaluate on the first N test examples; 0 = the whole split",
     "prefetch": "micro-batches decoded ahead in background threads (ImageNet); 0 = off",

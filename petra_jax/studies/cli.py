@@ -7,7 +7,7 @@ Commands::
   python -m petra_jax.studies compensation [--stages=10,4] [--compensations=none,spike,...]
   python -m petra_jax.studies local [--stages=4,10] [--seeds=0]
   python -m petra_jax.studies transformers [--rows=...] [--seeds=0,1]
-  python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2]
+  python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2] [--finished-only]
   python -m petra_jax.studies language_model [--rows=...] [--seeds=0,1]
 
 Each study is one module of :mod:`petra_jax.studies` (see :data:`STUDIES`). It writes its page
@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
                  help="depth study: train and measure nothing; the page from the (row, seed) runs "
                  "already finished under --workdir (the others skipped) and the stage costs "
                  "stored there")
+  p.add_argument("--stage-iters", type=int, default=7,
+                 help="depth study: timed calls per stage cost (their median is kept)")
   p.add_argument("--out", default="",
                  help="where the page and plots go (default: runs/studies/<study>; "
                  "--out=docs to update the committed docs)")

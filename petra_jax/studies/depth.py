@@ -1,22 +1,23 @@
 """The ``depth`` study: PETRA and ``delayed`` on the RevViT recipe in J = 2 to 16 stages.
 
 ``python -m petra_jax.studies depth [--rows=...] [--seeds=0,1,2] [--epochs=6]
-[--recipe=configs/cifar10_vit_cpu.py] [--finished-only]``: each row of :data:`ROWS` is the recipe with a few
-fields changed: a pipeline row ``<method>_J<J>_k<k>_<optimizer>`` (``method`` in
-``petra``, ``delayed``; the stage split :data:`SPLITS`, the optimizer :data:`OPTIMIZERS`) or a
-synchronous reference (:data:`REFERENCES`: ``revprop`` on the same reversible network, and
-the ``vit_tiny`` twin). A run finished in ``WORKDIR/<row>_s<seed>`` is read back, an
-interrupted one resumes. Writes ``OUT/depth.md``: test accuracy per seed and mean, the gap to
-the best reference of the same depth, the reconstruction error the observers logged, the
-``delayed``-versus-``petra`` split of the gap, and, with stage costs measured on this machine
-(:func:`measure_stage_ms`), the simulated time of PETRA, GPipe and 1F1B to the reference's
-accuracy with each one's per-device peak memory (:func:`simulated_time_rows`); and
-``OUT/depth_accuracy.png``, accuracy against stage 0's delay in updates ``D_0 = 2 (J-1) / k``.
+[--recipe=configs/cifar10_vit_cpu.py] [--finished-only] [--stage-iters=7]``: each row of
+:data:`ROWS` is the recipe with a few fields changed: a pipeline row
+``<method>_J<J>_k<k>_<optimizer>`` (``method`` in ``petra``, ``delayed``; the stage split
+:data:`SPLITS`, the optimizer :data:`OPTIMIZERS`), the same with the suffix ``_balanced`` (the
+split balanced on the blocks' measured costs: :func:`petra_jax.studies.depth_time.balanced_config`)
+or a synchronous reference (:data:`REFERENCES`: ``revprop`` on the same reversible network, and
+the ``vit_tiny`` twin). Every row evaluates :data:`EVALS_PER_EPOCH` times an epoch. A run
+finished in ``WORKDIR/<row>_s<seed>`` is read back, an interrupted one resumes. Writes
+``OUT/depth.md``: test accuracy per seed and mean, the gap to the best reference of the same
+depth, the reconstruction error the observers logged, the ``delayed``-versus-``petra`` split
+of the gap, the simulated time of PETRA, GPipe and 1F1B to fixed accuracies over named links
+(:mod:`petra_jax.studies.depth_time`) and each one's per-device peak memory; and
+``OUT/depth_accuracy.png``, accuracy against stage 0's delay in updates ``D_0 = 2 (J - 1) / k``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional, Sequence
 
@@ -27,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from petra_jax.studies.common import mean_reconstruction_error, write_page  # noqa: E402
 from petra_jax.studies import common  # noqa: E402
+from petra_jax.studies import depth_time  # noqa: E402
 from petra_jax.training import metrics as metrics_lib  # noqa: E402
 
 # Stage split of the RevViT's blocks (tokenizer, 2 per transformer layer, head) per J: 10
@@ -34,6 +36,8 @@ from petra_jax.training import metrics as metrics_lib  # noqa: E402
 SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2), 16: (2,) + (1,) * 14 + (2,)}
 DEPTHS = {2: 4, 4: 4, 8: 4, 16: 8}
 KS = (2, 4, 8)
+EVALS_PER_EPOCH = 4  # test evaluations an epoch: the time to accuracy's resolution, 1/4 epoch
+BALANCED = "_balanced"  # a pipeline row's suffix: its split balanced on measured costs
 # The synchronous references' learning rates, chosen on the unreported seed 100 (docs/depth.md);
 # the Muon rows use the reference's, the AdamW rows the recipe's (tuned for PETRA, 1e-3).
 REFERENCE_ADAMW_LR = 4e-3
@@ -141,8 +145,17 @@ for _J in SPLITS:
         ROWS[f"{_method}_J{_J}_k{_k}_{_opt}"] = pipeline_row(_method, _J, _k, _opt)
 
 
+def base_row(row: str) -> str:
+  """The row of :data:`ROWS` that ``row`` is (a pipeline row without :data:`BALANCED`); ""
+  for a balanced name of no pipeline row."""
+  base = row[:-len(BALANCED)] if row.endswith(BALANCED) else row
+  return base if base == row or (base in ROWS and base.startswith(("petra_", "delayed_"))) else ""
+
+
 def describe(row: str) -> dict:
-  """``{"J", "k", "method", "optimizer", "depth", "reference"}`` of a row of :data:`ROWS`."""
+  """``{"J", "k", "method", "optimizer", "depth", "reference"}`` of a row of :data:`ROWS`
+  (a balanced row: its base row's)."""
+  row = base_row(row)
   fields = ROWS[row]
   if row in REFERENCES or row in PROBED_REFERENCES:
     return {"J": 1, "k": fields.get("accumulation_steps", 0), "method": fields["method"],
@@ -158,12 +171,19 @@ def stage0_delay(J: int, k: int) -> float:
 
 
 def row_config(args, row: str, seed: int):
-  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
-  if row not in ROWS:
+  """The recipe with ``ROWS[row]``, ``seed``, the study's length and data, and
+  :data:`EVALS_PER_EPOCH`; a balanced row's split from its blocks' costs (measured once, kept in
+  the workdir). Raises ValueError: an unknown row (the message names them)."""
+  base = base_row(row)
+  if base not in ROWS:
     raise ValueError(f"unknown depth-study row {row!r}; rows are REFERENCES "
                      f"{list(REFERENCES)}, <reference>_<probe of REFERENCE_PROBES> or <petra|delayed>_J<{'|'.join(map(str, SPLITS))}>"
-                     f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}> (--rows=a,b).")
-  return common.row_config(args, ROWS[row], seed)
+                     f"_k<{'|'.join(map(str, KS))}>_<{'|'.join(OPTIMIZERS)}>[{BALANCED}] "
+                     f"({BALANCED}: the split balanced on the blocks' measured costs) "
+                     "(--rows=a,b).")
+  config = common.row_config(args, ROWS[base], seed)
+  config.evals_per_epoch = EVALS_PER_EPOCH
+  return depth_time.balanced_config(args, config, base) if base != row else config
 
 
 def finished(args, row: str, seed: int) -> bool:
@@ -283,7 +303,7 @@ def plot_accuracy_vs_delay(results: Sequence[dict], path: str):
 def depth_study(args) -> list[dict]:
   """Runs every selected row and seed; writes ``OUT/depth.md`` and ``OUT/depth_accuracy.png``."""
   rows = args.rows or list(REFERENCES)
-  unknown = [r for r in rows if r not in ROWS]
+  unknown = [r for r in rows if base_row(r) not in ROWS]
   if unknown:
     row_config(args, unknown[0], 0)  # raises the error naming the rows
   pairs = [(row, seed) for row in rows for seed in args.seeds]
@@ -294,7 +314,10 @@ def depth_study(args) -> list[dict]:
                        "drop --finished-only to train them.")
   results = [run_row(args, row, seed) for row, seed in pairs]
   os.makedirs(args.out, exist_ok=True)
-  sim = simulation_section(args, results)
+  references = {d: best_reference(results, d) for d in {r["depth"] for r in results}}
+  sim = depth_time.simulation_section(args, results, references,
+                                      lambda row: row_config(args, row, 0))
+  sim += ["", *memory_lines(args, results)]
   notes = "\n".join([
       f"Recipe {args.recipe}, {args.epochs} epoch(s); rows as in "
       "petra_jax/studies/depth.py:ROWS. Gap: the best `revprop` reference of the same depth "
@@ -307,36 +330,7 @@ def depth_study(args) -> list[dict]:
   return results
 
 
-# -- what it buys on J devices --------------------------------------------------------------
-
-
-def measure_stage_ms(config, micro_batch: int, iters: int = 3) -> dict:
-  """Median ms of each stage's forward and backward on this machine's first device, for
-  ``config``'s network and split, micro-batch ``[micro_batch, 32, 32, 3]``:
-  ``{"stream": (F, B), "stored": (F, B)}``, PETRA's (``stream``) and those of the flushed
-  schedules' steps from a stored input (``stored``: GPipe, 1F1B)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-
-  from petra_jax import models  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine.stages import partition  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine.pipeline import Pipeline  # pylint: disable=g-import-not-at-top
-  from petra_jax.engine.timing import stage_times  # pylint: disable=g-import-not-at-top
-  m = config.model
-  stages = partition.group_stages(
-      models.build_model(m.name, width=m.width, depth=m.depth or None, num_classes=10,
-                         patch_size=m.patch_size or None, tokenizer=m.tokenizer),
-      list(m.stage_sizes))
-  rng = np.random.default_rng(0)
-  images = rng.normal(size=(micro_batch, 32, 32, 3)).astype(np.float32)
-  labels = rng.integers(0, 10, micro_batch).astype(np.int32)
-  out = {}
-  for key, method in (("stream", "petra"), ("stored", "1f1b")):
-    pipe = Pipeline(stages, optax.sgd(1e-3), jax.devices()[:1], method=method)
-    rows, _ = stage_times(pipe, pipe.init(0, images), images, labels, iters)
-    out[key] = ([r["forward"] for r in rows], [r["backward"] for r in rows])
-  return out
+# -- what it buys on J devices (the simulated time: petra_jax.studies.depth_time) ------------
 
 
 def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
@@ -357,85 +351,19 @@ def peak_bytes_per_device(config, micro_batch: int, k: int) -> dict:
           for method in ("petra", "gpipe", "1f1b")}
 
 
-def updates_to(records: Sequence[dict], accuracy: float) -> float:
-  """The step of the first evaluation at or above ``accuracy`` (NaN if none)."""
-  hits = [r["step"] for r in records if "test_accuracy" in r and r["test_accuracy"] >= accuracy]
-  return float(hits[0]) if hits else float("nan")
-
-
-def simulated_ms_per_update(J: int, k: int, stage_ms: dict) -> dict:
-  """``{"stream" (PETRA), "gpipe", "1f1b": simulated ms per update}`` on J devices, k
-  micro-batches per update, from :func:`measure_stage_ms`'s costs."""
-  from petra_jax.benchmarks import simulate  # pylint: disable=g-import-not-at-top
-  return {name: simulate.ms_per_update(name, J, k, *stage_ms[
-      "stream" if name == "stream" else "stored"])["simulated_ms_per_update"]
-          for name in ("stream", "gpipe", "1f1b")}
-
-
-def simulated_time_rows(results: Sequence[dict], J: int, k: int, stage_ms: dict,
-                        peak_bytes: dict) -> list[str]:
-  """Markdown rows: per PETRA row at ``(J, k)``, the simulated seconds of PETRA, GPipe and
-  1F1B to reach the best reference's final accuracy (per seed, then the mean over seeds
-  where reached), their ratio and peak bytes per device. GPipe and 1F1B compute the
-  synchronous gradient: they take the reference's updates."""
-  ms = simulated_ms_per_update(J, k, stage_ms)
+def memory_lines(args, results: Sequence[dict]) -> list[str]:
+  """Per (row's split, k) of a PETRA row with J >= 8: the peak bytes per device of PETRA, GPipe
+  and 1F1B (:func:`peak_bytes_per_device`; shapes only, nothing measured)."""
+  rows = sorted({r["row"] for r in results
+                 if not r["reference"] and r["method"] == "petra" and r["J"] >= 8})
   lines = []
-  for row, runs in _by_row(results).items():
-    d = runs[0]
-    if d["reference"] or d["method"] != "petra" or (d["J"], d["k"]) != (J, k):
-      continue
-    ref = best_reference(results, d["depth"])
-    base = {r["seed"]: r for r in results if r["row"] == ref}
-    pairs = [(base[r["seed"]], r) for r in runs if r["seed"] in base]
-    sync = common.mean(updates_to(b["records"], b["test_accuracy"]) for b, _ in pairs)
-    petra = [updates_to(r["records"], b["test_accuracy"]) for b, r in pairs]
-    reached = [u for u in petra if u == u]
-    t = {kind: u * ms[kind] / 1e3 for kind, u in (("stream", common.mean(reached)), ("gpipe", sync),
-                                                  ("1f1b", sync))}
-    lines.append(
-        f"| `{row}` | {J} | {k} | {len(reached)} of {len(petra)} | "
-        f"{ms['stream']:.0f} / {ms['gpipe']:.0f} / {ms['1f1b']:.0f} | "
-        f"{t['stream']:.0f} | {t['gpipe']:.0f} | {t['1f1b']:.0f} | "
-        f"{t['stream'] / t['gpipe']:.2f} | "
-        f"{peak_bytes['petra'] / 2**20:.1f} / {peak_bytes['gpipe'] / 2**20:.1f} / "
-        f"{peak_bytes['1f1b'] / 2**20:.1f} |")
-  return lines
-
-
-def simulation_section(args, results: Sequence[dict]) -> list[str]:
-  """The simulated-time table for every (J, k) of a PETRA row with J >= 8; stage costs
-  measured once per (J, k) and kept in ``WORKDIR/stage_ms_J<J>_k<k>.json`` (with
-  ``--finished-only``, only the stored ones: nothing is measured)."""
-  keys = sorted({(r["J"], r["k"]) for r in results if r["method"] == "petra" and r["J"] >= 8})
-  if not keys:
-    return []
-  lines = ["## Simulated time on J devices", "",
-           "| row | J | k | seeds reaching the reference | simulated ms per update PETRA / "
-           "GPipe / 1F1B | PETRA (s) | GPipe (s) | 1F1B (s) | PETRA / GPipe | peak MiB per "
-           "device PETRA / GPipe / 1F1B |", "|---|---|---|---|---|---|---|---|---|---|"]
-  missing = []
-  for J, k in keys:
-    config = row_config(args, f"petra_J{J}_k{k}_adamw", 0)
-    micro = config.batch_size // k
-    path = os.path.join(args.workdir, f"stage_ms_J{J}_k{k}.json")
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        stage_ms = json.load(f)
-    elif getattr(args, "finished_only", False):
-      missing.append(f"J = {J}, k = {k}")
-      continue
-    else:
-      stage_ms = measure_stage_ms(config, micro)
-      os.makedirs(args.workdir, exist_ok=True)
-      with open(path, "w", encoding="utf-8") as f:
-        json.dump(stage_ms, f)
-    lines += simulated_time_rows(results, J, k, stage_ms, peak_bytes_per_device(config, micro, k))
-  lines += ["", "Stage costs: medians of each stage's jitted forward and backward on this "
-            "machine's CPU (`WORKDIR/stage_ms_J<J>_k<k>.json`), fed to "
-            "`petra_jax.benchmarks.simulate.ms_per_update`; memory: "
-            "`petra_jax.benchmarks.memory.model` (parameters + what a stage holds between "
-            "forward and backward, optimizer state excluded)."]
-  if missing:
-    lines += ["", f"No stage costs stored for {'; '.join(missing)} (`--finished-only` measures "
-              "nothing: run without it to measure them)."]
-  return lines
+  for row in rows:
+    config = row_config(args, row, 0)
+    k = config.accumulation_steps
+    peak = peak_bytes_per_device(config, config.batch_size // k, k)
+    lines.append(f"- `{row}` (split {tuple(config.model.stage_sizes)}, k = {k}): peak MiB per "
+                 f"device PETRA {peak['petra'] / 2**20:.1f}, GPipe {peak['gpipe'] / 2**20:.1f}, "
+                 f"1F1B {peak['1f1b'] / 2**20:.1f}.")
+  return ["## Peak memory per device", "", "`petra_jax.benchmarks.memory.model`: parameters + "
+          "what a stage holds between forward and backward, optimizer state excluded.", "",
+          *lines] if lines else []

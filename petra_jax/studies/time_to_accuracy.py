@@ -21,7 +21,11 @@ def read_evaluations(path: str) -> list[dict]:
   """The evaluation records (those with ``test_accuracy``) of a JSON-lines metrics file,
   in step order. Raises OSError (no file) or ValueError (a line that is not JSON)."""
   with open(path) as f:
-    records = [json.loads(line) for line in f if line.strip()]
+    return sorted_evaluations([json.loads(line) for line in f if line.strip()])
+
+
+def sorted_evaluations(records: Iterable[dict]) -> list[dict]:
+  """The records with ``test_accuracy``, in step order."""
   return sorted((r for r in records if "test_accuracy" in r), key=lambda r: r["step"])
 
 

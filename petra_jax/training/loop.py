@@ -168,7 +168,17 @@ def _next_due_step(run: Setup, step: int) -> int:
   end (evaluation, checkpoint), ``checkpoint_every``, or the last update."""
   c = run.config
   every = [c.log_every, run.steps_per_epoch] + ([c.checkpoint_every] if c.checkpoint_every else [])
-  return min([(step // n + 1) * n for n in every] + [run.total_steps])
+  spe, offsets = run.steps_per_epoch, evaluation_offsets(run.steps_per_epoch, c.evals_per_epoch)
+  within = [(step // spe) * spe + o for o in offsets] + [(step // spe + 1) * spe + offsets[0]]
+  return min([(step // n + 1) * n for n in every] + [s for s in within if s > step]
+             + [run.total_steps])
+
+
+def evaluation_offsets(steps_per_epoch: int, evals_per_epoch: int) -> list[int]:
+  """The updates into an evaluated epoch after which to evaluate: ``ceil(i S / n)`` for
+  ``i = 1..n`` (``S`` updates an epoch, ``n = evals_per_epoch``), sorted, the last ``S``."""
+  n = max(1, evals_per_epoch)
+  return sorted({-(-i * steps_per_epoch // n) for i in range(1, n + 1)})
 
 
 class _Due(NamedTuple):
@@ -179,11 +189,13 @@ class _Due(NamedTuple):
 
 
 def _due(run: Setup, step: int) -> _Due:
-  """What to do after update ``step`` (before the last) as ``log_every`` and ``eval_every`` say."""
-  c = run.config
-  epoch_end = step % run.steps_per_epoch == 0
-  evaluate_now = bool(epoch_end and c.eval_every
-                      and (step // run.steps_per_epoch) % c.eval_every == 0)
+  """What to do after update ``step`` (before the last) as ``log_every``, ``eval_every`` and
+  ``evals_per_epoch`` say (:func:`evaluation_offsets` into each ``eval_every``-th epoch)."""
+  c, spe = run.config, run.steps_per_epoch
+  epoch_end = step % spe == 0
+  epoch = -(-step // spe)  # 1-based: the epoch update ``step`` belongs to
+  evaluate_now = bool(c.eval_every and epoch % c.eval_every == 0 and step - (epoch - 1) * spe
+                      in evaluation_offsets(spe, c.evals_per_epoch))
   return _Due(step % c.log_every == 0, evaluate_now, epoch_end)
 
 

@@ -16,8 +16,8 @@ import ml_collections
 
 CONFIG_FILE = "config.json"
 # Fields a resumed run may change without a note: its length and intervals.
-RUN_LENGTH = ("num_epochs", "max_steps", "eval_every", "eval_examples", "log_every",
-              "checkpoint_every", "checkpoint_minutes")
+RUN_LENGTH = ("num_epochs", "max_steps", "eval_every", "evals_per_epoch", "eval_examples",
+              "log_every", "checkpoint_every", "checkpoint_minutes")
 # What decides where a run ends, saved in its checkpoints (``extra["run"]``).
 _END = ("num_epochs", "max_steps", "steps_per_epoch")
 

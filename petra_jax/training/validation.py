@@ -76,6 +76,7 @@ RANGES = (
     Range("steps_per_epoch", 0, why="0: the whole training split"),
     Range("max_steps", 0, why="0: num_epochs epochs"),
     Range("eval_every", 0, why="0: evaluate at the end only"),
+    Range("evals_per_epoch", 1, why="evaluations in an evaluated epoch"),
     Range("eval_batch_size", 1, why="images per evaluation batch"),
     Range("eval_examples", 0, why="0: the whole test split"),
     Range("prefetch", 0, why="0: off"),
