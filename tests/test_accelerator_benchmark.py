@@ -211,3 +211,23 @@ def test_bad_flags_exit_with_status_2(flag, says, capsys):
     accelerator.main([flag])
   assert e.value.code == 2
   assert says in capsys.readouterr().err
+
+
+def test_rows_run_size_by_size_every_method_at_a_size_first(monkeypatch):
+  """A check stopped by its time limit keeps comparable pairs: the grid runs every method at
+  one micro-batch before the next micro-batch (the GPU check's bfloat16 part lost its whole
+  backprop column when methods ran first)."""
+  order = []
+
+  def fake_measure(cfg, ticks, warmup, row_seconds):
+    del ticks, warmup, row_seconds
+    order.append((cfg.method, cfg.batch_size, cfg.dtype))
+    return {"method": cfg.method, "micro_batch": cfg.batch_size, "dtype": cfg.dtype}
+  monkeypatch.setattr(accelerator, "measure", fake_measure)
+  monkeypatch.setattr(accelerator, "fits", lambda results: {})
+  args = accelerator.parse_args(["--width=2", "--micro-batches=2,4", "--accumulation-steps=1",
+                                 "--methods=petra,backprop",
+                                 "--dtypes=float32,bfloat16", "--no-reconstruction"])
+  accelerator.benchmark(args)
+  assert order == [(m, b, d) for d in ("float32", "bfloat16") for b in (2, 4)
+                   for m in ("petra", "backprop")]

@@ -257,11 +257,13 @@ def _versions() -> dict:
 
 def benchmark(args: argparse.Namespace) -> dict:
   """Every row of the grid (each printed to stderr as it ends), the fits, the reconstruction
-  errors (unless ``args.no_reconstruction``), device and versions."""
+  errors (unless ``args.no_reconstruction``), device and versions. Rows run micro-batch by
+  micro-batch, every method at one size before the next size, so a check stopped by its
+  time limit keeps comparable pairs (it loses the largest sizes, not a whole method)."""
   results = []
-  for m in args.methods:
-    for d in args.dtypes:
-      for b in args.micro_batches:
+  for d in args.dtypes:
+    for b in args.micro_batches:
+      for m in args.methods:
         cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
                          args.num_stages, args.executor, args.periods_per_dispatch)
         results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
