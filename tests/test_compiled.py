@@ -79,24 +79,37 @@ def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
   batches = _batches()
   state = pipe.init(0, batches(0)[0])
   table, ex = pipe.schedule(M), compiled.CompiledExecutor(pipe, n)
-  t, ticks = 0, []
-  while ex.dispatches < 1:  # filling on the host executor, then the first call compiles
-    state, _, ran = ex.advance(state, table, t, batches)
-    ticks.append(ran)
-    t += ran
-  assert t == 2 * (J - 1) + n and ticks == [1] * 2 * (J - 1) + [n]
-  host_calls = []
-  for steps in pipe.steps:
-    for name in ("_forward", "_backward", "_fused"):
-      fn = getattr(steps, name)
-      if fn is not None:  # (the last stage has no fused step)
-        setattr(steps, name, lambda *a, fn=fn: host_calls.append(1) or fn(*a))
+  state, t = fill_until_the_first_call(ex, state, table, batches, J, n)
+  host_calls = count_host_step_calls(pipe)
   steady = (M - 2 * (J - 1)) // n * n
   while t < 2 * (J - 1) + steady:
     state, _, ran = ex.advance(state, table, t, batches)
     assert ran == n
     t += ran
   assert ex.dispatches == steady // n and not host_calls
+
+
+def fill_until_the_first_call(ex, state, table, batches, J: int, n: int):
+  """Advances ``ex`` through PETRA's 2(J-1) filling ticks (one host tick each) and its first
+  compiled call of ``n`` ticks; ``(state, ticks run)``."""
+  t, ticks = 0, []
+  while ex.dispatches < 1:  # filling on the host executor, then the first call compiles
+    state, _, ran = ex.advance(state, table, t, batches)
+    ticks.append(ran)
+    t += ran
+  assert t == 2 * (J - 1) + n and ticks == [1] * 2 * (J - 1) + [n]
+  return state, t
+
+
+def count_host_step_calls(pipe) -> list:
+  """Wraps every stage's jitted host steps so each call appends to the returned list."""
+  host_calls = []
+  for steps in pipe.steps:
+    for name in ("_forward", "_backward", "_fused"):
+      fn = getattr(steps, name)
+      if fn is not None:  # (the last stage has no fused step)
+        setattr(steps, name, lambda *a, fn=fn: host_calls.append(1) or fn(*a))
+  return host_calls
 
 
 def test_steady_state_calls_make_no_implicit_transfer():
@@ -151,7 +164,12 @@ def _with_method(pipe, name):
                       formats=quantize.MessageFormats(forward="int8")), "quantised"),
 ])
 def test_unsupported_pipeline_is_one_line_naming_the_host_executor(build, missing):
-  pipe = build()
+  assert_refused_in_one_line(build(), missing)
+
+
+def assert_refused_in_one_line(pipe, missing: str) -> None:
+  """``compiled`` refuses ``pipe`` in one line naming ``missing`` and the host executor, and
+  ``auto`` falls back to the host executor."""
   with pytest.raises(compiled.Unsupported) as e:
     compiled.executor(pipe, "compiled")
   message = str(e.value)
