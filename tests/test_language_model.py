@@ -279,9 +279,12 @@ def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
 
   for row in study.ROWS:
     validation.validate_config(study.row_config(Args, row, 0), 1)
-  lines = study.table([dict(row="revprop", seed=0, val_loss=1.75, wall_time=1.0),
-                       dict(row="petra_j4_k4", seed=0, val_loss=1.80, wall_time=1.0)])
-  assert "+0.050" in lines[-1]
+  def run(row, seed, val):
+    return dict(row=row, seed=seed, wall_time=1.0,
+                losses={"validation": val, "test": val + 0.1, "nanogpt_val": None})
+
+  lines = study.table([run("revprop", 0, 1.75), run("petra_j4_k4", 0, 1.80)])
+  assert "| +0.050 | one seed | 1.900 | +0.050 | one seed | n/a | n/a | n/a |" in lines[-1]
 
 
 def test_study_is_registered_in_the_studies_command(capsys):
