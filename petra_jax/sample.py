@@ -10,74 +10,33 @@ characters (``T``: the run's context), or the argmax at temperature 0. The model
 
 The model is read back by :func:`load`: ``WORKDIR/config.json`` rebuilds the pipeline,
 ``WORKDIR/vocabulary.json`` gives the characters, the newest checkpoint the weights.
+
+  python -m petra_jax.sample --workdir=runs/shakespeare --evaluate=validation,test,nanogpt_val
+
+prints instead the newest checkpoint's nats per character on each named text
+(``training.evaluate.text_losses``: the run's own fixed windows; ``nanogpt_val`` is tfds's
+validation then test, nanoGPT's ``shakespeare_char`` validation text), cached in
+``WORKDIR/text_losses.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
-import os
 import sys
 from typing import Callable
 
-import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from petra_jax import data as data_lib
-from petra_jax.training import assembly
-from petra_jax.training import run_record
+from petra_jax.training import evaluate
 
 
-class NoModelError(ValueError):
-  """The workdir holds no trained text model (one line naming the fix)."""
-
-
-@dataclasses.dataclass
-class TrainedModel:
-  """``predict(ids int32 [B, T]) -> logits float32 [B, T, V]``; ``step``: its update."""
-  pipe: object
-  state: object
-  vocabulary: data_lib.Vocabulary
-  context: int
-  step: int
-
-  def predict(self, ids):
-    return self.pipe.predict(self.state, jnp.asarray(ids, jnp.int32))
-
-
-def load(workdir: str) -> TrainedModel:
-  """The newest checkpoint of ``workdir``'s text run.
-
-  Raises:
-    NoModelError: no config.json, vocabulary.json or checkpoint there.
-  """
-  fix = (f"train one first: python -m petra_jax.train --config=configs/shakespeare_cpu.py "
-         f"--workdir={workdir}")
-  config_path = os.path.join(workdir, run_record.CONFIG_FILE)
-  vocab_path = os.path.join(workdir, data_lib.text.VOCABULARY_FILE)
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  for path in (config_path, vocab_path, ckpt_dir):
-    if not os.path.exists(path):
-      raise NoModelError(f"{workdir!r} holds no trained language model ({path} is missing); "
-                         f"{fix}.")
-  with open(config_path, encoding="utf-8") as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  vocabulary = data_lib.load_vocabulary(workdir)
-  info = data_lib.get_dataset_info(config.dataset)
-  context = config.model.context or info.image_shape[0]
-  info = dataclasses.replace(info, image_shape=(context,), num_classes=vocabulary.size)
-  micro = config.batch_size // config.accumulation_steps
-  pipe, sizes, _ = assembly.build_pipeline(config, workdir, info, micro, config.steps_per_epoch or 1)
-  state = pipe.init(config.seed, jnp.zeros((micro, context), jnp.int32))
-  restored = assembly.checkpointer(config, workdir, pipe, sizes).restore(
-      state, [p.state_sharding for p in pipe.placements])
-  if restored is None:
-    raise NoModelError(f"{ckpt_dir} holds no checkpoint; {fix}.")
-  step, state, _, _ = restored
-  return TrainedModel(pipe, state, vocabulary, context, step)
+# The model read back (``load``) lives with the evaluation that also reads it (the studies
+# score finished runs); named here for ``python -m petra_jax.sample`` and its callers.
+NoModelError = evaluate.NoModelError
+TrainedModel = evaluate.TrainedModel
+load = evaluate.load
 
 
 def next_char_logits(predict: Callable, ids: np.ndarray, context: int) -> np.ndarray:
@@ -123,12 +82,24 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--length", type=int, default=500, help="characters to generate")
   parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--evaluate", default="",
+                      help="comma-separated texts (validation, test, nanogpt_val): print the "
+                           "nats per character on each instead of sampling")
   return parser
 
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on restoring
+  if args.evaluate:
+    try:
+      losses = evaluate.text_losses(args.workdir, args.evaluate.split(","))
+    except (ValueError, data_lib.DataError) as e:  # NoModelError, an unknown or missing text
+      print(f"error: {e}", file=sys.stderr)
+      return 1
+    for name, nats in losses.items():
+      print(f"{name}: {nats:.4f} nats/char ({nats / np.log(2):.4f} bits)")
+    return 0
   try:
     model = load(args.workdir)
     prompt = model.vocabulary.encode(args.prompt)

@@ -161,6 +161,28 @@ def test_evaluation_against_an_independent_forward_on_fixed_windows():
   np.testing.assert_allclose(got["val_bits_per_char"], nats.mean() / np.log(2), rtol=1e-5)
 
 
+def test_evaluation_windows_by_hand_and_across_joined_splits(monkeypatch):
+  """Window i feeds ids i T .. i T + T - 1 and scores i T + 1 .. i T + T, i < (N - 1) // T;
+  ``nanogpt_val`` is validation then test joined, its windows cut across the seam."""
+  split = text.TextSplit(np.arange(23, dtype=np.int32), 5, True, text.Vocabulary("ab"))
+  assert len(split) == 4  # (23 - 1) // 5: ids 21 and 22 are never scored
+  x, y = split.windows(np.arange(4))
+  np.testing.assert_array_equal(x, [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14],
+                                    [15, 16, 17, 18, 19]])
+  np.testing.assert_array_equal(y, x + 1)
+  fake = {"validation": "abcdefg", "test": "hij"}
+  monkeypatch.setattr(text, "read_text", lambda name, s, data_dir=None, download=None: fake[s])
+  vocabulary = text.Vocabulary.from_text("abcdefghij")
+  joined = text.open_eval_split("tiny_shakespeare", "nanogpt_val", 3, vocabulary)
+  assert vocabulary.decode(joined.ids) == "abcdefghij" and len(joined) == 3
+  x, y = joined.windows(np.arange(3))
+  assert [vocabulary.decode(w) for w in x] == ["abc", "def", "ghi"]  # "ghi" straddles the seam
+  assert [vocabulary.decode(w) for w in y] == ["bcd", "efg", "hij"]
+  assert len(text.open_eval_split("tiny_shakespeare", "validation", 3, vocabulary)) == 2
+  with pytest.raises(ValueError, match="nanogpt_val"):
+    text.eval_text("tiny_shakespeare", "nope")
+
+
 def _predict():
   stages = tiny("gpt_nano", depth=1)
   _, _, params = init(stages, seed=3)
@@ -257,9 +279,12 @@ def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
 
   for row in study.ROWS:
     validation.validate_config(study.row_config(Args, row, 0), 1)
-  lines = study.table([dict(row="revprop", seed=0, val_loss=1.75, wall_time=1.0),
-                       dict(row="petra_j4_k4", seed=0, val_loss=1.80, wall_time=1.0)])
-  assert "+0.050" in lines[-1]
+  def run(row, seed, val):
+    return dict(row=row, seed=seed, wall_time=1.0,
+                losses={"validation": val, "test": val + 0.1, "nanogpt_val": None})
+
+  lines = study.table([run("revprop", 0, 1.75), run("petra_j4_k4", 0, 1.80)])
+  assert "| +0.050 | one seed | 1.900 | +0.050 | one seed | n/a | n/a | n/a |" in lines[-1]
 
 
 def test_study_is_registered_in_the_studies_command(capsys):
@@ -268,3 +293,49 @@ def test_study_is_registered_in_the_studies_command(capsys):
   assert cli.main(["language_model", "--rows=nope", "--workdir=/nonexistent"]) == 1
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "revprop" in err[0], err
+
+
+def test_nanogpt_val_is_validation_then_test_the_last_tenth_of_the_text(shakespeare_dir):
+  """nanoGPT's shakespeare_char/prepare.py: val.bin = data[int(n * 0.9):] of the whole text."""
+  parts = [text.read_text("tiny_shakespeare", s, shakespeare_dir, False)
+           for s in ("train", "validation", "test")]
+  joined = text.eval_text("tiny_shakespeare", "nanogpt_val", shakespeare_dir)
+  assert joined == parts[1] + parts[2] and len(joined) == 2 * 55_770
+  whole = "".join(parts)
+  assert joined == whole[int(len(whole) * 0.9):]
+
+
+def test_text_losses_of_a_finished_run_reproduce_its_logged_losses(shakespeare_dir, tmp_path,
+                                                                    monkeypatch, capsys):
+  """``validation`` and ``test`` scored from the checkpoint equal the run's last logged
+  ``val_loss`` and ``test_loss`` to float32 round-off; the cache spares a second load."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import loop  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import metrics  # pylint: disable=g-import-not-at-top
+
+  root = pathlib.Path(__file__).resolve().parents[1]
+  spec = importlib.util.spec_from_file_location("shakespeare_cpu",
+                                                root / "configs" / "shakespeare_cpu.py")
+  recipe = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(recipe)
+  config = recipe.get_config("runlocal")
+  config.data_dir = shakespeare_dir
+  config.num_epochs = 1  # 3 updates, checkpointed at the last
+  workdir = str(tmp_path)
+  loop.train_and_evaluate(config, workdir)
+  records = metrics.read_metrics(workdir)
+  logged = {"validation": [r["val_loss"] for r in records if "val_loss" in r][-1],
+            "test": [r["test_loss"] for r in records if "test_loss" in r][-1]}
+  got = evaluate.text_losses(workdir, ["validation", "test", "nanogpt_val"])
+  for name in logged:
+    np.testing.assert_allclose(got[name], logged[name], rtol=1e-6)
+  # Validation and test are the two halves of nanogpt_val, equally long.
+  assert min(logged.values()) - 0.05 < got["nanogpt_val"] < max(logged.values()) + 0.05
+  saved = json.loads((tmp_path / evaluate.TEXT_LOSSES_FILE).read_text())
+  assert saved == {"step": 3, "losses": got}
+  monkeypatch.setattr(evaluate, "load", lambda workdir: pytest.fail("recomputed"))
+  assert evaluate.text_losses(workdir, ["nanogpt_val"]) == {"nanogpt_val": got["nanogpt_val"]}
+  assert sample.main(["--workdir", workdir, "--evaluate", "validation,nanogpt_val"]) == 0
+  out = capsys.readouterr().out
+  assert f"validation: {got['validation']:.4f} nats/char" in out and "nanogpt_val:" in out

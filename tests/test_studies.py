@@ -378,36 +378,61 @@ def test_depth8_recipe_is_the_depth_study_row_and_keeps_the_default():
 
 def test_language_model_means_gaps_and_delays_by_hand(monkeypatch, tmp_path):
   """Per row: J, k, stage 0's delay in updates D_0 = 2 (J - 1) / k, validation nats per
-  character per seed and mean, and the mean gap to revprop over the same seeds."""
+  character per seed; on validation, test and nanoGPT's validation text the mean, the mean
+  gap to revprop over the same seeds and the spread (max - min) of the per-seed gaps."""
+  from petra_jax.studies import language_model  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import evaluate  # pylint: disable=g-import-not-at-top
   val = {("revprop", 0): 1.80, ("revprop", 1): 1.90, ("petra", 0): 1.85, ("petra", 1): 2.00,
          ("delayed", 0): 1.70, ("backprop", 0): 1.75}
+  test = {("revprop", 0): 1.90, ("revprop", 1): 2.00, ("petra", 0): 2.00, ("petra", 1): 2.06,
+          ("delayed", 0): 1.81, ("backprop", 0): 1.95}
+  nanogpt = {"revprop_s0": 1.70, "revprop_s1": 1.74, "petra_j8_k4_lookahead_own_s0": 1.72,
+             "petra_j8_k4_lookahead_own_s1": 1.80, "delayed_j2_k1_s0": 1.76}
 
   def records(config):
     loss = val[(config.method, config.seed)]
     return [{"step": 1, "epoch": 1.0, "train_loss": 3.0},
             {"step": 1, "epoch": 1.0, "val_loss": loss + 0.5, "wall_time": 5.0},
             {"step": 2, "epoch": 2.0, "val_loss": loss, "wall_time": 9.0},
-            {"step": 2, "epoch": 2.0, "test_loss": 9.9, "test_accuracy": 0.0, "wall_time": 9.0}]
+            {"step": 2, "epoch": 2.0, "test_loss": test[(config.method, config.seed)],
+             "test_accuracy": 0.0, "wall_time": 9.0}]
+
+  def text_losses(workdir, texts, data_dir=None):
+    """The checkpoint's scores by hand; backprop_gpt has no checkpoint."""
+    assert texts == ["nanogpt_val"]  # validation and test come from metrics.jsonl
+    if os.path.basename(workdir) not in nanogpt:
+      raise evaluate.NoModelError("no checkpoint")
+    return {"nanogpt_val": nanogpt[os.path.basename(workdir)]}
   fake = FakeTrainer(records)
   monkeypatch.setattr(studies.train, "train_and_evaluate", fake)
+  monkeypatch.setattr(language_model.evaluate, "text_losses", text_losses)
   out = tmp_path / "docs"
+  pages = {}
   for rows, seeds in (("revprop,petra_j8_k4_lookahead_own", "0,1"),
-                      ("delayed_j2_k1,backprop_gpt", "0")):
+                      ("delayed_j2_k1,backprop_gpt", "0"), ("revprop,delayed_j2_k1", "0")):
     assert studies.main(["language_model", f"--rows={rows}", f"--seeds={seeds}", f"--out={out}",
                          f"--workdir={tmp_path / 'runs'}"]) == 0
-    text = (out / "language_model_study.md").read_text()
-    if rows.startswith("revprop"):
-      assert _table_rows(text) == [
-          ["`revprop`", "4", "4", "0", "0, 1", "1.800, 1.900", "1.850", "+0.000", "9, 9"],
-          ["`petra_j8_k4_lookahead_own`", "8", "4", "3.5", "0, 1", "1.850, 2.000", "1.925",
-           "+0.075", "9, 9"]]
-  # Without revprop in the page there is no gap to show.
-  assert _table_rows(text) == [
-      ["`delayed_j2_k1`", "2", "1", "2", "0", "1.700", "1.700", "+nan", "9"],
-      ["`backprop_gpt`", "1", "1", "0", "0", "1.750", "1.750", "+nan", "9"]]
+    pages[rows] = _table_rows((out / "language_model_study.md").read_text())
+  # val. gaps 0.05, 0.10; test gaps 0.10, 0.06; nanoGPT val gaps 0.02, 0.06.
+  assert pages["revprop,petra_j8_k4_lookahead_own"] == [
+      ["`revprop`", "4", "4", "0", "0, 1", "1.800, 1.900", "1.850", "ref.", "ref.",
+       "1.950", "ref.", "ref.", "1.720", "ref.", "ref.", "9, 9"],
+      ["`petra_j8_k4_lookahead_own`", "8", "4", "3.5", "0, 1", "1.850, 2.000", "1.925",
+       "+0.075", "0.050", "2.030", "+0.080", "0.040", "1.760", "+0.040", "0.040", "9, 9"]]
+  # Without revprop in the page there is no gap to show; backprop_gpt was not scored.
+  assert pages["delayed_j2_k1,backprop_gpt"] == [
+      ["`delayed_j2_k1`", "2", "1", "2", "0", "1.700", "1.700", "no revprop", "no revprop",
+       "1.810", "no revprop", "no revprop", "1.760", "no revprop", "no revprop", "9"],
+      ["`backprop_gpt`", "1", "1", "0", "0", "1.750", "1.750", "no revprop", "no revprop",
+       "1.950", "no revprop", "no revprop", "n/a", "n/a", "n/a", "9"]]
+  # One seed: a gap, no spread.
+  assert pages["revprop,delayed_j2_k1"][1] == [
+      "`delayed_j2_k1`", "2", "1", "2", "0", "1.700", "1.700", "-0.100", "one seed",
+      "1.810", "-0.090", "one seed", "1.760", "+0.060", "one seed", "9"]
+  assert "max - min of those per-seed gaps" in (out / "language_model_study.md").read_text()
   # The recipe (configs/shakespeare_cpu.py) with each row's fields: split, k, method, look-ahead.
   assert [(c.method, c.model.name, tuple(c.model.stage_sizes), c.accumulation_steps,
-           c.compensation.name, c.seed) for c in fake.configs] == [
+           c.compensation.name, c.seed) for c in fake.configs[:6]] == [
       ("revprop", "revgpt_nano", (3, 2, 2, 3), 4, "none", 0),
       ("revprop", "revgpt_nano", (3, 2, 2, 3), 4, "none", 1),
       ("petra", "revgpt_nano", (2, 1, 1, 1, 1, 1, 1, 2), 4, "adam_lookahead", 0),

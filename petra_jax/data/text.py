@@ -6,7 +6,10 @@
   characters: inputs ``[T]`` and targets ``[T]`` (the inputs shifted by one).
   Training reads every start ``0 .. N - T - 1`` (a seeded permutation per epoch,
   like the images' epochs); evaluation the non-overlapping windows
-  ``[i T, (i + 1) T]``, ``i < (N - 1) // T``.
+  ``[i T, (i + 1) T]``, ``i < (N - 1) // T``: window ``i`` feeds ids ``i T .. i T + T - 1``
+  and scores ids ``i T + 1 .. i T + T``; the last ``(N - 1) mod T`` ids are never scored.
+* :func:`eval_text`: a named evaluation text, a tfds split or :data:`JOINED_SPLITS`'s
+  splits joined in order (``nanogpt_val``: nanoGPT's ``shakespeare_char`` validation text).
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from petra_jax.data import shards
 from petra_jax.data import sources
 
 VOCABULARY_FILE = "vocabulary.json"
+
+# Evaluation texts made of several tfds splits, joined in this order. nanoGPT's
+# data/shakespeare_char/prepare.py keeps the last 10 % of the whole text as val.bin: the
+# characters from 1,003,854 on, which are tfds's validation split followed by its test split.
+JOINED_SPLITS = {"nanogpt_val": ("validation", "test")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,10 +169,26 @@ def open_text(name: str, context: int, data_dir: str | None = None,
   return info, splits[0], splits[1]
 
 
+def eval_text(name: str, split: str, data_dir: str | None = None) -> str:
+  """The text of ``split``: a tfds split, or a key of :data:`JOINED_SPLITS` (its splits'
+  texts joined in order).
+
+  Raises:
+    DataError: missing data; ValueError: a split the data set does not have.
+  """
+  info = sources.get_dataset_info(name)
+  known = [*dict.fromkeys(s for s in (info.train_split, info.test_split, info.final_split) if s),
+           *JOINED_SPLITS]
+  if split not in known:
+    raise ValueError(f"{name} has no text {split!r}; choose from {', '.join(known)}.")
+  return "".join(read_text(name, s, data_dir, False) for s in JOINED_SPLITS.get(split, (split,)))
+
+
 def open_eval_split(name: str, split: str, context: int, vocabulary: Vocabulary,
                     data_dir: str | None = None) -> TextSplit:
-  """Fixed windows of ``split`` (e.g. the test split's final figure)."""
-  ids = vocabulary.encode(read_text(name, split, data_dir, False))
+  """Fixed windows of :func:`eval_text` ``(name, split)`` (e.g. the test split's final
+  figure, or ``nanogpt_val``: windows cut over the joined text, so one straddles the seam)."""
+  ids = vocabulary.encode(eval_text(name, split, data_dir))
   ids.flags.writeable = False
   return TextSplit(ids, context, True, vocabulary)
 

@@ -6,8 +6,10 @@
 fields of :data:`ROWS` changed (the stage split J, the micro-batches k, the method, the
 compensation); the update's batch and every row's tokens stay the recipe's. A run finished in
 ``WORKDIR/<row>_s<seed>`` is read back, an interrupted one resumes. Writes
-``OUT/language_model_study.md``: validation nats per character per seed and mean, the gap
-to ``revprop`` (same seed), and ``OUT/language_model_study.png``: the validation curves.
+``OUT/language_model_study.md``: validation nats per character per seed; on validation, test
+and nanoGPT's validation text (:data:`TEXTS`) the mean, the gap to ``revprop`` (same seed) and
+the seeds' spread of that gap (:data:`NOTES`); and ``OUT/language_model_study.png``: the
+validation curves.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from petra_jax.studies import common  # noqa: E402
+from petra_jax.training import evaluate  # noqa: E402
 
 # revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
 SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
@@ -60,14 +63,31 @@ def row_config(args, row: str, seed: int):
   return common.row_config(args, ROWS[row], seed)
 
 
+# The texts scored per run (data/text.py:eval_text) and their columns' names.
+TEXTS = {"validation": "val.", "test": "test", "nanogpt_val": "nanoGPT val"}
+
+
 def run_row(args, row: str, seed: int) -> dict:
-  """Trains (or resumes, or reads back) one row and seed; returns its last validation."""
+  """Trains (or resumes, or reads back) one row and seed; returns its nats per character on
+  :data:`TEXTS` (``losses``; None: not scored). Validation and test are the run's own last
+  figures (``val_loss``, ``test_loss`` in ``metrics.jsonl``); a text the log lacks
+  (``nanogpt_val``) is scored from the newest checkpoint (``evaluate.text_losses``, cached in
+  ``WORKDIR/text_losses.json``)."""
   name, records = common.train_row(args, row_config(args, row, seed), row, seed)
   evals = [r for r in records if "val_loss" in r]
-  print(f"{name}: val_loss {evals[-1]['val_loss']:.4f}", flush=True)
+  tests = [r for r in records if "test_loss" in r]
+  losses = {"validation": evals[-1]["val_loss"], "test": tests[-1]["test_loss"] if tests else None,
+            "nanogpt_val": None}
+  missing = [t for t in TEXTS if losses[t] is None]
+  try:
+    losses.update(evaluate.text_losses(os.path.join(args.workdir, name), missing,
+                                       args.data_dir or None))
+  except evaluate.NoModelError as e:
+    print(f"{name}: {', '.join(missing)} not scored: {e}", flush=True)
+  print(f"{name}: " + ", ".join(f"{t} {v:.4f}" for t, v in losses.items() if v is not None),
+        flush=True)
   return dict(name=name, row=row, seed=seed, records=records, val_loss=evals[-1]["val_loss"],
-              wall_time=evals[-1]["wall_time"])
-
+              losses=losses, wall_time=evals[-1]["wall_time"])
 
 
 def stale_updates(row: str) -> tuple:
@@ -79,23 +99,58 @@ def stale_updates(row: str) -> tuple:
   return j, k, 0.0 if synchronous else 2 * (j - 1) / k
 
 
+def gap_cells(runs: list[dict], base: dict, text: str) -> list[str]:
+  """``[mean, gap, spread]`` cells of one row's ``runs`` on ``text``: the mean over its seeds,
+  the mean over the seeds ``base`` (revprop's runs by seed) also ran of the per-seed gap
+  ``row - revprop``, and the spread ``max - min`` of those per-seed gaps. A cell that cannot
+  be computed says why: ``n/a`` (a run not scored on the text), ``ref.`` (revprop itself),
+  ``no revprop`` (no seed in common), ``one seed`` (a single paired seed: no spread)."""
+  values = [r["losses"].get(text) for r in runs]
+  if any(v is None for v in values):
+    return ["n/a", "n/a", "n/a"]
+  mean = f"{common.mean(values):.3f}"
+  if all(r["row"] == "revprop" for r in runs):
+    return [mean, "ref.", "ref."]
+  gaps = [r["losses"][text] - base[r["seed"]]["losses"][text] for r in runs
+          if r["seed"] in base and base[r["seed"]]["losses"].get(text) is not None]
+  if not gaps:
+    return [mean, "no revprop", "no revprop"]
+  spread = f"{max(gaps) - min(gaps):.3f}" if len(gaps) > 1 else "one seed"
+  return [mean, f"{common.mean(gaps):+.3f}", spread]
+
+
 def table(results: list[dict]) -> list[str]:
-  """Markdown rows: J, k, D_0; validation nats/char per seed and mean; gap to revprop
-  (mean over the seeds revprop ran)."""
+  """Markdown rows: J, k, D_0, seeds, validation nats/char per seed; per text of
+  :data:`TEXTS` the mean, the gap to revprop and the seeds' spread of that gap
+  (:func:`gap_cells`); wall times."""
   base = {r["seed"]: r for r in results if r["row"] == "revprop"}
-  lines = ["| row | J | k | D_0 | seeds | val. nats/char per seed | mean | gap to revprop (nats) "
-           "| wall (s) |", "|---|---|---|---|---|---|---|---|---|"]
+  texts = [c for t in TEXTS.values() for c in (f"{t} mean", "gap", "seeds' spread")]
+  lines = ["| row | J | k | D_0 | seeds | val. nats/char per seed | " + " | ".join(texts)
+           + " | wall (s) |", "|---|---|---|---|---|---|" + "---|" * len(texts) + "---|"]
   for row in dict.fromkeys(r["row"] for r in results):
     runs = [r for r in results if r["row"] == row]
-    paired = [r for r in runs if r["seed"] in base]
-    gap = common.mean(r["val_loss"] - base[r["seed"]]["val_loss"] for r in paired)
     seeds = ", ".join(str(r["seed"]) for r in runs)
-    losses = ", ".join(f"{r['val_loss']:.3f}" for r in runs)
+    losses = ", ".join(f"{r['losses']['validation']:.3f}" for r in runs)
     walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
+    cells = [c for t in TEXTS for c in gap_cells(runs, base, t)]
     j, k, d0 = stale_updates(row)
-    lines.append(f"| `{row}` | {j} | {k} | {d0:g} | {seeds} | {losses} | "
-                 f"{common.mean(r['val_loss'] for r in runs):.3f} | {gap:+.3f} | {walls} |")
+    lines.append(f"| `{row}` | {j} | {k} | {d0:g} | {seeds} | {losses} | " + " | ".join(cells)
+                 + f" | {walls} |")
   return lines
+
+
+NOTES = """Nats per character, mean over the seeds. `val.`: tfds's validation split (the run's last
+`val_loss`); `test`: tfds's test split (the run's `test_loss`, at its end); `nanoGPT val`: tfds's
+validation then test splits joined, the text of nanoGPT's `shakespeare_char` val.bin (the last 10 % of
+the whole text), scored from the run's newest checkpoint (`training/evaluate.py:text_losses`, cached in
+`WORKDIR/text_losses.json`; `python -m petra_jax.sample --workdir=WORKDIR --evaluate=nanogpt_val`).
+Every text is cut as the runs' own evaluation cuts it: non-overlapping windows of the context T,
+window i feeding characters iT .. iT + T - 1 and scoring iT + 1 .. iT + T for i < (N - 1) // T, every
+position scored (on `nanoGPT val` the windows run across the seam of the two splits; nanoGPT's own
+`estimate_loss` averages random windows instead). `gap`: the mean over the seeds this row and `revprop`
+both ran of (row - `revprop`) at the same seed. `seeds' spread`: max - min of those per-seed gaps (not of
+the per-seed values); `one seed`: only one seed paired, no spread; `ref.`: `revprop` itself;
+`no revprop`: no seed in common with `revprop`; `n/a`: a run not scored on that text (no checkpoint)."""
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -137,7 +192,7 @@ def language_model_study(args) -> list[dict]:
   plot(results, os.path.join(args.out, "language_model_study.png"))
   lines = ["# PETRA on a reversible decoder: tiny_shakespeare at equal tokens", "", "```",
            "python -m petra_jax.studies " + " ".join(args.argv), "```", "", *table(results), "",
-           f"Recipe {args.recipe}; rows as in petra_jax/studies/language_model.py:ROWS.", "",
+           NOTES, "", f"Recipe {args.recipe}; rows as in petra_jax/studies/language_model.py:ROWS.", "",
            "![validation curves](language_model_study.png)", ""]
   path = os.path.join(args.out, "language_model_study.md")
   with open(path, "w", encoding="utf-8") as f:

@@ -1,16 +1,28 @@
-"""A pipeline's evaluation metrics (its task's) over a whole split, on the device."""
+"""A pipeline's evaluation metrics (its task's) over a whole split, on the device; a
+finished text run read back (:func:`load`) and scored on a named text (:func:`text_losses`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from petra_jax import data as data_lib
 from petra_jax.engine.stages import objective
 from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
+from petra_jax.training import assembly
+from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
+from petra_jax.training import run_record
+
+TEXT_LOSSES_FILE = "text_losses.json"
 
 
 def evaluate(pipe: Pipeline, state, split, info, batch_size: int, prefix: str = "test") -> dict:
@@ -70,3 +82,101 @@ def _to_process_0(pipe: Pipeline, values: np.ndarray):
     received = transport.transfer(None, last, first, jax.ShapeDtypeStruct(bits.shape, bits.dtype))
     return np.asarray(received).view(np.float64)
   return None
+
+
+class NoModelError(ValueError):
+  """The workdir holds no trained text model (one line naming the fix)."""
+
+
+@dataclasses.dataclass
+class TrainedModel:
+  """``predict(ids int32 [B, T]) -> logits float32 [B, T, V]``; ``step``: its update;
+  ``config``: the run's (``WORKDIR/config.json``)."""
+  pipe: object
+  state: object
+  vocabulary: data_lib.Vocabulary
+  context: int
+  step: int
+  config: ml_collections.ConfigDict | None = None
+
+  def predict(self, ids):
+    return self.pipe.predict(self.state, jnp.asarray(ids, jnp.int32))
+
+
+def _no_model(workdir: str, missing: str) -> NoModelError:
+  return NoModelError(
+      f"{workdir!r} holds no trained language model ({missing} is missing); train one first: "
+      f"python -m petra_jax.train --config=configs/shakespeare_cpu.py --workdir={workdir}.")
+
+
+def load(workdir: str) -> TrainedModel:
+  """The newest checkpoint of ``workdir``'s text run: ``WORKDIR/config.json`` rebuilds the
+  pipeline, ``WORKDIR/vocabulary.json`` gives the characters, the checkpoint the weights.
+
+  Raises:
+    NoModelError: no config.json, vocabulary.json or checkpoint there.
+  """
+  config_path = os.path.join(workdir, run_record.CONFIG_FILE)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  for path in (config_path, os.path.join(workdir, data_lib.text.VOCABULARY_FILE), ckpt_dir):
+    if not os.path.exists(path):
+      raise _no_model(workdir, path)
+  with open(config_path, encoding="utf-8") as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  vocabulary = data_lib.load_vocabulary(workdir)
+  info = data_lib.get_dataset_info(config.dataset)
+  context = config.model.context or info.image_shape[0]
+  info = dataclasses.replace(info, image_shape=(context,), num_classes=vocabulary.size)
+  micro = config.batch_size // config.accumulation_steps
+  pipe, sizes, _ = assembly.build_pipeline(config, workdir, info, micro, config.steps_per_epoch or 1)
+  state = pipe.init(config.seed, jnp.zeros((micro, context), jnp.int32))
+  restored = assembly.checkpointer(config, workdir, pipe, sizes).restore(
+      state, [p.state_sharding for p in pipe.placements])
+  if restored is None:
+    raise _no_model(workdir, f"a checkpoint in {ckpt_dir}")
+  step, state, _, _ = restored
+  return TrainedModel(pipe, state, vocabulary, context, step, config)
+
+
+def text_losses(workdir: str, texts: Sequence[str], data_dir: str | None = None
+                ) -> dict[str, float]:
+  """Nats per character of ``workdir``'s newest checkpoint on each named text.
+
+  A text is a tfds split or a key of ``data.text.JOINED_SPLITS`` (``nanogpt_val``:
+  validation then test, joined), cut as the run's own evaluation cuts its splits: the
+  non-overlapping windows of ``data.TextSplit`` (``fixed``) at the run's context, every
+  position scored, in batches of the run's ``eval_batch_size``; ``validation`` is then the
+  run's last ``val_loss`` and ``test`` its ``test_loss``. Cached in
+  ``WORKDIR/text_losses.json`` (``{"step", "losses"}``): a text already scored at the newest
+  checkpoint's step is read back, not recomputed.
+
+  Args:
+    workdir: a finished (or checkpointed) text run's ``--workdir``.
+    texts: the names, e.g. ``("validation", "test", "nanogpt_val")``.
+    data_dir: the tfds directory; None: the run's ``config.data_dir``.
+
+  Raises:
+    NoModelError: no checkpoint there; DataError: the text is missing.
+  """
+  newest = checkpoint_lib.newest_meta(os.path.join(workdir, "checkpoints"))
+  if newest is None:
+    raise _no_model(workdir, f"a checkpoint in {os.path.join(workdir, 'checkpoints')}")
+  path = os.path.join(workdir, TEXT_LOSSES_FILE)
+  cached = {}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    cached = saved["losses"] if saved.get("step") == newest[0] else {}
+  missing = [t for t in texts if t not in cached]
+  if missing:
+    model = load(workdir)
+    for name in missing:
+      split = data_lib.open_eval_split(model.config.dataset, name, model.context,
+                                       model.vocabulary, data_dir or model.config.data_dir or None)
+      cached[name] = evaluate(model.pipe, model.state, split, None,
+                              model.config.eval_batch_size, prefix="text")["text_loss"]
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump({"step": model.step, "losses": cached}, f, indent=1)
+    os.replace(tmp, path)
+  return {t: cached[t] for t in texts}
