@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import composed_grad, composed_logits, drained_step, rel_err
+from helpers import composed_grad, composed_logits, config_file, drained_step, rel_err
 from petra_jax import models, sample
 from petra_jax.data import text
 from petra_jax.engine.stages import objective
@@ -243,15 +243,9 @@ def shakespeare_dir():
 
 
 def test_runlocal_trains_resumes_and_samples(shakespeare_dir, tmp_path, capsys):
-  import importlib.util  # pylint: disable=g-import-not-at-top
   from petra_jax.training import loop  # pylint: disable=g-import-not-at-top
 
-  root = pathlib.Path(__file__).resolve().parents[1]
-  spec = importlib.util.spec_from_file_location("shakespeare_cpu",
-                                                root / "configs" / "shakespeare_cpu.py")
-  recipe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(recipe)
-  config = recipe.get_config("runlocal")
+  config = config_file("configs/shakespeare_cpu.py", "runlocal")
   config.data_dir = shakespeare_dir
   config.max_steps = 3
   workdir = str(tmp_path)
@@ -309,17 +303,11 @@ def test_text_losses_of_a_finished_run_reproduce_its_logged_losses(shakespeare_d
                                                                     monkeypatch, capsys):
   """``validation`` and ``test`` scored from the checkpoint equal the run's last logged
   ``val_loss`` and ``test_loss`` to float32 round-off; the cache spares a second load."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
   from petra_jax.training import loop  # pylint: disable=g-import-not-at-top
   from petra_jax.training import metrics  # pylint: disable=g-import-not-at-top
 
-  root = pathlib.Path(__file__).resolve().parents[1]
-  spec = importlib.util.spec_from_file_location("shakespeare_cpu",
-                                                root / "configs" / "shakespeare_cpu.py")
-  recipe = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(recipe)
-  config = recipe.get_config("runlocal")
+  config = config_file("configs/shakespeare_cpu.py", "runlocal")
   config.data_dir = shakespeare_dir
   config.num_epochs = 1  # 3 updates, checkpointed at the last
   workdir = str(tmp_path)

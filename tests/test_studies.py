@@ -483,3 +483,18 @@ def test_references_get_at_least_as_many_probes_as_petra():
   assert depth.describe("revprop_adamw_b2_0.99")["reference"]
   assert depth.ROWS["revprop_adamw_b2_0.99"]["optim.adam_b2"] == 0.99
   assert depth.ROWS["revprop_adamw_b2_0.99"]["optim.learning_rate"] == depth.REFERENCE_ADAMW_LR
+
+
+def test_every_reference_probe_changes_its_reference():
+  """A probe whose fields the recipe already has would train the reference again and count
+  as a probe without being one (Muon's AdamW rate 1e-3 was the recipe's)."""
+  from petra_jax.studies import common, depth
+
+  class Args:
+    recipe = os.path.join(REPO, "configs", "cifar10_vit_cpu.py")
+    epochs, steps_per_epoch, data_dir = 1, 5, ""
+  for name, fields in depth.PROBED_REFERENCES.items():
+    base = next(r for r in depth.REFERENCES if name.startswith(r + "_")
+                and name[len(r) + 1:] in depth.REFERENCE_PROBES[r.split("_")[1]])
+    probe = common.row_config(Args, fields, 100).to_dict()
+    assert probe != common.row_config(Args, depth.REFERENCES[base], 100).to_dict(), name

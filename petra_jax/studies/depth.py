@@ -118,7 +118,7 @@ REFERENCE_PROBES = {
     "muon": {**{f"lr{x:g}": {"optim.muon_learning_rate": x} for x in (0.01, 0.03, 0.04, 0.06)},
              **{f"b{x:g}": {"optim.muon_momentum": x} for x in (0.8, 0.9, 0.98)},
              "lr0.04_b0.9": {"optim.muon_learning_rate": 0.04, "optim.muon_momentum": 0.9},
-             "adam_lr1e-3": {"optim.learning_rate": 1e-3}, **_SHARED_PROBES},
+             "adam_lr3e-3": {"optim.learning_rate": 3e-3}, **_SHARED_PROBES},
     "adamw": {**{f"lr{x:g}": {"optim.learning_rate": x} for x in (1e-3, 2e-3, 6e-3, 8e-3)},
               **{f"b{x:g}": {"optim.adam_b1": x} for x in (0.8, 0.95)},
               "b2_0.99": {"optim.adam_b2": 0.99}, "b2_0.98": {"optim.adam_b2": 0.98},
