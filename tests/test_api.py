@@ -126,7 +126,8 @@ def test_user_model_trains_through_the_cli_and_fingerprints_its_source(user_modu
   assert len(errors) == 1 and "model_source" in errors[0], r.stderr[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.long  # CI time: the CLI test above trains the user model, the zero-delay test below
+@pytest.mark.slow  # checks its PETRA update, test_reference_methods its delayed methods
 def test_user_model_trains_with_every_method(user_module, cifar10_dir, tmp_path):
   losses = {}
   for method, extra in (("backprop", {}), ("revprop", {}), ("petra", {"model.num_stages": 3}),

@@ -242,7 +242,8 @@ def shakespeare_dir():
   pytest.skip("tiny_shakespeare not found (set TFDS_DATA_DIR)")
 
 
-def test_runlocal_trains_resumes_and_samples(shakespeare_dir, tmp_path, capsys):
+def test_runlocal_trains_resumes_samples_and_scores(shakespeare_dir, tmp_path, capsys,
+                                                   monkeypatch):
   from petra_jax.training import loop  # pylint: disable=g-import-not-at-top
 
   config = config_file("configs/shakespeare_cpu.py", "runlocal")
@@ -261,6 +262,29 @@ def test_runlocal_trains_resumes_and_samples(shakespeare_dir, tmp_path, capsys):
                       "--temperature", "0"]) == 0
   out = capsys.readouterr().out
   assert out.startswith("ROMEO:") and len(out.rstrip("\n")) >= 6
+  _check_text_losses(workdir, monkeypatch, capsys)
+
+
+def _check_text_losses(workdir: str, monkeypatch, capsys) -> None:
+  """``validation`` and ``test`` scored from a finished run's checkpoint equal its last logged
+  ``val_loss`` and ``test_loss`` to float32 round-off; the cache spares a second load."""
+  import json  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import metrics  # pylint: disable=g-import-not-at-top
+  records = metrics.read_metrics(workdir)
+  logged = {"validation": [r["val_loss"] for r in records if "val_loss" in r][-1],
+            "test": [r["test_loss"] for r in records if "test_loss" in r][-1]}
+  got = evaluate.text_losses(workdir, ["validation", "test", "nanogpt_val"])
+  for name in logged:
+    np.testing.assert_allclose(got[name], logged[name], rtol=1e-6)
+  # Validation and test are the two halves of nanogpt_val, equally long.
+  assert min(logged.values()) - 0.05 < got["nanogpt_val"] < max(logged.values()) + 0.05
+  saved = json.loads((pathlib.Path(workdir) / evaluate.TEXT_LOSSES_FILE).read_text())
+  assert saved == {"step": max(r["step"] for r in records), "losses": got}
+  monkeypatch.setattr(evaluate, "load", lambda workdir: pytest.fail("recomputed"))
+  assert evaluate.text_losses(workdir, ["nanogpt_val"]) == {"nanogpt_val": got["nanogpt_val"]}
+  assert sample.main(["--workdir", workdir, "--evaluate", "validation,nanogpt_val"]) == 0
+  out = capsys.readouterr().out
+  assert f"validation: {got['validation']:.4f} nats/char" in out and "nanogpt_val:" in out
 
 
 def test_study_rows_are_valid_configs_and_the_gap_is_to_revprop():
@@ -297,33 +321,3 @@ def test_nanogpt_val_is_validation_then_test_the_last_tenth_of_the_text(shakespe
   assert joined == parts[1] + parts[2] and len(joined) == 2 * 55_770
   whole = "".join(parts)
   assert joined == whole[int(len(whole) * 0.9):]
-
-
-def test_text_losses_of_a_finished_run_reproduce_its_logged_losses(shakespeare_dir, tmp_path,
-                                                                    monkeypatch, capsys):
-  """``validation`` and ``test`` scored from the checkpoint equal the run's last logged
-  ``val_loss`` and ``test_loss`` to float32 round-off; the cache spares a second load."""
-  import json  # pylint: disable=g-import-not-at-top
-  from petra_jax.training import loop  # pylint: disable=g-import-not-at-top
-  from petra_jax.training import metrics  # pylint: disable=g-import-not-at-top
-
-  config = config_file("configs/shakespeare_cpu.py", "runlocal")
-  config.data_dir = shakespeare_dir
-  config.num_epochs = 1  # 3 updates, checkpointed at the last
-  workdir = str(tmp_path)
-  loop.train_and_evaluate(config, workdir)
-  records = metrics.read_metrics(workdir)
-  logged = {"validation": [r["val_loss"] for r in records if "val_loss" in r][-1],
-            "test": [r["test_loss"] for r in records if "test_loss" in r][-1]}
-  got = evaluate.text_losses(workdir, ["validation", "test", "nanogpt_val"])
-  for name in logged:
-    np.testing.assert_allclose(got[name], logged[name], rtol=1e-6)
-  # Validation and test are the two halves of nanogpt_val, equally long.
-  assert min(logged.values()) - 0.05 < got["nanogpt_val"] < max(logged.values()) + 0.05
-  saved = json.loads((tmp_path / evaluate.TEXT_LOSSES_FILE).read_text())
-  assert saved == {"step": 3, "losses": got}
-  monkeypatch.setattr(evaluate, "load", lambda workdir: pytest.fail("recomputed"))
-  assert evaluate.text_losses(workdir, ["nanogpt_val"]) == {"nanogpt_val": got["nanogpt_val"]}
-  assert sample.main(["--workdir", workdir, "--evaluate", "validation,nanogpt_val"]) == 0
-  out = capsys.readouterr().out
-  assert f"validation: {got['validation']:.4f} nats/char" in out and "nanogpt_val:" in out
