@@ -176,7 +176,21 @@ class Pipeline:
     return self.owned[-1]
 
   def init(self, seed: int, sample_input: jax.Array) -> PipelineState:
-    """Initialises this process's stages from ``sample_input float32[B, H, W, C]``."""
+    """Initialises this process's stages and the transport.
+
+    Args:
+      seed: the parameters' seed (stage ``j`` folds in ``j``).
+      sample_input: a micro-batch of stage 0's input, ``float32[B, H, W, C]`` (text: token
+        ids ``int32[B, T]``); its shape and dtype become what :meth:`run_tick` and
+        :meth:`predict` accept.
+
+    Returns:
+      The :class:`PipelineState` at tick 0: every stage's ``StageState`` (None for a stage
+      another process owns) on its placement, nothing in flight.
+
+    Raises:
+      ValueError: a stage that fails :func:`~petra_jax.check_stages` on ``sample_input``.
+    """
     self.input_spec = input_checks.declared(sample_input, self.objective)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     stage_checks.check_stages(self.stages, one, objective=self.objective)
@@ -212,8 +226,15 @@ class Pipeline:
                batches: Optional[Batches] = None) -> tuple[PipelineState, list[TickOutput]]:
     """Runs one tick's tasks in order; ``state``'s arrays are donated.
 
-    ``batches``: ``m -> (images float32[B, H, W, C], labels int32[B])``.
-    Returns ``(new_state, outputs)``: the losses of the tick's ``loss``/``backprop`` tasks.
+    Args:
+      state: the state after the previous tick (``state.tick`` is this tick's index).
+      tick: the tick's tasks (``schedule[t]`` of :meth:`schedule`).
+      batches: ``m -> (images float32[B, H, W, C], labels int32[B])`` (text: ids and
+        targets ``int32[B, T]``); needed by ticks that feed a micro-batch.
+
+    Returns:
+      ``(new_state, outputs)``: the :class:`TickOutput` (micro-batch, float32 loss) of the
+      tick's ``loss``/``backprop`` tasks.
 
     Raises:
       ScheduleError: a task's input has not arrived.
@@ -267,7 +288,15 @@ class Pipeline:
     return outputs
 
   def run(self, state: PipelineState, ticks, batches: Batches):
-    """Runs every tick of ``ticks``; returns ``(new_state, outputs)``."""
+    """Runs every tick of ``ticks`` with :meth:`run_tick`.
+
+    Returns:
+      ``(new_state, outputs)``: the state after the last tick and every tick's
+      :class:`TickOutput`, in order.
+
+    Raises:
+      ScheduleError, ValueError: as :meth:`run_tick`.
+    """
     outputs = []
     for tick in ticks:
       state, out = self.run_tick(state, tick, batches)
@@ -318,9 +347,18 @@ class Pipeline:
     return self._plan(contexts), pairs
 
   def predict(self, state: PipelineState, images) -> Optional[jax.Array]:
-    """Logits ``float32[B, K]`` (running statistics) from ``images float32[B, H, W, C]``.
+    """Logits from the stages' current weights and running statistics (evaluation mode).
 
-    Every process must call it; None on processes without the last stage.
+    Args:
+      state: a :class:`PipelineState` (in-flight messages are ignored).
+      images: ``float32[B, H, W, C]`` (text: token ids ``int32[B, T]``).
+
+    Returns:
+      ``float32[B, K]`` logits (text: ``[B, T, V]``); None on a process without the last
+      stage. Every process must call it.
+
+    Raises:
+      ValueError: ``images`` unlike the input :meth:`init` declared.
     """
     input_checks.check_images(images, self.input_spec, "predict")
     J = self.num_stages
