@@ -321,3 +321,20 @@ def test_nanogpt_val_is_validation_then_test_the_last_tenth_of_the_text(shakespe
   assert joined == parts[1] + parts[2] and len(joined) == 2 * 55_770
   whole = "".join(parts)
   assert joined == whole[int(len(whole) * 0.9):]
+
+
+def test_the_reference_gets_at_least_as_many_probes_as_petra_each_a_change():
+  """Issue 48: revprop's own knobs as rows, at least as many as PETRA's probes, and every one
+  changes the reference's config (a probe equal to the recipe would count without being one)."""
+  from petra_jax.studies import language_model as study  # pylint: disable=g-import-not-at-top
+
+  class Args:
+    recipe = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "shakespeare_cpu.py")
+    epochs, steps_per_epoch, data_dir = 4, 0, ""
+  probes = [r for r in study.ROWS if r.startswith("revprop_")]
+  assert len(probes) >= study.PETRA_PROBES == 5
+  base = study.row_config(Args, "revprop", 100).to_dict()
+  for row in probes:
+    assert study.row_config(Args, row, 100).to_dict() != base, row
+  assert study.row_config(Args, "revprop_lr0.002", 100).optim.learning_rate == 0.002
+  assert study.stale_updates("revprop_wd0.3") == (4, 4, 0.0)

@@ -54,6 +54,20 @@ ROWS = {
        for c in COMPENSATIONS},
 }
 
+# The reference's own knobs (issue 48: revprop ran nanoGPT's AdamW unswept while PETRA's
+# compensation and k got 5 probes, docs/language_model.md): one knob of the recipe's AdamW at a
+# time (rate 1e-3, b1 0.9, b2 0.99, warm-up 100 updates = 0.4 epoch, weight decay 0.1), run on
+# the tuning seed 100 like PETRA's probes. A row is ``revprop_<probe>``.
+REFERENCE_PROBES = {
+    **{f"lr{x:g}": {"optim.learning_rate": x} for x in (5e-4, 2e-3, 3e-3)},
+    **{f"b{x:g}": {"optim.adam_b1": x} for x in (0.8, 0.95)},
+    **{f"b2_{x:g}": {"optim.adam_b2": x} for x in (0.95, 0.999)},
+    "warmup0": {"optim.warmup_epochs": 0.0}, "warmup0.8": {"optim.warmup_epochs": 0.8},
+    "wd0.01": {"optim.weight_decay": 0.01}, "wd0.3": {"optim.weight_decay": 0.3},
+}
+PETRA_PROBES = 5  # PETRA's probes on seed 100 at J = 4 (docs/language_model.md, "Closing the gap")
+ROWS.update({f"revprop_{p}": {**ROWS["revprop"], **fields} for p, fields in REFERENCE_PROBES.items()})
+
 
 def row_config(args, row: str, seed: int):
   """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
