@@ -13,14 +13,17 @@ from petra_jax.engine import compiled, methods
 from petra_jax.engine.transport import rings
 from petra_jax.engine.arrays import quantize
 from petra_jax.engine.observers import GradientProbe
+from petra_jax.engine.methods import forward_gradient
 from petra_jax.engine.pipeline import Pipeline
+from petra_jax.models import auxiliary
 
 from helpers import tiny_revnet
 
 IMAGE = (8, 8, 3)
-# Every method whose cotangents travel back (the compiled executor's scope).
+# Every method whose cotangents travel back; the local methods below (auxiliary heads).
 METHODS = ("backprop", "revprop", "petra", "approximate_input", "dsp", "delayed", "gpipe",
            "1f1b", "zb_h1")
+LOCAL_METHODS = ("local", "forward_gradient")
 
 
 def _batches(batch_size=4):
@@ -35,9 +38,16 @@ def _batches(batch_size=4):
   return batches
 
 
+def _stages(method):
+  """The tiny RevNet; with auxiliary heads for the methods that train on local losses."""
+  if method in LOCAL_METHODS:
+    return auxiliary.with_heads(tiny_revnet(), "mlp", 10, hidden=8)
+  return tiny_revnet()
+
+
 def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_parallel=1):
   """``({m: loss}, final params, executor)`` of ``micro_batches`` micro-batches."""
-  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02, momentum=0.9), devices or jax.devices()[:1],
+  pipe = Pipeline(_stages(method), optax.sgd(0.02, momentum=0.9), devices or jax.devices()[:1],
                   method=method, accumulation_steps=k, data_parallel=data_parallel)
   batches = _batches(4 * data_parallel)
   state = pipe.init(0, batches(0)[0])
@@ -51,8 +61,8 @@ def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_para
 
 
 @pytest.mark.parametrize("method", [  # a stream, a drained round, a flushed round; the rest long
-    m if m in ("petra", "revprop", "gpipe") else pytest.param(m, marks=pytest.mark.long)
-    for m in METHODS])
+    m if m in ("petra", "revprop", "gpipe", "local") else pytest.param(m, marks=pytest.mark.long)
+    for m in METHODS + LOCAL_METHODS])
 def test_compiled_losses_and_weights_equal_the_host_executors(method):
   host, host_params, _ = _train(method, "host")
   comp, comp_params, ex = _train(method, "compiled")
@@ -148,18 +158,16 @@ def test_a_call_returns_before_the_device_has_finished():
   jax.block_until_ready(outputs[-1].loss)
 
 
-def _with_method(pipe, name):
-  """``pipe`` claiming method ``name`` (a local method needs auxiliary heads to be built)."""
-  pipe.method = methods.get(name)
-  return pipe
-
-
 @pytest.mark.parametrize("build, missing", [
     (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:4]), "on 4 devices"),
     (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1],
                       observers=[GradientProbe(1, 1)]), "observers"),
-    (lambda: _with_method(Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1]), "local"),
-     "sends no cotangent"),
+    (lambda: Pipeline(_stages("local"), optax.sgd(0.1), jax.devices()[:4], method="local"),
+     "trains each stage on its own loss"),
+    (lambda: Pipeline(_stages("forward_gradient"), optax.sgd(0.1), jax.devices()[:1],
+                      method="forward_gradient",
+                      forward_gradient=forward_gradient.Options(guess="random")),
+     "guess='random'"),
     (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1],
                       formats=quantize.MessageFormats(forward="int8")), "quantised"),
 ])

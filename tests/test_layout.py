@@ -86,3 +86,14 @@ def test_no_project_module_is_imported_dynamically():
     calls = [ast.unparse(n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
              and ast.unparse(n.func).endswith(("import_module", "__import__"))]
     assert path == user_models or not calls, (path, calls)
+
+
+def test_no_tracked_text_file_holds_a_merge_conflict():
+  """A conflict left in a merge (``<<<<<<<`` .. ``>>>>>>>``) is caught here, not by a reader."""
+  texts = [p for p in REPO.rglob("*") if p.suffix in {".py", ".md", ".toml", ".sh", ".txt", ".cfg"}
+           and p.is_file() and not any(part.startswith((".venv", ".git")) or part == "runs"
+                                       for part in p.relative_to(REPO).parts)]
+  assert len(texts) > 50  # the walk found the project
+  marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+  held = [str(p.relative_to(REPO)) for p in texts if marker.search(p.read_text(errors="ignore"))]
+  assert not held, f"merge-conflict markers in {held}"

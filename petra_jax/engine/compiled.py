@@ -24,8 +24,8 @@ once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
 Supported: one process, every stage on one device (or one group of
 ``data_parallel`` devices), or the stream with one stage per device (one SPMD
 program over a ``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
-methods whose cotangents travel back (``updates == "backward"``), unquantised
-messages, no observers. Anything else raises :class:`Unsupported` naming what
+every method but ``forward_gradient`` with random guesses, unquantised messages, no
+observers. Anything else raises :class:`Unsupported` naming what
 is missing.
 """
 
@@ -58,8 +58,9 @@ def unsupported(pipe) -> Optional[str]:
     return "its stages live in several processes"
   if pipe.observers:
     return "observers (gradient-quality or reconstruction probes) run around every task"
-  if pipe.method.updates != "backward":
-    return f"method {pipe.method.name!r} sends no cotangent back (local updates)"
+  if pipe.method.updates == "forward_gradient" and pipe.forward_gradient.guess == "random":
+    return ("forward_gradient.guess='random' draws a key per micro-batch, and inside the "
+            "program a micro-batch is known only relative to the period")
   if pipe.formats.active:
     return "quantised messages (--config.messages.*) draw per-micro-batch rounding keys"
   return _across_devices(pipe)
@@ -71,6 +72,9 @@ def _across_devices(pipe) -> Optional[str]:
   places, J = len(set(pipe.placements)), pipe.num_stages
   if places == 1:
     return None
+  if pipe.method.updates != "backward":
+    return (f"its stages are on {places} devices and method {pipe.method.name!r} trains each "
+            "stage on its own loss (the stage-mesh program sends labels to the last stage only)")
   if pipe.placements[0].size > 1:
     return (f"its stages are on {places} groups of {pipe.placements[0].size} data-parallel "
             "devices (the stage-mesh program takes one device per stage)")
@@ -145,6 +149,31 @@ def _split(carry: tuple) -> tuple:
   rest = {k: v for k, v in boxes.items() if k not in ("labels", "buffers")}
   return ((stage_states, rest, boxes["buffers"][1:]),
           (boxes["labels"], boxes["buffers"][0]))
+
+
+_copies = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
+
+
+def _buffers(leaf) -> tuple:
+  return tuple(shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards)
+
+
+def unaliased(donated, kept):
+  """``donated`` with a copy of every leaf whose buffer another leaf of ``donated`` or ``kept``
+  also holds (one call for all): a donated buffer must appear once in a call. The local
+  methods carry each micro-batch's labels beside its activation, the array the caller fed."""
+  seen = {b for leaf in jax.tree.leaves(kept) for b in _buffers(leaf)}
+  leaves, treedef = jax.tree.flatten(donated)
+  shared = []
+  for i, leaf in enumerate(leaves):
+    buffers = _buffers(leaf)
+    if seen.intersection(buffers):
+      shared.append(i)
+    seen.update(buffers)
+  if shared:
+    for i, copy in zip(shared, _copies([leaves[i] for i in shared])):
+      leaves[i] = copy
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _join(donated: tuple, kept: tuple) -> tuple:
@@ -297,7 +326,8 @@ class CompiledExecutor:
     if program is None:
       return None
     fn, mbs = program
-    carry, losses = fn(*_split(carry), inputs)
+    donated, kept = _split(carry)
+    carry, losses = fn(unaliased(donated, kept), kept, inputs)
     self.dispatches += 1
     end = s + periods * period.shift
     outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])
