@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from petra_jax.engine import compiled, methods
+from petra_jax.engine import compiled
 from petra_jax.engine.transport import rings
 from petra_jax.engine.arrays import quantize
 from petra_jax.engine.observers import GradientProbe
@@ -162,8 +162,6 @@ def test_a_call_returns_before_the_device_has_finished():
     (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:4]), "on 4 devices"),
     (lambda: Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1],
                       observers=[GradientProbe(1, 1)]), "observers"),
-    (lambda: Pipeline(_stages("local"), optax.sgd(0.1), jax.devices()[:4], method="local"),
-     "trains each stage on its own loss"),
     (lambda: Pipeline(_stages("forward_gradient"), optax.sgd(0.1), jax.devices()[:1],
                       method="forward_gradient",
                       forward_gradient=forward_gradient.Options(guess="random")),

@@ -10,12 +10,14 @@ from petra_jax import models
 from petra_jax.engine import compiled
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stages.stage import Stage
+from petra_jax.models import auxiliary
 
 from test_compiled import _batches, assert_refused_in_one_line, count_host_step_calls
 from test_compiled import fill_until_the_first_call
 
 J = 4
 STREAM = ("petra", "approximate_input", "dsp", "delayed")  # the stream methods it runs
+LOCAL = ("local", "forward_gradient")  # and the local ones (auxiliary heads)
 
 
 def four_stages():
@@ -25,7 +27,10 @@ def four_stages():
 
 
 def _pipe(method, k=1, tx=None):
-  return Pipeline(four_stages(), tx or optax.sgd(0.02, momentum=0.9), jax.devices()[:J],
+  stages = four_stages()
+  if method in LOCAL:
+    stages = auxiliary.with_heads(stages, "mlp", 10, hidden=8)
+  return Pipeline(stages, tx or optax.sgd(0.02, momentum=0.9), jax.devices()[:J],
                   method=method, accumulation_steps=k)
 
 
@@ -54,6 +59,20 @@ def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
   comp, comp_params, ex, ran = _train(method, "compiled")
   assert ex.mesh is not None and "SPMD program over 4 devices" in ex.describe()
   assert ran == [1] * 6 + [4, 4, 1, 1] + [1] * 6 and ex.dispatches == 4
+  assert sorted(comp) == sorted(host) == list(range(16))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", [
+    m if m == "local" else pytest.param(m, marks=pytest.mark.long) for m in LOCAL])
+def test_stage_mesh_runs_the_local_methods_as_the_host_executor(method):
+  """A loss on every stage: stage 0 takes each fed micro-batch's labels too and sends them on
+  with its activation; every loss and the final weights as the host's."""
+  host, host_params, _, _ = _train(method, "host")
+  comp, comp_params, ex, ran = _train(method, "compiled")
+  assert ex.mesh is not None and ex.dispatches > 0 and max(ran) == 4
   assert sorted(comp) == sorted(host) == list(range(16))
   np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):

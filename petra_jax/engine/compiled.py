@@ -72,9 +72,6 @@ def _across_devices(pipe) -> Optional[str]:
   places, J = len(set(pipe.placements)), pipe.num_stages
   if places == 1:
     return None
-  if pipe.method.updates != "backward":
-    return (f"its stages are on {places} devices and method {pipe.method.name!r} trains each "
-            "stage on its own loss (the stage-mesh program sends labels to the last stage only)")
   if pipe.placements[0].size > 1:
     return (f"its stages are on {places} groups of {pipe.placements[0].size} data-parallel "
             "devices (the stage-mesh program takes one device per stage)")

@@ -217,6 +217,10 @@ class StageMesh:
     self.mesh = Mesh(np.array(self.devices), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
     self._plan = pipe.plan(_feed_images, in_program=True)
+    # Where a fed micro-batch's labels go: the last stage; for the local methods (a loss on
+    # every stage, paper App. C) stage 0 too, which sends them on with the activations.
+    J = pipe.num_stages
+    self.labels_home = (J - 1,) if pipe.method.updates == "backward" else (0, J - 1)
     self._programs: dict = {}  # (parts' structure, leaf shapes, periods) -> Program or None
     self._zeros: dict = {}
     self.conversions = 0  # jitted calls outside the program: a part packed or unpacked
@@ -238,6 +242,8 @@ class StageMesh:
       getattr(state, name)[j] = dict(kept[name])
     if j == J - 1:  # what the host's feed sends the last stage on this tick
       state.labels = {**kept["labels"], **dict(zip(period.fed, labels))}
+    elif j == 0 and self.labels_home[0] == 0:  # local losses: stage 0 sends them on
+      state.labels = dict(zip(period.fed, labels))
     state.inbox[j], state.grad_inbox[j] = dict(part.fwd), dict(part.bwd)
     batch, outputs = dict(zip(period.fed, images)), []
     for tick in period.ticks:
@@ -332,15 +338,14 @@ class StageMesh:
           abstract)
     return self._programs[key]
 
-  def _global(self, x: jax.Array, home: int) -> jax.Array:
-    """``x [B, ...]`` as device ``home``'s shard of a ``[J * B, ...]`` array on the stage axis
-    (zeros, allocated once, on the other devices; nothing copied)."""
-    d = self.devices[home]
-    x = jax.device_put(x, d)
+  def _global(self, x: jax.Array, homes: tuple) -> jax.Array:
+    """``x [B, ...]`` as the shard of devices ``homes`` of a ``[J * B, ...]`` array on the
+    stage axis (zeros, allocated once, on the other devices; nothing copied)."""
+    placed = {self.devices[h]: jax.device_put(x, self.devices[h]) for h in homes}
     shards = []
     for device in self.devices:
-      if device == d:
-        shards.append(x)
+      if device in placed:
+        shards.append(placed[device])
         continue
       key = (x.shape, x.dtype, device)
       if key not in self._zeros:
@@ -374,7 +379,7 @@ class StageMesh:
     Returns:
       ``(state, outputs, ticks)``, or None where the state is not steady (nothing ran).
     """
-    period, J = self.period, len(self.devices)
+    period = self.period
     checked = input_checks.checked(batches, self.pipe.input_spec)
     fed = [[checked(m + s + i * period.shift) for m in period.fed] for i in range(periods)]
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -386,8 +391,8 @@ class StageMesh:
     if program is None:
       return None
     carry = claimed[1] if claimed else self._to_global(program, parts)
-    images = tuple(tuple(self._global(f[0], 0) for f in row) for row in fed)
-    labels = tuple(tuple(self._global(f[1], J - 1) for f in row) for row in fed)
+    images = tuple(tuple(self._global(f[0], (0,)) for f in row) for row in fed)
+    labels = tuple(tuple(self._global(f[1], self.labels_home) for f in row) for row in fed)
     if claimed is not None:
       state.donate()
     carry, losses = program.fn(carry, images, labels)
