@@ -18,6 +18,7 @@ from test_compiled import fill_until_the_first_call
 J = 4
 STREAM = ("petra", "approximate_input", "dsp", "delayed")  # the stream methods it runs
 LOCAL = ("local", "forward_gradient")  # and the local ones (auxiliary heads)
+FLUSHED = ("gpipe", "1f1b", "zb_h1", "revprop")  # and the flushed schedules' rounds
 
 
 def four_stages():
@@ -79,6 +80,23 @@ def test_stage_mesh_runs_the_local_methods_as_the_host_executor(method):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("method", [
+    m if m == "gpipe" else pytest.param(m, marks=pytest.mark.long) for m in FLUSHED])
+def test_stage_mesh_runs_the_flushed_rounds_as_the_host_executor(method):
+  """A round's ticks unrolled in one period, messages moved after each tick, a cotangent that
+  waits a tick kept on its device: 16 micro-batches, every round compiled (no host tick: a
+  round starts and ends with nothing in flight), losses and final weights as the host's."""
+  host, host_params, _, _ = _train(method, "host")
+  comp, comp_params, ex, ran = _train(method, "compiled")
+  rounds = 16 // ex.period.shift
+  assert ex.mesh is not None and ex.dispatches == rounds // 4
+  assert ran == [4 * len(ex.period.ticks)] * (rounds // 4)
+  assert sorted(comp) == sorted(host) == list(range(16))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
   """Once compiled, each call of N steady ticks is one dispatch of the SPMD program: no jitted
   step of the host executor runs in between (tracing called them once), and the state a call
@@ -106,8 +124,6 @@ def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
 
 
 @pytest.mark.parametrize("build, missing", [
-    (lambda: _pipe("gpipe", k=2), "flushed schedule 'gpipe'"),
-    (lambda: _pipe("revprop"), "flushed schedule 'drained'"),
     (lambda: Pipeline(four_stages(), optax.sgd(0.1), jax.devices()[:J], data_parallel=2),
      "2 groups of 2 data-parallel devices"),
     (lambda: Pipeline(four_stages(), optax.sgd(0.1), jax.devices()[:2]),
@@ -123,29 +139,37 @@ def test_auto_stays_on_the_host_executor_on_the_cpu():
     assert isinstance(ex, compiled.HostExecutor) and "CPU" in ex.describe()
 
 
+WIDTH = 8  # see the test loss's tolerance below
+
+
 @pytest.mark.long  # two short training runs through the loop; the engine tests above cover the math
 @pytest.mark.slow
 def test_the_main_loop_on_four_devices_gives_the_host_executors_losses(cifar10_dir, tmp_path):
   """The training loop (hooks, logging, evaluation, checkpoint) with one stage per device under
-  the stage-mesh program: per-step losses and test accuracy as under the host executor."""
+  the stage-mesh program: per-step losses and test loss as under the host executor.
+
+  Method ``delayed`` (the stream's schedule, an exact backward at stashed weights), not PETRA:
+  the two executors' programs round differently (XLA fuses a tick's tasks into one program), and
+  PETRA's reconstruction chain (stage j's rebuilt input is stage j - 1's output, Eq. 5)
+  amplifies that float32 round-off during training: in this loop its per-update losses moved
+  apart as 1e-7, 1e-6, 4e-5, 1e-3, 3e-3 over updates 6-11 (measured; a 1e-6 relative
+  perturbation of the host run's weights at tick 12 moved its test loss by 0.26 %), while
+  ``delayed``'s stayed within 1e-7. At the tiny config's rate 0.05 this run diverges (test loss
+  6.3) and the drain's updates still move its test loss apart by 0.3 %; at 0.01 it does not.
+  PETRA's program is checked exactly by the engine tests."""
   from helpers import tiny_config
   from petra_jax import train
   from petra_jax.training import metrics
   records = {}
   for executor in ("host", "compiled"):
-    c = tiny_config(cifar10_dir, num_devices=J, max_steps=12, executor=executor,
-                    periods_per_dispatch=4, **{"model.num_stages": J})
+    c = tiny_config(cifar10_dir, num_devices=J, max_steps=12, executor=executor, method="delayed",
+                    **{"optim.learning_rate": 0.01, "model.num_stages": J},
+                    periods_per_dispatch=4)
     train.train_and_evaluate(c, str(tmp_path / executor))
     records[executor] = metrics.read_metrics(str(tmp_path / executor))
   losses = {e: [r["train_loss"] for r in rs if "train_loss" in r] for e, rs in records.items()}
   assert len(losses["host"]) == 12
   np.testing.assert_allclose(losses["compiled"], losses["host"], rtol=1e-6)
-  # The two executors' programs round differently (XLA fuses one tick's tasks into one
-  # program); at this rate (SGD-Nesterov 0.05) the drain's updates amplify that float32
-  # round-off: stage 0's weights moved apart by 1e-6 after the last compiled call, 8e-3 after
-  # the drain, and the test loss by 2.3e-3 relative (measured, also with one device). The
-  # exactness of the program itself is the engine tests' (rtol 1e-6 above); here the loop's
-  # evaluation must run on the final state and land close.
   test_loss = {e: [r["test_loss"] for r in rs if "test_loss" in r] for e, rs in records.items()}
   assert len(test_loss["host"]) == len(test_loss["compiled"]) == 1
-  np.testing.assert_allclose(test_loss["compiled"], test_loss["host"], rtol=1e-2)
+  np.testing.assert_allclose(test_loss["compiled"], test_loss["host"], rtol=1e-5)

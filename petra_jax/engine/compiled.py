@@ -22,8 +22,8 @@ move down by its micro-batches. Whether a state has that shape is checked
 once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
 
 Supported: one process, every stage on one device (or one group of
-``data_parallel`` devices), or the stream with one stage per device (one SPMD
-program over a ``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
+``data_parallel`` devices), or one stage per device (one SPMD program over a
+``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
 every method but ``forward_gradient`` with random guesses, unquantised messages, no
 observers. Anything else raises :class:`Unsupported` naming what
 is missing.
@@ -78,10 +78,6 @@ def _across_devices(pipe) -> Optional[str]:
   if places < J:
     return (f"its {J} stages are on {places} devices (the stage-mesh program runs one stage "
             "per device)")
-  family = pipe.method.schedule
-  if family.round_size(pipe.accumulation_steps):
-    return (f"its stages are on {places} devices and it runs the flushed schedule "
-            f"{family.name!r} (the stage-mesh program runs the stream only)")
   return None
 
 

@@ -1,4 +1,4 @@
-"""The compiled executor across devices: the stream's steady ticks as one SPMD program.
+"""The compiled executor across devices: steady periods as one SPMD program.
 
 Stage ``j`` lives on device ``j`` of a ``stage`` mesh axis (one process, one stage per
 device). One program runs on every device (``jax.shard_map``): ``lax.switch`` on
@@ -6,12 +6,14 @@ device). One program runs on every device (``jax.shard_map``): ``lax.switch`` on
 executor calls (their jitted steps inline, paper Alg. 1: a forward on the newest micro-batch, a
 reconstructing backward, Eq. 5, on an older one); ``lax.ppermute`` moves the activations
 forward (``j -> j + 1``) and the cotangent messages ``(x~ or None, delta)`` back
-(``j -> j - 1``), each consumed on the next tick as on the host; ``lax.scan`` runs ``N`` ticks
-per dispatch. Stages differ (stem, reversible blocks, head), so what a device carries is packed
+(``j -> j - 1``) after every tick, as on the host; ``lax.scan`` runs ``N`` periods per
+dispatch. A period is the stream's steady tick (PETRA, the delayed and the local methods) or a
+flushed schedule's whole round (GPipe, 1F1B, ZB-H1, revprop), its ticks unrolled; a message
+that arrives before the tick that consumes it (a round's cotangent) waits on its device. Stages differ (stem, reversible blocks, head), so what a device carries is packed
 into a layout common to every device (:func:`packing.padded`: one flat buffer per dtype,
 padded to the largest stage): ``local`` (its stage state, the inputs or weights it keeps, the
-last stage's labels), ``fwd`` (the activation that arrived) and ``bwd`` (the cotangent that
-arrived). Keys are a period's frame, ``m - s``, as in :mod:`petra_jax.engine.compiled`.
+last stage's labels, the messages that wait), ``fwd`` (the activation that arrived) and ``bwd``
+(the cotangent that arrived); a round's ticks have a layout each. Keys are a period's frame, ``m - s``, as in :mod:`petra_jax.engine.compiled`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.arrays import packing
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
@@ -33,6 +36,7 @@ from petra_jax.engine.transport.rings import rekey
 
 AXIS = "stage"
 _KEPT = ("buffers", "weight_stash")  # per-stage boxes a stage keeps over ticks
+_WAITING = ("waiting_fwd", "waiting_bwd")  # messages that arrived and wait (a round's)
 
 
 class Part(NamedTuple):
@@ -52,6 +56,7 @@ def split(state: PipelineState, s: int) -> list[Part]:
   J, parts = len(state.stage_states), []
   for j in range(J):
     kept = {name: rekey(getattr(state, name)[j], -s) for name in _KEPT}
+    kept.update({name: {} for name in _WAITING})
     if j == J - 1:
       kept["labels"] = rekey(state.labels, -s)
     parts.append(Part((state.stage_states[j], kept), rekey(state.inbox[j], -s),
@@ -65,7 +70,8 @@ def join(parts: list[Part], s: int, tick: int) -> PipelineState:
   for j, p in enumerate(parts):
     for name in _KEPT:
       getattr(state, name)[j] = rekey(p.local[1][name], s)
-    state.inbox[j], state.grad_inbox[j] = rekey(p.fwd, s), rekey(p.bwd, s)
+    state.inbox[j] = rekey({**p.local[1][_WAITING[0]], **p.fwd}, s)
+    state.grad_inbox[j] = rekey({**p.local[1][_WAITING[1]], **p.bwd}, s)
   state.labels = rekey(parts[-1].local[1]["labels"], s)
   return state
 
@@ -199,16 +205,18 @@ def _feed_images(state: PipelineState, m: int, batches) -> None:
   state.inbox[0][m] = batches(m)
 
 
-def _zeros_like(buffers: tuple) -> tuple:
-  return tuple(jnp.zeros_like(b) for b in buffers)
+def _zeros_of(layout: packing.Padded) -> tuple:
+  """The buffers of ``layout`` holding nothing (what an edge device sends past the edge)."""
+  return tuple(jnp.zeros((size,), dtype) for dtype, size in zip(layout.dtypes, layout.sizes))
 
 
 class StageMesh:
-  """The stream's steady ticks of ``pipe`` (one stage per device) as one SPMD program.
+  """The steady periods of ``pipe`` (one stage per device) as one SPMD program.
 
   Args:
     pipe: a pipeline whose ``J`` stages are on ``J`` distinct devices of this process.
-    period: the stream's period (:class:`petra_jax.engine.compiled.Period`: one tick).
+    period: its schedule's period (:class:`petra_jax.engine.compiled.Period`: the stream's
+      steady tick, or a flushed schedule's round).
   """
 
   def __init__(self, pipe, period):
@@ -225,34 +233,35 @@ class StageMesh:
     self._zeros: dict = {}
     self.conversions = 0  # jitted calls outside the program: a part packed or unpacked
 
-  def stage_tick(self, j: int, part: Part, images: tuple, labels: tuple,
+  def stage_tick(self, j: int, u: int, part: Part, images: tuple, labels: tuple,
                  mbs: Optional[list] = None) -> tuple:
-    """Stage ``j``'s tasks of one period on its plain ``part``, fed ``images`` and
-    ``labels`` (one per fed micro-batch): ``(local after, {m: x_{j+1}} to j + 1,
-    {m: (x~_j or None, delta_j)} to j - 1, [float32 losses])``, keys moved by ``-shift``;
-    ``mbs`` receives the losses' frame micro-batches.
+    """Stage ``j``'s tasks of tick ``u`` of the period on its plain ``part``, fed ``images``
+    and ``labels`` (one per micro-batch the period feeds): ``(local after, {m: x_{j+1}} to
+    j + 1, {m: (x~_j or None, delta_j)} to j - 1, [float32 losses])``, keys moved by
+    ``-shift`` after the period's last tick; ``mbs`` receives the losses' frame micro-batches.
+    A message that arrived and waits for a later tick (a round's) stays in ``local``.
 
     Raises:
-      ScheduleError: a task's message has not arrived, or an arrived one is left (not steady).
+      ScheduleError: a task's message has not arrived.
     """
     J, period, (st, kept) = self.pipe.num_stages, self.period, part.local
     state = PipelineState.empty([None] * J)
     state.stage_states[j] = st
     for name in _KEPT:
       getattr(state, name)[j] = dict(kept[name])
+    fed = {m: q for q, m in enumerate(period.fed) if m == schedule_lib.fed(period.ticks[u])}
     if j == J - 1:  # what the host's feed sends the last stage on this tick
-      state.labels = {**kept["labels"], **dict(zip(period.fed, labels))}
+      state.labels = {**kept["labels"], **{m: labels[q] for m, q in fed.items()}}
     elif j == 0 and self.labels_home[0] == 0:  # local losses: stage 0 sends them on
-      state.labels = dict(zip(period.fed, labels))
-    state.inbox[j], state.grad_inbox[j] = dict(part.fwd), dict(part.bwd)
-    batch, outputs = dict(zip(period.fed, images)), []
-    for tick in period.ticks:
-      mine = tuple(task for task in tick if task.stage == j)
-      outputs += self.pipe.run_tasks(state, mine, batch.__getitem__, self._plan)
-    if state.inbox[j] or state.grad_inbox[j]:
-      raise ScheduleError(f"stage {j} left an arrived message unconsumed: not a steady tick.")
-    s = period.shift
+      state.labels = {m: labels[q] for m, q in fed.items()}
+    state.inbox[j] = {**kept[_WAITING[0]], **part.fwd}
+    state.grad_inbox[j] = {**kept[_WAITING[1]], **part.bwd}
+    mine = tuple(task for task in period.ticks[u] if task.stage == j)
+    outputs = self.pipe.run_tasks(state, mine, {m: images[q] for m, q in fed.items()}.__getitem__,
+                                  self._plan)
+    s = period.shift if u == len(period.ticks) - 1 else 0
     kept = {name: rekey(getattr(state, name)[j], -s) for name in _KEPT}
+    kept[_WAITING[0]], kept[_WAITING[1]] = rekey(state.inbox[j], -s), rekey(state.grad_inbox[j], -s)
     if j == J - 1:
       kept["labels"] = rekey(state.labels, -s)
     if mbs is not None:
@@ -261,68 +270,79 @@ class StageMesh:
             rekey(state.grad_inbox[j - 1], -s) if j > 0 else {},
             [o.loss.astype(jnp.float32) for o in outputs])
 
-  def _check(self, parts: list, lays: list, x: tuple) -> Optional[tuple]:
-    """The frame micro-batches of a period's losses if each stage's period maps its share to
-    the same structure and sends each neighbour the messages it expects; else None."""
-    J, mbs = len(parts), []
-    for j in range(J):
-      seen: list = []
-      try:
-        local, ahead, back, _ = jax.eval_shape(
-            functools.partial(self.stage_tick, j, mbs=seen), parts[j], *x)
-      except ScheduleError:
-        return None
-      if j == J - 1:
-        mbs = seen
-      if not _same(local, parts[j].local):
-        return None
-      if j < J - 1 and (tuple(sorted(ahead)) != lays[j + 1].fwd_keys
-                        or not _same(_values(ahead), _values(parts[j + 1].fwd))):
-        return None
-      if j > 0 and (tuple(sorted(back)) != lays[j - 1].bwd_keys
-                    or not _same(_values(back), _values(parts[j - 1].bwd))):
-        return None
-    return tuple(mbs)
+  def _trace(self, parts: list, x: tuple) -> Optional[tuple]:
+    """``(layouts per tick boundary, losses per tick, frame micro-batches of the losses)`` of
+    one period from ``parts`` (abstract), or None if it does not map every stage's share to
+    the same structure (not a steady state) or a task's message is missing."""
+    J, boundaries, counts, mbs = len(parts), [parts], [], []
+    for u in range(len(self.period.ticks)):
+      outs = []
+      for j in range(J):
+        seen: list = []
+        try:
+          outs.append(jax.eval_shape(functools.partial(self.stage_tick, j, u, mbs=seen),
+                                     boundaries[-1][j], *x))
+        except ScheduleError:
+          return None
+        if j == J - 1:
+          counts.append(len(seen))
+          mbs += seen
+      boundaries.append([Part(outs[j][0], outs[j - 1][1] if j > 0 else {},
+                              outs[j + 1][2] if j < J - 1 else {}) for j in range(J)])
+    if not all(_same(a, b) and sorted(a.fwd) == sorted(b.fwd) and sorted(a.bwd) == sorted(b.bwd)
+               for a, b in zip(boundaries[-1], parts)):
+      return None
+    return [layouts(b) for b in boundaries[:-1]], counts, tuple(mbs)
 
-  def _branch(self, j: int, lays: list, num_losses: int) -> Callable:
-    """Device ``j``'s period on its flat buffers: ``(local, fwd, bwd, x) -> (local, to
-    j + 1, to j - 1, float32[num_losses])``, messages packed in the receiver's layout."""
+  def _branch(self, j: int, u: int, lays: list, following: list, num_losses: int) -> Callable:
+    """Device ``j``'s tick ``u`` on its flat buffers (``lays``: the tick's layouts;
+    ``following``: the next tick's): ``(local, fwd, bwd, x) -> (local, to j + 1, to j - 1,
+    float32[num_losses])``, messages packed in the receiver's layout."""
     J, lay = len(lays), lays[j]
 
     def branch(local, fwd, bwd, x):
-      local, ahead, back, losses = self.stage_tick(j, lay.unpack(local, fwd, bwd), *x)
-      ahead = lays[j + 1].fwd.pack(_values(ahead)) if j < J - 1 else _zeros_like(fwd)
-      back = lays[j - 1].bwd.pack(_values(back)) if j > 0 else _zeros_like(bwd)
+      local, ahead, back, losses = self.stage_tick(j, u, lay.unpack(local, fwd, bwd), *x)
+      ahead = (following[j + 1].fwd.pack(_values(ahead)) if j < J - 1
+               else _zeros_of(following[0].fwd))
+      back = (following[j - 1].bwd.pack(_values(back)) if j > 0
+              else _zeros_of(following[0].bwd))
       losses = jnp.stack(losses) if losses else jnp.zeros((num_losses,), jnp.float32)
-      return lay.local.pack(local), ahead, back, losses
+      return following[j].local.pack(local), ahead, back, losses
     return branch
 
-  def _program_fn(self, lays: list, num_losses: int, periods: int) -> Callable:
-    """The jitted program: ``periods`` ticks of every stage, ``(carry, images, labels) ->
+  def _program_fn(self, ticks: list, counts: list, periods: int) -> Callable:
+    """The jitted program: ``periods`` periods of every stage, ``(carry, images, labels) ->
     (carry, losses)``; the carry (``(local, fwd, bwd)``, global ``dtype[J * size]`` buffers
-    sharded on the stage axis) donated; ``num_losses * periods`` float32 scalars."""
-    J = len(lays)
-    branches = [self._branch(j, lays, num_losses) for j in range(J)]
+    sharded on the stage axis) donated; ``sum(counts) * periods`` float32 scalars. Within a
+    period the ticks are unrolled, each a ``lax.switch`` on the stage and two ``ppermute``s
+    (``ticks[u]``: the layouts at tick ``u``'s start; the period's end is its start)."""
+    J, U = len(ticks[0]), len(ticks)
+    branches = [[self._branch(j, u, ticks[u], ticks[(u + 1) % U], counts[u]) for j in range(J)]
+                for u in range(U)]
     ahead, back = [(j, j + 1) for j in range(J - 1)], [(j + 1, j) for j in range(J - 1)]
 
     def per_device(local, fwd, bwd, images, labels):
       stage = jax.lax.axis_index(AXIS)
 
       def body(carry, x):
-        local, fwd, bwd, losses = jax.lax.switch(stage, branches, *carry, x)
-        fwd = tuple(jax.lax.ppermute(b, AXIS, ahead) for b in fwd)
-        bwd = tuple(jax.lax.ppermute(b, AXIS, back) for b in bwd)
-        return (local, fwd, bwd), losses
+        losses = []
+        for u in range(U):
+          local, fwd, bwd, tick_losses = jax.lax.switch(stage, branches[u], *carry, x)
+          carry = (local, tuple(jax.lax.ppermute(b, AXIS, ahead) for b in fwd),
+                   tuple(jax.lax.ppermute(b, AXIS, back) for b in bwd))
+          losses.append(tick_losses)
+        return carry, jnp.concatenate(losses)
       xs = jax.tree.map(lambda *a: jnp.stack(a), *zip(images, labels))
       carry, losses = jax.lax.scan(body, (local, fwd, bwd), xs, length=periods)
       return (*carry, jax.lax.psum(jnp.where(stage == J - 1, losses, 0.0), AXIS))
 
     mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=P(AXIS),
                            out_specs=(P(AXIS),) * 3 + (P(),), check_vma=False)
+    n = sum(counts)
 
     def run(carry, images, labels):
       *carry, losses = mapped(*carry, images, labels)
-      return tuple(carry), tuple(losses[i, q] for i in range(periods) for q in range(num_losses))
+      return tuple(carry), tuple(losses[i, q] for i in range(periods) for q in range(n))
     return jax.jit(run, donate_argnums=0)
 
   def _program(self, parts: list, x: tuple, periods: int) -> Optional[Program]:
@@ -330,12 +350,16 @@ class StageMesh:
     key = (_signature(parts), jax.tree.map(lambda a: (a.shape, a.dtype), x), periods)
     if key not in self._programs:
       abstract = jax.eval_shape(lambda p: [_plain(q) for q in p], parts)
-      lays = layouts(abstract)
-      mbs = self._check(abstract, lays, x)
-      self._programs[key] = None if mbs is None else Program(
-          self._program_fn(lays, len(mbs), periods), lays,
-          [jax.jit(lay.pack) for lay in lays], [jax.jit(lay.unpack) for lay in lays], mbs,
-          abstract)
+      traced = self._trace(abstract, x)
+      if traced is None:
+        self._programs[key] = None
+      else:
+        ticks, counts, mbs = traced
+        lays = ticks[0]
+        self._programs[key] = Program(
+            self._program_fn(ticks, counts, periods), lays,
+            [jax.jit(lay.pack) for lay in lays], [jax.jit(lay.unpack) for lay in lays], mbs,
+            abstract)
     return self._programs[key]
 
   def _global(self, x: jax.Array, homes: tuple) -> jax.Array:
