@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from typing import Callable, Optional, Sequence
 
 from petra_jax import data as data_lib
@@ -20,6 +21,13 @@ from petra_jax.benchmarks.memory.model import (
     GB, METHODS, MIB, PAPER_TABLE3, bytes_per_tick, stage_bytes,
     stored_bytes, table3, table3_extended)
 from petra_jax.engine.arrays import quantize as quantize_lib
+
+
+# ``python -m petra_jax.benchmarks.memory.PART`` imports this package, which imports its parts,
+# before runpy runs the part (it then prints where its command lives); runpy's warning that the
+# part is already imported says nothing to the user.
+warnings.filterwarnings("ignore", message=r"'petra_jax\.benchmarks\.memory\.\w+' found in sys\.modules",
+                        category=RuntimeWarning)
 
 # Table 6 (CIFAR-10, batch 256): GB per 0-based stage of RevNet18, the legible entries.
 PAPER_TABLE6 = {"revnet18": {3: 2.67, 5: 1.13, 6: 0.31, 7: 0.57, 8: 0.25, 9: 0.11}}

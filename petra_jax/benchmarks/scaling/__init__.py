@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from petra_jax import models
@@ -22,6 +23,13 @@ from petra_jax.benchmarks.scaling.processes import RESULT, measure
 from petra_jax.benchmarks.scaling.roles import run_single, run_worker, stage_sizes
 from petra_jax.benchmarks.throughput import simulated_speedup
 from petra_jax.engine.pipeline import assign_devices
+
+
+# ``python -m petra_jax.benchmarks.scaling.PART`` imports this package, which imports its parts,
+# before runpy runs the part (it then prints where its command lives); runpy's warning that the
+# part is already imported says nothing to the user.
+warnings.filterwarnings("ignore", message=r"'petra_jax\.benchmarks\.scaling\.\w+' found in sys\.modules",
+                        category=RuntimeWarning)
 
 
 def report(args, single: dict, multi: dict) -> dict:

@@ -27,7 +27,15 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable
+
+
+# ``python -m petra_jax.benchmarks.torch_side_by_side.PART`` imports this package, which imports its parts,
+# before runpy runs the part (it then prints where its command lives); runpy's warning that the
+# part is already imported says nothing to the user.
+warnings.filterwarnings("ignore", message=r"'petra_jax\.benchmarks\.torch_side_by_side\.\w+' found in sys\.modules",
+                        category=RuntimeWarning)
 
 
 def _worker(repo: str, batch: int, iters: int, warmup: int, threads: int) -> dict:
