@@ -203,6 +203,8 @@ class CompiledExecutor:
     self.pipe, self.n = pipe, periods_per_dispatch
     self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
     self._plan = pipe.plan(_traced_feed)
+    # The local methods' labels ride beside the activations: the only buffers a carry shares.
+    self._labels_ride = pipe.method.updates != "backward"
     self.mesh = (stage_mesh.StageMesh(pipe, self.period) if len(set(pipe.placements)) > 1
                  else None)
     self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
@@ -320,7 +322,9 @@ class CompiledExecutor:
       return None
     fn, mbs = program
     donated, kept = _split(carry)
-    carry, losses = fn(unaliased(donated, kept), kept, inputs)
+    if self._labels_ride:
+      donated = unaliased(donated, kept)
+    carry, losses = fn(donated, kept, inputs)
     self.dispatches += 1
     end = s + periods * period.shift
     outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])
