@@ -9,11 +9,13 @@ forward (``j -> j + 1``) and the cotangent messages ``(x~ or None, delta)`` back
 (``j -> j - 1``) after every tick, as on the host; ``lax.scan`` runs ``N`` periods per
 dispatch. A period is the stream's steady tick (PETRA, the delayed and the local methods) or a
 flushed schedule's whole round (GPipe, 1F1B, ZB-H1, revprop), its ticks unrolled; a message
-that arrives before the tick that consumes it (a round's cotangent) waits on its device. Stages differ (stem, reversible blocks, head), so what a device carries is packed
-into a layout common to every device (:func:`packing.padded`: one flat buffer per dtype,
-padded to the largest stage): ``local`` (its stage state, the inputs or weights it keeps, the
-last stage's labels, the messages that wait), ``fwd`` (the activation that arrived) and ``bwd``
-(the cotangent that arrived); a round's ticks have a layout each. Keys are a period's frame, ``m - s``, as in :mod:`petra_jax.engine.compiled`.
+that arrives before the tick that consumes it (a round's cotangent) waits on its device.
+Stages differ (stem, reversible blocks, head), so what a device carries is packed into a
+layout common to every device (:func:`packing.padded`: one flat buffer per dtype, padded to
+the largest stage): ``local`` (its stage state, the inputs or weights it keeps, the last
+stage's labels, the messages that wait), ``fwd`` (the activation that arrived) and ``bwd``
+(the cotangent that arrived); each tick of a round has its own layouts. Keys are a period's
+frame, ``m - s``, as in :mod:`petra_jax.engine.compiled`.
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ class StageMesh:
                                   self._plan)
     s = period.shift if u == len(period.ticks) - 1 else 0
     kept = {name: rekey(getattr(state, name)[j], -s) for name in _KEPT}
-    kept[_WAITING[0]], kept[_WAITING[1]] = rekey(state.inbox[j], -s), rekey(state.grad_inbox[j], -s)
+    kept[_WAITING[0]] = rekey(state.inbox[j], -s)
+    kept[_WAITING[1]] = rekey(state.grad_inbox[j], -s)
     if j == J - 1:
       kept["labels"] = rekey(state.labels, -s)
     if mbs is not None:
