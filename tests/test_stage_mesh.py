@@ -51,6 +51,14 @@ def _train(method, executor, micro_batches=16, k=2, n=4):
   return losses, [s.params for s in state.train_states], ex, ran_each
 
 
+def assert_same_run(host, host_params, comp, comp_params) -> None:
+  """Every micro-batch's loss (rtol 1e-6) and the final weights (rtol 1e-5) as the host's."""
+  assert sorted(comp) == sorted(host) == list(range(16))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", [
     m if m == "petra" else pytest.param(m, marks=pytest.mark.long) for m in STREAM])
 def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
@@ -60,10 +68,7 @@ def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
   comp, comp_params, ex, ran = _train(method, "compiled")
   assert ex.mesh is not None and "SPMD program over 4 devices" in ex.describe()
   assert ran == [1] * 6 + [4, 4, 1, 1] + [1] * 6 and ex.dispatches == 4
-  assert sorted(comp) == sorted(host) == list(range(16))
-  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_same_run(host, host_params, comp, comp_params)
 
 
 @pytest.mark.parametrize("method", [
@@ -74,10 +79,7 @@ def test_stage_mesh_runs_the_local_methods_as_the_host_executor(method):
   host, host_params, _, _ = _train(method, "host")
   comp, comp_params, ex, ran = _train(method, "compiled")
   assert ex.mesh is not None and ex.dispatches > 0 and max(ran) == 4
-  assert sorted(comp) == sorted(host) == list(range(16))
-  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_same_run(host, host_params, comp, comp_params)
 
 
 @pytest.mark.parametrize("method", [
@@ -91,10 +93,7 @@ def test_stage_mesh_runs_the_flushed_rounds_as_the_host_executor(method):
   rounds = 16 // ex.period.shift
   assert ex.mesh is not None and ex.dispatches == rounds // 4
   assert ran == [4 * len(ex.period.ticks)] * (rounds // 4)
-  assert sorted(comp) == sorted(host) == list(range(16))
-  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert_same_run(host, host_params, comp, comp_params)
 
 
 def test_steady_state_is_one_program_dispatch_per_n_ticks_and_no_step_call():
