@@ -24,9 +24,10 @@ once per carry structure by tracing (:func:`jax.eval_shape`), not assumed.
 Supported: one process, every stage on one device (or one group of
 ``data_parallel`` devices), or one stage per device (one SPMD program over a
 ``stage`` mesh axis, :mod:`petra_jax.engine.stage_mesh`);
-every method but ``forward_gradient`` with random guesses, unquantised messages, no
-observers. Anything else raises :class:`Unsupported` naming what
-is missing.
+every method, unquantised messages, no observers. Anything else raises
+:class:`Unsupported` naming what is missing. A task that draws a per-micro-batch key
+(``forward_gradient``'s random guesses) reads the run's micro-batch index from the state's
+``origin``, which the program takes per period (:func:`needs_origin`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from petra_jax.engine import stage_mesh
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
-from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError
+from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, period_origins
 
 _BOXES = rings.BOXES
 EXECUTORS = ("auto", "compiled", "host")
@@ -58,12 +59,15 @@ def unsupported(pipe) -> Optional[str]:
     return "its stages live in several processes"
   if pipe.observers:
     return "observers (gradient-quality or reconstruction probes) run around every task"
-  if pipe.method.updates == "forward_gradient" and pipe.forward_gradient.guess == "random":
-    return ("forward_gradient.guess='random' draws a key per micro-batch, and inside the "
-            "program a micro-batch is known only relative to the period")
   if pipe.formats.active:
     return "quantised messages (--config.messages.*) draw per-micro-batch rounding keys"
   return _across_devices(pipe)
+
+
+def needs_origin(pipe) -> bool:
+  """Whether ``pipe``'s tasks fold the run's micro-batch index into a key (``forward_gradient``'s
+  random guesses): a compiled period then takes its origin, the micro-batch its key 0 is."""
+  return pipe.method.updates == "forward_gradient" and pipe.forward_gradient.guess == "random"
 
 
 def _across_devices(pipe) -> Optional[str]:
@@ -126,13 +130,14 @@ def to_carry(state: PipelineState, s: int) -> tuple:
   return list(state.stage_states), boxes
 
 
-def from_carry(carry: tuple, s: int, tick: int) -> PipelineState:
-  """The :class:`PipelineState` at ``tick`` of ``carry`` keyed by ``m - s``."""
+def from_carry(carry: tuple, s: int, tick: int, origin=0) -> PipelineState:
+  """The :class:`PipelineState` at ``tick`` of ``carry`` keyed by ``m - s`` (``origin``: the
+  micro-batch of key 0, for the tasks that draw keys)."""
   stage_states, boxes = carry
   fields = {name: [rings.rekey(b, s) for b in boxes[name]] if per_stage
             else rings.rekey(boxes[name], s)
             for name, per_stage in _BOXES}
-  return PipelineState(stage_states=list(stage_states), tick=tick, **fields)
+  return PipelineState(stage_states=list(stage_states), tick=tick, origin=origin, **fields)
 
 
 def _split(carry: tuple) -> tuple:
@@ -205,8 +210,9 @@ class CompiledExecutor:
     self._plan = pipe.plan(_traced_feed)
     # The local methods' labels ride beside the activations: the only buffers a carry shares.
     self._labels_ride = pipe.method.updates != "backward"
-    self.mesh = (stage_mesh.StageMesh(pipe, self.period) if len(set(pipe.placements)) > 1
-                 else None)
+    self._needs_origin = needs_origin(pipe)
+    self.mesh = (stage_mesh.StageMesh(pipe, self.period, self._needs_origin)
+                 if len(set(pipe.placements)) > 1 else None)
     self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
     self.dispatches = 0  # compiled calls made (a counter for tests and benchmarks)
 
@@ -218,11 +224,13 @@ class CompiledExecutor:
     return f"compiled ({self.n} steady-state {unit} per call{where})"
 
   def _body(self, out_mbs: list) -> Callable:
-    """One period: ``(carry, inputs) -> (carry, losses)``; records the losses' micro-batches."""
+    """One period: ``(carry, (origin or None, inputs)) -> (carry, losses)``; records the
+    losses' micro-batches."""
     period, pipe, plan = self.period, self.pipe, self._plan
 
-    def body(carry, inputs):
-      state = from_carry(carry, 0, 0)
+    def body(carry, x):
+      origin, inputs = x
+      state = from_carry(carry, 0, 0, 0 if origin is None else origin)
       batch = dict(zip(period.fed, inputs))
       outputs = []
       for tick in period.ticks:
@@ -243,8 +251,9 @@ class CompiledExecutor:
   def _build(self, carry, inputs, periods: int):
     out_mbs: list = []
     body = self._body(out_mbs)
+    origin = jax.ShapeDtypeStruct((), jnp.int32) if self._needs_origin else None
     try:
-      out = jax.eval_shape(body, carry, inputs[0])
+      out = jax.eval_shape(body, carry, (origin, inputs[0]))
     except ScheduleError:
       return None
     if jax.tree.structure(out[0]) != jax.tree.structure(carry) or any(
@@ -255,11 +264,11 @@ class CompiledExecutor:
     reads = rings.read_sets(self.period, self.pipe, self._plan, carry, inputs[0])
     ring_body = rings.ring_body(self.period, self.pipe, self._plan, reads)
 
-    def run(donated, kept, inputs_per_period):
+    def run(donated, kept, inputs_per_period, origins):
       carry = _join(donated, kept)
       if periods == 1:
-        return body(carry, inputs_per_period[0])
-      xs = jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period)
+        return body(carry, (None if origins is None else origins[0], inputs_per_period[0]))
+      xs = (origins, jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period))
       carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods,
                                             self.period.shift)
       return carry, tuple(loss[i] for i in range(periods) for loss in losses)
@@ -324,7 +333,9 @@ class CompiledExecutor:
     donated, kept = _split(carry)
     if self._labels_ride:
       donated = unaliased(donated, kept)
-    carry, losses = fn(donated, kept, inputs)
+    origins = (period_origins(s, periods, period.shift, self.pipe.placements[0].replicated)
+               if self._needs_origin else None)
+    carry, losses = fn(donated, kept, inputs, origins)
     self.dispatches += 1
     end = s + periods * period.shift
     outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])

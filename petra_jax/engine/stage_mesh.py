@@ -33,7 +33,7 @@ from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.arrays import packing
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
-from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError
+from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, period_origins
 from petra_jax.engine.transport.rings import rekey
 
 AXIS = "stage"
@@ -219,10 +219,12 @@ class StageMesh:
     pipe: a pipeline whose ``J`` stages are on ``J`` distinct devices of this process.
     period: its schedule's period (:class:`petra_jax.engine.compiled.Period`: the stream's
       steady tick, or a flushed schedule's round).
+    needs_origin: whether its tasks draw per-micro-batch keys (every device then gets each
+      period's :attr:`PipelineState.origin`).
   """
 
-  def __init__(self, pipe, period):
-    self.pipe, self.period = pipe, period
+  def __init__(self, pipe, period, needs_origin: bool = False):
+    self.pipe, self.period, self.needs_origin = pipe, period, needs_origin
     self.devices = list(pipe.devices)
     self.mesh = Mesh(np.array(self.devices), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
@@ -235,10 +237,11 @@ class StageMesh:
     self._zeros: dict = {}
     self.conversions = 0  # jitted calls outside the program: a part packed or unpacked
 
-  def stage_tick(self, j: int, u: int, part: Part, images: tuple, labels: tuple,
+  def stage_tick(self, j: int, u: int, part: Part, images: tuple, labels: tuple, origin=None,
                  mbs: Optional[list] = None) -> tuple:
     """Stage ``j``'s tasks of tick ``u`` of the period on its plain ``part``, fed ``images``
-    and ``labels`` (one per micro-batch the period feeds): ``(local after, {m: x_{j+1}} to
+    and ``labels`` (one per micro-batch the period feeds; ``origin``: the period's
+    :attr:`PipelineState.origin`, or None for 0): ``(local after, {m: x_{j+1}} to
     j + 1, {m: (x~_j or None, delta_j)} to j - 1, [float32 losses])``, keys moved by
     ``-shift`` after the period's last tick; ``mbs`` receives the losses' frame micro-batches.
     A message that arrived and waits for a later tick (a round's) stays in ``local``.
@@ -248,7 +251,7 @@ class StageMesh:
     """
     J, period, (st, kept) = self.pipe.num_stages, self.period, part.local
     state = PipelineState.empty([None] * J)
-    state.stage_states[j] = st
+    state.stage_states[j], state.origin = st, 0 if origin is None else origin
     for name in _KEPT:
       getattr(state, name)[j] = dict(kept[name])
     fed = {m: q for q, m in enumerate(period.fed) if m == schedule_lib.fed(period.ticks[u])}
@@ -314,8 +317,8 @@ class StageMesh:
     return branch
 
   def _program_fn(self, ticks: list, counts: list, periods: int) -> Callable:
-    """The jitted program: ``periods`` periods of every stage, ``(carry, images, labels) ->
-    (carry, losses)``; the carry (``(local, fwd, bwd)``, global ``dtype[J * size]`` buffers
+    """The jitted program: ``periods`` periods of every stage, ``(carry, images, labels,
+    origins int32[periods] or None) -> (carry, losses)``; the carry (``(local, fwd, bwd)``, global ``dtype[J * size]`` buffers
     sharded on the stage axis) donated; ``sum(counts) * periods`` float32 scalars. Within a
     period the ticks are unrolled, each a ``lax.switch`` on the stage and two ``ppermute``s
     (``ticks[u]``: the layouts at tick ``u``'s start; the period's end is its start)."""
@@ -324,7 +327,7 @@ class StageMesh:
                 for u in range(U)]
     ahead, back = [(j, j + 1) for j in range(J - 1)], [(j + 1, j) for j in range(J - 1)]
 
-    def per_device(local, fwd, bwd, images, labels):
+    def per_device(local, fwd, bwd, images, labels, origins):
       stage = jax.lax.axis_index(AXIS)
 
       def body(carry, x):
@@ -335,16 +338,16 @@ class StageMesh:
                    tuple(jax.lax.ppermute(b, AXIS, back) for b in bwd))
           losses.append(tick_losses)
         return carry, jnp.concatenate(losses)
-      xs = jax.tree.map(lambda *a: jnp.stack(a), *zip(images, labels))
+      xs = (*jax.tree.map(lambda *a: jnp.stack(a), *zip(images, labels)), origins)
       carry, losses = jax.lax.scan(body, (local, fwd, bwd), xs, length=periods)
       return (*carry, jax.lax.psum(jnp.where(stage == J - 1, losses, 0.0), AXIS))
 
-    mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=P(AXIS),
+    mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(AXIS),) * 5 + (P(),),
                            out_specs=(P(AXIS),) * 3 + (P(),), check_vma=False)
     n = sum(counts)
 
-    def run(carry, images, labels):
-      *carry, losses = mapped(*carry, images, labels)
+    def run(carry, images, labels, origins):
+      *carry, losses = mapped(*carry, images, labels, origins)
       return tuple(carry), tuple(losses[i, q] for i in range(periods) for q in range(n))
     return jax.jit(run, donate_argnums=0)
 
@@ -411,6 +414,7 @@ class StageMesh:
     fed = [[checked(m + s + i * period.shift) for m in period.fed] for i in range(periods)]
     x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                      (tuple(f[0] for f in fed[0]), tuple(f[1] for f in fed[0])))
+    x += (jax.ShapeDtypeStruct((), jnp.int32) if self.needs_origin else None,)
     # The carry the last call left, if nobody read it since: taken as it is.
     claimed = state.claim(self, s) if isinstance(state, Resident) else None
     parts = None if claimed else split(state, s)
@@ -422,7 +426,9 @@ class StageMesh:
     labels = tuple(tuple(self._global(f[1], self.labels_home) for f in row) for row in fed)
     if claimed is not None:
       state.donate()
-    carry, losses = program.fn(carry, images, labels)
+    origins = (period_origins(s, periods, period.shift, NamedSharding(self.mesh, P()))
+               if self.needs_origin else None)
+    carry, losses = program.fn(carry, images, labels, origins)
     n = len(program.mbs)
     outputs = [TickOutput(m + s + i * period.shift, losses[i * n + q])
                for i in range(periods) for q, m in enumerate(program.mbs)]

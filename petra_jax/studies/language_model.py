@@ -59,7 +59,8 @@ ROWS = {
 # time (rate 1e-3, b1 0.9, b2 0.99, warm-up 100 updates = 0.4 epoch, weight decay 0.1), run on
 # the tuning seed 100 like PETRA's probes. A row is ``revprop_<probe>``.
 REFERENCE_PROBES = {
-    **{f"lr{x:g}": {"optim.learning_rate": x} for x in (5e-4, 2e-3, 3e-3)},
+    # 6e-3 and 1e-2: added when 3e-3, the grid's edge, came out best.
+    **{f"lr{x:g}": {"optim.learning_rate": x} for x in (5e-4, 2e-3, 3e-3, 6e-3, 1e-2)},
     **{f"b{x:g}": {"optim.adam_b1": x} for x in (0.8, 0.95)},
     **{f"b2_{x:g}": {"optim.adam_b2": x} for x in (0.95, 0.999)},
     "warmup0": {"optim.warmup_epochs": 0.0}, "warmup0.8": {"optim.warmup_epochs": 0.8},

@@ -15,7 +15,7 @@ import jax
 
 from petra_jax.engine.methods import forward_gradient as fg
 from petra_jax.engine.methods import local_learning
-from petra_jax.engine.transport.pipeline_state import PipelineState, take
+from petra_jax.engine.transport.pipeline_state import PipelineState, absolute, take
 from petra_jax.engine.stages.stage import forward
 from petra_jax.engine.stages.stage_state import StageState
 from petra_jax.engine.methods.context import StageContext
@@ -72,7 +72,7 @@ def forward_task(ctx: StageContext) -> Callable:
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, labels, *rest = local_learning.inputs_with_labels(ctx, state, m, batches)
     tangents = rest[0] if rest else None
-    key = jax.random.fold_in(jax.random.fold_in(base, m), j)
+    key = jax.random.fold_in(jax.random.fold_in(base, absolute(state, m)), j)
     if keeps_input:
       state.buffers[j][m] = x
     state.stage_states[j], y, out, guess, head = step(state.stage_states[j], x, labels,

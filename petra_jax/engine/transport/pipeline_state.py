@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
 
 from petra_jax.engine.arrays import packing
 from petra_jax.engine.transport.messages import Deferred
@@ -30,9 +34,12 @@ class PipelineState:
       or None (another process's stage).
     grad_inbox: ``(y_j or None, delta_{j+1})`` each stage runs backward on.
     weight_stash: the forward's weights (or a method's per-micro-batch keep).
+    origin: the micro-batch that key 0 of the boxes stands for: 0 on the host executor; inside
+      a compiled period that needs it (:func:`absolute`), a traced int32 scalar.
   """
   stage_states: list
   tick: int = 0
+  origin: Any = 0
   inbox: list = _messages("per_stage", routed=True)
   grad_inbox: list = _messages("per_stage", routed=True)
   buffers: list = _messages("per_stage")
@@ -50,7 +57,8 @@ class PipelineState:
     """The same contents in new containers (arrays shared)."""
     boxes = {name: [b.copy() for b in getattr(self, name)] if each
              else getattr(self, name).copy() for name, each in _MESSAGE_BOXES}
-    return PipelineState(stage_states=list(self.stage_states), tick=self.tick, **boxes)
+    return PipelineState(stage_states=list(self.stage_states), tick=self.tick,
+                         origin=self.origin, **boxes)
 
   @property
   def train_states(self) -> list:
@@ -70,6 +78,19 @@ class PipelineState:
     """Bytes each stage keeps in buffers and weight stashes."""
     return [quantize_lib.nbytes(list(b.values())) + quantize_lib.nbytes(list(w.values()))
             for b, w in zip(self.buffers, self.weight_stash)]
+
+
+def absolute(state: PipelineState, m):
+  """Micro-batch ``m``'s index in the run (``m`` is a key of ``state``'s boxes): what a
+  per-micro-batch random key folds in, so that every executor draws the same numbers."""
+  return state.origin + m
+
+
+def period_origins(s: int, periods: int, shift: int, where) -> jax.Array:
+  """``int32[periods]``: ``s + i * shift``, the :attr:`PipelineState.origin` of each of
+  ``periods`` periods that move the keys by ``shift``, put on ``where`` (a device or sharding;
+  one explicit transfer)."""
+  return jax.device_put(s + shift * np.arange(periods, dtype=np.int32), where)
 
 
 def message_fields() -> list[dataclasses.Field]:

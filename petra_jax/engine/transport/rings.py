@@ -150,16 +150,18 @@ def read_sets(period, pipe, plan, carry, inputs) -> dict:
 
 
 def ring_body(period, pipe, plan, reads: dict) -> Callable:
-  """One period on a carry ``(stage_states, boxes, ahead, offset)``: ``boxes`` may be rings,
+  """One period on a carry ``(stage_states, boxes, ahead, offset)`` and ``(origin or None,
+  inputs)`` (:func:`petra_jax.engine.compiled.needs_origin`): ``boxes`` may be rings,
   ``ahead`` holds the ring messages the period reads (``reads``, :func:`read_sets`), read at
   the end of the period before. Reading them there, after the writes, makes each read depend
   on every write into its ring: XLA then updates the ring in place instead of copying it whole
   (reads inside the period could run after a write, which forces the copy)."""
 
-  def body(carry, inputs):
-    stage_states, boxes, ahead, offset = carry
+  def body(carry, x):
+    (stage_states, boxes, ahead, offset), (origin, inputs) = carry, x
     opened = _zipviews(_opened, boxes, ahead)
     state = PipelineState(stage_states=list(stage_states), tick=0,
+                          origin=0 if origin is None else origin,
                           **views(opened, lambda b, key: dict(b)))
     batch = dict(zip(period.fed, inputs))
     outputs = []
