@@ -338,3 +338,20 @@ def test_the_reference_gets_at_least_as_many_probes_as_petra_each_a_change():
     assert study.row_config(Args, row, 100).to_dict() != base, row
   assert study.row_config(Args, "revprop_lr0.002", 100).optim.learning_rate == 0.002
   assert study.stale_updates("revprop_wd0.3") == (4, 4, 0.0)
+
+
+def test_pipeline_rows_at_a_probed_rate_change_only_the_rate():
+  """``<row>_lr<x>``: PETRA (or delayed) with the re-tuned reference's rate carried over,
+  every other field the row's; an unknown row is one line naming the row patterns."""
+  from petra_jax.studies import language_model as study  # pylint: disable=g-import-not-at-top
+
+  class Args:
+    recipe = str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "shakespeare_cpu.py")
+    epochs, steps_per_epoch, data_dir = 4, 0, ""
+  base = study.row_config(Args, "petra_j4_k16_lookahead_own", 0).to_dict()
+  tuned = study.row_config(Args, "petra_j4_k16_lookahead_own_lr0.003", 0).to_dict()
+  assert tuned["optim"].pop("learning_rate") == 0.003 != base["optim"].pop("learning_rate")
+  assert tuned == base
+  with pytest.raises(ValueError) as e:
+    study.row_config(Args, "petra_j4_k16_lr0.003", 0)
+  assert "\n" not in str(e.value) and "_lr<rate of REFERENCE_PROBES>" in str(e.value)

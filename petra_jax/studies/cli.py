@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
                  help="depth study: train and measure nothing; the page from the (row, seed) runs "
                  "already finished under --workdir (the others skipped) and the stage costs "
                  "stored there")
+  p.add_argument("--reference", default="revprop",
+                 help="language_model study: the row every gap is to (default revprop; a "
+                 "re-tuned one: revprop_<probe>)")
   p.add_argument("--stage-iters", type=int, default=7,
                  help="depth study: timed calls per stage cost (their median is kept)")
   p.add_argument("--out", default="",

@@ -26,6 +26,7 @@ from petra_jax.training import evaluate  # noqa: E402
 
 # revgpt_nano's 10 blocks (stem, 4 x (attn, mlp), head) in J stages.
 SPLITS = {2: (5, 5), 4: (3, 2, 2, 3), 8: (2, 1, 1, 1, 1, 1, 1, 2)}
+KS = (1, 4, 8, 16)  # micro-batches of the recipe's update
 
 
 # compensation suffix -> the recipe's fields it sets (none, the shipped look-ahead, and the
@@ -50,7 +51,7 @@ ROWS = {
     "backprop_gpt": {"method": "backprop", "model.name": "gpt_nano", "model.stage_sizes": (),
                      "accumulation_steps": 1, "compensation.name": "none"},
     **{f"{m}_j{j}_k{k}{c}": _row(m, j, k, c)
-       for m in ("petra", "delayed") for j in (2, 4, 8) for k in (1, 4, 8, 16)
+       for m in ("petra", "delayed") for j in SPLITS for k in KS
        for c in COMPENSATIONS},
 }
 
@@ -68,13 +69,30 @@ REFERENCE_PROBES = {
 }
 PETRA_PROBES = 5  # PETRA's probes on seed 100 at J = 4 (docs/language_model.md, "Closing the gap")
 ROWS.update({f"revprop_{p}": {**ROWS["revprop"], **fields} for p, fields in REFERENCE_PROBES.items()})
+# The pipeline rows at a probed rate, ``<row>_lr<x>`` (the study's own-delay look-ahead rows):
+# PETRA and ``delayed`` with the re-tuned reference's rate carried over, at equal settings.
+RATES = {p: f for p, f in REFERENCE_PROBES.items() if p.startswith("lr")}
+ROWS.update({f"{row}_{p}": {**ROWS[row], **fields} for row in list(ROWS)
+             if row.startswith(("petra_", "delayed_")) and row.endswith("_lookahead_own")
+             for p, fields in RATES.items()})
+
+
+def check_rows(rows) -> None:
+  """Raises ValueError naming the row patterns if any of ``rows`` is not in :data:`ROWS`."""
+  unknown = [r for r in rows if r not in ROWS]
+  if unknown:
+    raise ValueError(f"unknown language-model-study rows {unknown}; rows are revprop, "
+                     "backprop_gpt, revprop_<probe of REFERENCE_PROBES>, "
+                     f"<petra|delayed>_j<{'|'.join(map(str, SPLITS))}>_k<{'|'.join(map(str, KS))}>"
+                     "[_lookahead|_lookahead_own], and "
+                     "the _lookahead_own rows with _lr<rate of REFERENCE_PROBES> (--rows=a,b).")
 
 
 def row_config(args, row: str, seed: int):
-  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data."""
-  if row not in ROWS:
-    raise ValueError(f"unknown language-model-study row {row!r}; choose from {list(ROWS)} "
-                     "(--rows=a,b).")
+  """The recipe with ``ROWS[row]``, ``seed`` and the study's length and data.
+
+  Raises ValueError: an unknown row (:func:`check_rows`)."""
+  check_rows([row])
   return common.row_config(args, ROWS[row], seed)
 
 
@@ -114,42 +132,53 @@ def stale_updates(row: str) -> tuple:
   return j, k, 0.0 if synchronous else 2 * (j - 1) / k
 
 
-def gap_cells(runs: list[dict], base: dict, text: str) -> list[str]:
+def probes(row: str) -> str:
+  """The probes on the tuning seed 100 behind ``row``'s setting: the reference's own knobs
+  (:data:`REFERENCE_PROBES`) for ``revprop`` and its probes, PETRA's (:data:`PETRA_PROBES`)
+  for the pipeline rows; ``-`` for ``backprop_gpt`` (the twin, untuned)."""
+  if row.startswith("revprop"):
+    return str(len(REFERENCE_PROBES))
+  return str(PETRA_PROBES) if row.startswith(("petra_", "delayed_")) else "-"
+
+
+def gap_cells(runs: list[dict], base: dict, text: str, reference: str = "revprop") -> list[str]:
   """``[mean, gap, spread]`` cells of one row's ``runs`` on ``text``: the mean over its seeds,
-  the mean over the seeds ``base`` (revprop's runs by seed) also ran of the per-seed gap
-  ``row - revprop``, and the spread ``max - min`` of those per-seed gaps. A cell that cannot
-  be computed says why: ``n/a`` (a run not scored on the text), ``ref.`` (revprop itself),
-  ``no revprop`` (no seed in common), ``one seed`` (a single paired seed: no spread)."""
+  the mean over the seeds ``base`` (``reference``'s runs by seed) also ran of the per-seed gap
+  ``row - reference``, and the spread ``max - min`` of those per-seed gaps. A cell that cannot
+  be computed says why: ``n/a`` (a run not scored on the text), ``ref.`` (the reference
+  itself), ``no reference`` (no seed in common), ``one seed`` (a single paired seed: no spread)."""
   values = [r["losses"].get(text) for r in runs]
   if any(v is None for v in values):
     return ["n/a", "n/a", "n/a"]
   mean = f"{common.mean(values):.3f}"
-  if all(r["row"] == "revprop" for r in runs):
+  if all(r["row"] == reference for r in runs):
     return [mean, "ref.", "ref."]
   gaps = [r["losses"][text] - base[r["seed"]]["losses"][text] for r in runs
           if r["seed"] in base and base[r["seed"]]["losses"].get(text) is not None]
   if not gaps:
-    return [mean, "no revprop", "no revprop"]
+    return [mean, "no reference", "no reference"]
   spread = f"{max(gaps) - min(gaps):.3f}" if len(gaps) > 1 else "one seed"
   return [mean, f"{common.mean(gaps):+.3f}", spread]
 
 
-def table(results: list[dict]) -> list[str]:
-  """Markdown rows: J, k, D_0, seeds, validation nats/char per seed; per text of
-  :data:`TEXTS` the mean, the gap to revprop and the seeds' spread of that gap
-  (:func:`gap_cells`); wall times."""
-  base = {r["seed"]: r for r in results if r["row"] == "revprop"}
+def table(results: list[dict], reference: str = "revprop") -> list[str]:
+  """Markdown rows: J, k, D_0, probes on seed 100 (:func:`probes`), seeds, validation nats/char
+  per seed; per text of :data:`TEXTS` the mean, the gap to ``reference`` and the seeds' spread
+  of that gap (:func:`gap_cells`); wall times."""
+  base = {r["seed"]: r for r in results if r["row"] == reference}
   texts = [c for t in TEXTS.values() for c in (f"{t} mean", "gap", "seeds' spread")]
-  lines = ["| row | J | k | D_0 | seeds | val. nats/char per seed | " + " | ".join(texts)
-           + " | wall (s) |", "|---|---|---|---|---|---|" + "---|" * len(texts) + "---|"]
+  lines = ["| row | J | k | D_0 | probes (seed 100) | seeds | val. nats/char per seed | "
+           + " | ".join(texts) + " | wall (s) |",
+           "|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|"]
   for row in dict.fromkeys(r["row"] for r in results):
     runs = [r for r in results if r["row"] == row]
     seeds = ", ".join(str(r["seed"]) for r in runs)
     losses = ", ".join(f"{r['losses']['validation']:.3f}" for r in runs)
     walls = ", ".join(f"{r['wall_time']:.0f}" for r in runs)
-    cells = [c for t in TEXTS for c in gap_cells(runs, base, t)]
+    cells = [c for t in TEXTS for c in gap_cells(runs, base, t, reference)]
     j, k, d0 = stale_updates(row)
-    lines.append(f"| `{row}` | {j} | {k} | {d0:g} | {seeds} | {losses} | " + " | ".join(cells)
+    lines.append(f"| `{row}` | {j} | {k} | {d0:g} | {probes(row)} | {seeds} | {losses} | "
+                 + " | ".join(cells)
                  + f" | {walls} |")
   return lines
 
@@ -162,10 +191,11 @@ the whole text), scored from the run's newest checkpoint (`training/evaluate.py:
 Every text is cut as the runs' own evaluation cuts it: non-overlapping windows of the context T,
 window i feeding characters iT .. iT + T - 1 and scoring iT + 1 .. iT + T for i < (N - 1) // T, every
 position scored (on `nanoGPT val` the windows run across the seam of the two splits; nanoGPT's own
-`estimate_loss` averages random windows instead). `gap`: the mean over the seeds this row and `revprop`
-both ran of (row - `revprop`) at the same seed. `seeds' spread`: max - min of those per-seed gaps (not of
-the per-seed values); `one seed`: only one seed paired, no spread; `ref.`: `revprop` itself;
-`no revprop`: no seed in common with `revprop`; `n/a`: a run not scored on that text (no checkpoint)."""
+`estimate_loss` averages random windows instead). `gap`: the mean over the seeds this row and the
+reference (named above the table) both ran of (row - reference) at the same seed. `seeds' spread`:
+max - min of those per-seed gaps (not of the per-seed values); `one seed`: only one seed paired, no
+spread; `ref.`: the reference itself; `no reference`: no seed in common with it; `n/a`: a run not
+scored on that text (no checkpoint)."""
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -195,18 +225,18 @@ def plot(results: list[dict], path: str) -> None:
 def language_model_study(args) -> list[dict]:
   """Runs every selected row and seed; writes ``OUT/language_model_study.md`` and its plot.
 
-  ``args``: ``rows`` (names, empty: all), ``seeds``, ``epochs`` / ``steps_per_epoch``
+  ``args``: ``rows`` (names, empty: all), ``reference`` (the row of the gaps), ``seeds``, ``epochs`` / ``steps_per_epoch``
   (0: the recipe's), ``recipe``, ``data_dir``, ``workdir``, ``out``, ``argv`` (the command).
   """
   rows = args.rows or list(ROWS)
-  unknown = [r for r in rows if r not in ROWS]
-  if unknown:
-    raise ValueError(f"unknown language-model-study rows {unknown}; choose from {list(ROWS)}.")
+  reference = getattr(args, "reference", "revprop")
+  check_rows(rows + [reference])
   results = [run_row(args, row, seed) for row in rows for seed in args.seeds]
   os.makedirs(args.out, exist_ok=True)
   plot(results, os.path.join(args.out, "language_model_study.png"))
   lines = ["# PETRA on a reversible decoder: tiny_shakespeare at equal tokens", "", "```",
-           "python -m petra_jax.studies " + " ".join(args.argv), "```", "", *table(results), "",
+           "python -m petra_jax.studies " + " ".join(args.argv), "```", "",
+           f"Gaps to `{reference}`.", "", *table(results, reference), "",
            NOTES, "", f"Recipe {args.recipe}; rows as in petra_jax/studies/language_model.py:ROWS.", "",
            "![validation curves](language_model_study.png)", ""]
   path = os.path.join(args.out, "language_model_study.md")
