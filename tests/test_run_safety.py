@@ -239,6 +239,28 @@ def test_summary_names_the_automatic_learning_rate(capsys):
   assert "at each epoch end and at least every 10 min" in out
 
 
+def test_summary_names_both_of_muons_rates(capsys):
+  c = config_lib.get_config()
+  c.optim.name, c.optim.learning_rate, c.optim.muon_learning_rate = "muon", 1e-3, 0.04
+  stage = types.SimpleNamespace(blocks=[1])
+  pipe = types.SimpleNamespace(stages=[stage] * 2, devices=jax.devices()[:1], num_stages=2,
+                               objective=objective.CLASSIFICATION)
+  run = types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
+                              restored_step=None, total_steps=4, steps_per_epoch=2)
+  console.setup_summary(run)
+  out = capsys.readouterr().out
+  assert "muon at learning rate 0.04 on the matrices, 0.001 (AdamW) on the rest" in out
+
+
+def test_an_evaluation_before_the_first_train_loss_line_prints_no_nan(capsys):
+  result = {"test_loss": 1.5, "test_accuracy": 0.44, "wall_time": 239.0}
+  console.epoch_line(98, 390, float("nan"), result)
+  console.epoch_line(390, 390, 1.25, result)
+  lines = capsys.readouterr().out.splitlines()
+  assert lines == ["epoch 0.25: test_loss 1.5000 test_accuracy 0.4400 (239 s)",
+                   "epoch 1: train_loss 1.2500 test_loss 1.5000 test_accuracy 0.4400 (239 s)"]
+
+
 def _train(data_dir, workdir, *extra):
   return [sys.executable, "-m", "petra_jax.train", "--config=configs/cifar10_cpu.py:runlocal",
           "--config.steps_per_epoch=3", "--config.num_epochs=2", *SMALL_EVAL,

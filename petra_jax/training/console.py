@@ -153,20 +153,23 @@ def setup_summary(run) -> None:
   if c.checkpoint_minutes and not c.checkpoint_drain:
     every += (" and " if every else "") + (f"at each epoch end and at least every "
                                            f"{c.checkpoint_minutes:g} min")
-  say(f"{c.optim.name} at learning rate {lr:g}{auto}; checkpoints "
-      f"{every or 'off'}")
+  rates = (f"learning rate {c.optim.muon_learning_rate:g} on the matrices, {lr:g} (AdamW) "
+           f"on the rest" if c.optim.name == "muon" else f"learning rate {lr:g}")
+  say(f"{c.optim.name} at {rates}{auto}; checkpoints {every or 'off'}")
   if getattr(run, "executor", None) is not None:
     say(f"executor: {run.executor.describe()}")
 
 
 def epoch_line(step: int, steps_per_epoch: int, train_loss: float, result: dict) -> None:
   """``epoch E: train_loss L <every metric of result> (T s)``; ``E`` a fraction (``0.15``)
-  at a step that ends no epoch (a run stopped early by ``max_steps``)."""
+  at a step that ends no epoch (a run stopped early by ``max_steps``). ``train_loss`` is the
+  last written ``train_loss`` line's; NaN (no line written yet: an evaluation before the
+  first ``log_every`` updates) leaves it out."""
   epoch = (f"{step // steps_per_epoch}" if step % steps_per_epoch == 0
            else f"{step / steps_per_epoch:.2f}")
   metrics = " ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "wall_time")
-  say(f"epoch {epoch}: train_loss {train_loss:.4f} {metrics} "
-      f"({result['wall_time']:.0f} s)")
+  train = f"train_loss {train_loss:.4f} " if math.isfinite(train_loss) else ""
+  say(f"epoch {epoch}: {train}{metrics} ({result['wall_time']:.0f} s)")
 
 
 def rate_text(examples_per_s: float, examples: str = "images",
