@@ -224,15 +224,19 @@ def test_the_set_up_is_frozen_and_the_progress_holds_what_changes():
   assert not {f.name for f in dataclasses.fields(run)} & {"state", "step", "last_save", "result"}
 
 
-def test_summary_names_the_automatic_learning_rate(capsys):
-  c = config_lib.get_config()
-  c.batch_size, c.optim.learning_rate = 512, 0.0
+def _two_stage_run(c):
+  """A stand-in for a run's set-up: ``config`` c, two one-block stages on one device."""
   stage = types.SimpleNamespace(blocks=[1])
   pipe = types.SimpleNamespace(stages=[stage] * 2, devices=jax.devices()[:1], num_stages=2,
                                objective=objective.CLASSIFICATION)
-  run = types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
-                              restored_step=None, total_steps=4, steps_per_epoch=2)
-  console.setup_summary(run)
+  return types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
+                               restored_step=None, total_steps=4, steps_per_epoch=2)
+
+
+def test_summary_names_the_automatic_learning_rate(capsys):
+  c = config_lib.get_config()
+  c.batch_size, c.optim.learning_rate = 512, 0.0
+  console.setup_summary(_two_stage_run(c))
   out = capsys.readouterr().out
   assert f"learning rate {0.1 * 512 / 256:g} (automatic" in out  # Goyal et al.'s rule
   assert "--config.optim.learning_rate" in out
@@ -242,12 +246,7 @@ def test_summary_names_the_automatic_learning_rate(capsys):
 def test_summary_names_both_of_muons_rates(capsys):
   c = config_lib.get_config()
   c.optim.name, c.optim.learning_rate, c.optim.muon_learning_rate = "muon", 1e-3, 0.04
-  stage = types.SimpleNamespace(blocks=[1])
-  pipe = types.SimpleNamespace(stages=[stage] * 2, devices=jax.devices()[:1], num_stages=2,
-                               objective=objective.CLASSIFICATION)
-  run = types.SimpleNamespace(config=c, pipe=pipe, train=[0] * 10, test=[0] * 5,
-                              restored_step=None, total_steps=4, steps_per_epoch=2)
-  console.setup_summary(run)
+  console.setup_summary(_two_stage_run(c))
   out = capsys.readouterr().out
   assert "muon at learning rate 0.04 on the matrices, 0.001 (AdamW) on the rest" in out
 
