@@ -5,6 +5,9 @@ prints it with the defaults); more in docs/config.md. ``batch_size`` counts the 
 of one update, split into ``accumulation_steps`` (k) micro-batches of ``batch_size // k``.
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
 BALANCE_BY = ("flops", "time")
@@ -156,6 +159,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.auxiliary = _auxiliary_config()
   c.forward_gradient = _forward_gradient_config()
   return c
+
+
+def recipe(path: str) -> ml_collections.ConfigDict:
+  """The config of the recipe ``FILE[:VARIANT]`` (``configs/cifar10.py:runlocal``): the file's
+  ``get_config(VARIANT)``. Raises ValueError naming the fix if the file is absent."""
+  file, _, variant = path.partition(":")
+  if not os.path.isfile(file):
+    raise ValueError(f"no recipe at {file}: run from the repository root or pass the path "
+                     "of a file under configs/.")
+  spec = importlib.util.spec_from_file_location("petra_recipe", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant) if variant else module.get_config()
 
 
 def override(config: ml_collections.ConfigDict, fields: dict) -> ml_collections.ConfigDict:

@@ -231,3 +231,32 @@ def test_rows_run_size_by_size_every_method_at_a_size_first(monkeypatch):
   accelerator.benchmark(args)
   assert order == [(m, b, d) for d in ("float32", "bfloat16") for b in (2, 4)
                    for m in ("petra", "backprop")]
+
+
+def test_a_row_trains_with_the_recipe_of_the_main_job(tmp_path):
+  """``--config``: a row keeps the recipe's optimizer, compensation and split (the main job's
+  own, so that the two compare the loop and the input pipeline only) and sets its own fields."""
+  recipe = tmp_path / "recipe.py"
+  recipe.write_text(
+      "from petra_jax import config\n"
+      "def get_config(variant=''):\n"
+      "  c = config.get_config()\n"
+      "  c.compensation.name = 'nesterov_lookahead+weight_prediction'\n"
+      "  c.optim.learning_rate = 0.123\n"
+      "  c.model.num_stages, c.model.stage_sizes = 4, (1, 2, 2, 5)\n"
+      "  c.model.width = 8 if variant == 'small' else 16\n"
+      "  return c\n")
+  cfg = accelerator.run_config("revnet18", "cifar10", 2, "petra", 4, "float32", 2,
+                               recipe=f"{recipe}:small")
+  assert cfg.compensation.name == "nesterov_lookahead+weight_prediction"
+  assert cfg.optim.learning_rate == 0.123 and tuple(cfg.model.stage_sizes) == (1, 2, 2, 5)
+  assert (cfg.model.width, cfg.batch_size, cfg.accumulation_steps, cfg.method) == (2, 8, 2, "petra")
+  resplit = accelerator.run_config("revnet18", "cifar10", 2, "petra", 4, "float32", 2,
+                                   num_stages=5, recipe=str(recipe))
+  assert resplit.model.num_stages == 5 and tuple(resplit.model.stage_sizes) == ()
+  default = accelerator.run_config("revnet18", "cifar10", 2, "petra", 4, "float32", 2)
+  assert default.compensation.name != cfg.compensation.name
+  with pytest.raises(ValueError, match="no recipe at"):
+    accelerator.run_config("revnet18", "cifar10", 2, "petra", 4, "float32", 2,
+                           recipe=str(tmp_path / "absent.py"))
+  assert accelerator.parse_args([f"--config={recipe}"]).config == str(recipe)

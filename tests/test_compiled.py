@@ -248,3 +248,35 @@ def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole():
   copied = {tuple(int(d) for d in dims.split(",") if d)
             for dims in re.findall(r"= \w+\[([\d,]*)\]\S*\s+copy\(", text)}
   assert not copied & shapes, copied & shapes
+
+
+@pytest.mark.long  # two runs through the loop; test_time_to_accuracy and test_loss_log cover it
+@pytest.mark.slow
+def test_train_loss_lines_do_not_end_a_compiled_call(cifar10_dir, tmp_path, monkeypatch):
+  """The training loop with a train_loss line after every update (k = 2, 4 stages, N = 4):
+  the compiled calls still run N periods, since a line reads only losses (before, every
+  update ended a call, so every call ran one period), and every line equals the host
+  executor's to rtol 1e-6 (measured: 4e-7 at most; the scan of 4 periods fuses differently)."""
+  from helpers import tiny_config
+  from petra_jax import train
+  from petra_jax.training import metrics
+  ran, advance = [], compiled.CompiledExecutor.advance
+
+  def counted(self, *args, **kwargs):
+    state, outputs, n = advance(self, *args, **kwargs)
+    ran.append(n)
+    return state, outputs, n
+  monkeypatch.setattr(compiled.CompiledExecutor, "advance", counted)
+  lines = {}
+  for executor in ("host", "compiled"):
+    c = tiny_config(cifar10_dir, max_steps=12, accumulation_steps=2, executor=executor,
+                    periods_per_dispatch=4, eval_every=0,
+                    **{"model.num_stages": 4, "model.width": 2})
+    train.train_and_evaluate(c, str(tmp_path / executor))
+    lines[executor] = [r["train_loss"] for r in metrics.read_metrics(str(tmp_path / executor))
+                       if "train_loss" in r]
+  assert len(lines["host"]) == 12
+  np.testing.assert_allclose(lines["compiled"], lines["host"], rtol=1e-6)
+  # 24 micro-batches: filling 6 ticks, steady ticks 6-23 (4 calls of 4, then 2 of one
+  # period: the last update ends the steady state), draining 6.
+  assert ran == [1] * 6 + [4] * 4 + [1] * 2 + [1] * 6

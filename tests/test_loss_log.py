@@ -69,3 +69,26 @@ def test_a_nan_line_raises_with_its_first_update_by_the_next_line():
   with pytest.raises(Diverged) as e:
     log.add(3, jnp.float32(1.0))
   assert e.value.step == 1
+
+
+def test_lines_completed_by_one_call_wait_for_the_next_call():
+  """A compiled call runs several updates: the lines its losses complete are not read until
+  a later call's losses arrive (reading them would wait for the call just dispatched)."""
+  log, writer = _log(k=1, log_every=1)
+  log.begin_call()
+  for m in range(4):  # one call: updates 1-4, four complete lines
+    log.add(m, _Unreadable() if m else jnp.float32(1.0))
+  assert writer.rows == []  # not even line 1: its call is the newest
+  log.begin_call()
+  with pytest.raises(AssertionError, match="read too early"):  # now lines 1-3 may be read
+    log.add(4, jnp.float32(5.0))
+  assert [s for s, _ in writer.rows] == [1]
+
+
+def test_without_calls_a_line_is_still_read_one_line_late():
+  log, writer = _log(k=1, log_every=1)
+  log.begin_call()  # the host executor: one tick a call, here every loss in one call
+  log.add(0, jnp.float32(1.0))
+  log.begin_call()
+  log.add(1, jnp.float32(2.0))
+  assert [s for s, _ in writer.rows] == [1]

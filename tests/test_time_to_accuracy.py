@@ -190,6 +190,8 @@ def test_evaluations_a_quarter_epoch_apart():
   assert due == [98, 195, 293, 390, 488, 585, 683]
   assert loop._next_due_step(run, 98) == 195  # pylint: disable=protected-access
   assert loop._next_due_step(run, 390) == 488  # pylint: disable=protected-access
+  run.config.log_every = 1  # a train_loss line reads losses only: no call ends there
+  assert loop._next_due_step(run, 98) == 195  # pylint: disable=protected-access
   run.config.eval_every = 2
   assert [s for s in range(1, 780) if loop._due(run, s).evaluate] == [  # pylint: disable=protected-access
       488, 585, 683]

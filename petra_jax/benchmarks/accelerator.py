@@ -1,6 +1,6 @@
 """Images/s, device busy fraction, the tick's fixed and per-image cost, reconstruction error.
 
-``python -m petra_jax.benchmarks.accelerator [--model=revnet18] [--micro-batches=64,256]
+``python -m petra_jax.benchmarks.accelerator [--config=FILE] [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
 [--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--executor=auto]
 [--periods-per-dispatch=16] [--json]``
@@ -65,13 +65,19 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
                dtype: str, accumulation_steps: int, num_stages: int = 0,
-               executor: str = "auto", periods: int = 16) -> ml_collections.ConfigDict:
-  """The training config of one row (one device; ``num_stages`` 0: one block per stage; the
-  tick ``executor`` and its ``periods`` per call); ConfigError as training would raise."""
-  c = config_lib.get_config()
+               executor: str = "auto", periods: int = 16,
+               recipe: str = "") -> ml_collections.ConfigDict:
+  """The training config of one row (one device; ``num_stages`` 0: the recipe's split, by
+  default one block per stage; the tick ``executor`` and its ``periods`` per call): the
+  default config, or the training ``recipe`` ``FILE[:VARIANT]`` (its optimizer, compensation
+  and split) with the row's fields set. ConfigError as training would raise; ValueError for
+  a missing recipe file."""
+  c = config_lib.recipe(recipe) if recipe else config_lib.get_config()
   c.executor, c.periods_per_dispatch = executor, periods
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
-  c.model.name, c.model.width, c.model.num_stages = model, width, num_stages
+  c.model.name, c.model.width = model, width
+  if num_stages or not recipe:
+    c.model.num_stages, c.model.stage_sizes = num_stages, ()
   c.accumulation_steps = accumulation_steps
   c.batch_size = micro_batch * accumulation_steps
   validation.validate_config(c, len(jax.local_devices()))
@@ -265,7 +271,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     for b in args.micro_batches:
       for m in args.methods:
         cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                         args.num_stages, args.executor, args.periods_per_dispatch)
+                         args.num_stages, args.executor, args.periods_per_dispatch, args.config)
         results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
         print(_row_line(results[-1]), file=sys.stderr, flush=True)
         if args.rows_file:
@@ -273,7 +279,8 @@ def benchmark(args: argparse.Namespace) -> dict:
             f.write(json.dumps(results[-1]) + "\n")
   dev = jax.devices()[0]
   report = {"device": {"kind": dev.device_kind, "platform": dev.platform},
-            "versions": _versions(), "model": args.model, "dataset": args.dataset,
+            "versions": _versions(), "recipe": args.config or "default config",
+            "model": args.model, "dataset": args.dataset,
             "width": args.width, "accumulation_steps": args.accumulation_steps,
             "ticks": args.ticks, "warmup": args.warmup, "results": results,
             "fits": fits(results)}
@@ -344,13 +351,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   """The flags of the module docstring; a bad one exits with status 2."""
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.accelerator",
                               description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="",
+                 help="a training recipe FILE[:VARIANT] whose optimizer, compensation and "
+                      "split the rows train with, as the main job does (default: the default "
+                      "config); the flags below still set their fields")
   p.add_argument("--model", default="revnet18", type=cli.model_name,
                  help="a zoo name or MODULE:FUNCTION (docs/api.md)")
   p.add_argument("--dataset", default="cifar10", choices=sorted(data_lib.DATASETS),
                  help="fixes the image size, stem and classes (default cifar10)")
   p.add_argument("--width", type=int, default=64, help="base width (paper: 64)")
   p.add_argument("--num-stages", type=int, default=0,
-                 help="pipeline stages (default 0: one block per stage, as the paper)")
+                 help="pipeline stages (default 0: the --config's split, else one block per "
+                      "stage, as the paper)")
   p.add_argument("--micro-batches", type=_csv(int), default=[64, 256],
                  help="comma-separated micro-batch sizes, one measurement each (default 64,256)")
   p.add_argument("--dtypes", type=_csv(str, DTYPES), default=["float32", "bfloat16"],

@@ -8,7 +8,6 @@ A study writes ``OUT/<study>.md`` (table, command, machine, date, wall times) an
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import platform
 from typing import Sequence
@@ -24,16 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def recipe(path: str):
-  """The config of the recipe ``FILE[:VARIANT]``; ValueError naming the fix if absent."""
-  file, _, variant = path.partition(":")
-  if not os.path.isfile(file):
-    raise ValueError(f"no recipe at {file}: run from the repository root or pass "
-                     "--recipe=PATH/RECIPE.py.")
-  spec = importlib.util.spec_from_file_location("petra_recipe", file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant) if variant else module.get_config()
+recipe = config_lib.recipe  # the studies' --recipe=FILE[:VARIANT]
 
 
 def row_config(args, fields: dict, seed: int):

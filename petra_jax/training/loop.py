@@ -97,11 +97,12 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
   with _discard_diverged(run), contextlib.closing(bar):
     t = progress.state.tick
     while t < len(run.schedule):
-      # A call runs several updates only up to the next one whose hooks act (log,
-      # evaluation, checkpoint): the hooks then see the state of that very update.
+      # A call runs several updates only up to the next one whose hooks read the state
+      # (evaluation, checkpoint): the hooks then see the state of that very update.
       progress.state, outputs, n = run.executor.advance(
           progress.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
           last_micro_batch=_next_due_step(run, progress.step) * c.accumulation_steps - 1)
+      run.loss_log.begin_call()
       for out in outputs:
         run.relay.add(out.micro_batch, out.loss)
       updates = _updates_fed(run, t, t + n)
@@ -164,10 +165,14 @@ def _next_drain_point(run: Setup, t: int) -> int:
 
 
 def _next_due_step(run: Setup, step: int) -> int:
-  """The next update after ``step`` at which a hook acts: a train_loss line, an epoch's
-  end (evaluation, checkpoint), ``checkpoint_every``, or the last update."""
+  """The next update after ``step`` at which a hook reads the state: an epoch's end
+  (evaluation, checkpoint), an evaluation within it, ``checkpoint_every``, or the last update.
+
+  A train_loss line is not one: each loss carries its micro-batch, so a call may run past it
+  (the loss log reads a call's losses after the next dispatch). What reads at a line, the
+  probes and the multi-process loss relay, runs on the host executor, one tick a call."""
   c = run.config
-  every = [c.log_every, run.steps_per_epoch] + ([c.checkpoint_every] if c.checkpoint_every else [])
+  every = [run.steps_per_epoch] + ([c.checkpoint_every] if c.checkpoint_every else [])
   spe, offsets = run.steps_per_epoch, evaluation_offsets(run.steps_per_epoch, c.evals_per_epoch)
   within = [(step // spe) * spe + o for o in offsets] + [(step // spe + 1) * spe + offsets[0]]
   return min([(step // n + 1) * n for n in every] + [s for s in within if s > step]

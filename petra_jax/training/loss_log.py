@@ -23,9 +23,11 @@ class LossLog:
   """Collects per-micro-batch losses (device scalars) and writes train lines.
 
   A line is the float32 mean over the ``log_every`` updates since the last
-  line. It is read from the device one line late (once the next line's losses
-  exist, or at :meth:`finish`, :meth:`check_finite` and :meth:`state`), so
-  the host never waits for the computation it has just dispatched.
+  line. It is read from the device one line late and one call late (once the
+  next line's losses exist and a later executor call's losses arrive, marked
+  by :meth:`begin_call`; or at :meth:`finish`, :meth:`check_finite` and
+  :meth:`state`), so the host never waits for the computation it has just
+  dispatched, even when one call completes several lines.
   """
 
   def __init__(self, writer, k, log_every, steps_per_epoch, schedule):
@@ -34,8 +36,14 @@ class LossLog:
     self.losses: dict[int, jax.Array] = {}
     self.next_step = 0
     self.window: list = []
-    self.lines: list = []  # (step, window) complete, not yet read
+    self.lines: list = []  # (step, window, call) complete, not yet read
+    self.call = None  # the executor call whose losses arrive now (:meth:`begin_call`)
     self.last_loss = float("nan")
+
+  def begin_call(self):
+    """The losses added from now on come from a new executor call: the lines completed
+    before it may be read (their call has been followed by another dispatch)."""
+    self.call = 0 if self.call is None else self.call + 1
 
   def add(self, micro_batch: int, loss: jax.Array):
     """Records a loss; raises Diverged if a line written now is NaN/Inf."""
@@ -48,14 +56,17 @@ class LossLog:
       self.window.extend(self.losses.pop(s * self.k + i) for i in range(self.k))
       self.next_step += 1
       if self.next_step % self.log_every == 0 or self.next_step == final_step:
-        self.lines.append((s + 1, self.window))
+        self.lines.append((s + 1, self.window, self.call))
         self.window = []
     self._write_lines(keep=1)
 
   def _write_lines(self, keep: int = 0):
-    """Reads and writes the complete lines but the newest ``keep``."""
-    while len(self.lines) > keep:
-      self._write(*self.lines.pop(0))
+    """Reads and writes the complete lines but the newest ``keep``; while training
+    (``keep``), none completed by the current call."""
+    while len(self.lines) > keep and not (keep and self.call is not None
+                                          and self.lines[0][2] == self.call):
+      step, window, _ = self.lines.pop(0)
+      self._write(step, window)
 
   def _write(self, step, window):
     value = float(np.mean(jax.device_get(window)))
@@ -70,7 +81,7 @@ class LossLog:
     """Writes what is left after the last update ``final_step``."""
     self._flush(final_step)
     if self.window:
-      self.lines.append((self.next_step, self.window))
+      self.lines.append((self.next_step, self.window, self.call))
       self.window = []
     self._write_lines()
 
