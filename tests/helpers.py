@@ -38,14 +38,16 @@ def random_batch(batch=8, size=16, num_classes=10, seed=0):
   return x, y
 
 
-def composed_loss(stages, params, batch_stats, x, labels):
+def composed_loss(stages, params, batch_stats, x, labels, taps=None):
   """Loss of the composed model, written independently of the engine.
 
   The reversible coupling is spelt out here, (y1, y2) = (x2 + F(x1), x1),
-  so this does not reuse petra_jax.engine.stages.stage.forward.
+  so this does not reuse petra_jax.engine.stages.stage.forward. ``taps``: one
+  zero tree per stage but the last, added to that stage's output (their
+  gradient is the output's cotangent).
   """
   h = x
-  for s, p, bs in zip(stages, params, batch_stats):
+  for j, (s, p, bs) in enumerate(zip(stages, params, batch_stats)):
     variables = {"params": p, "batch_stats": bs} if bs else {"params": p}
     if s.reversible:
       x1, x2 = h
@@ -53,7 +55,18 @@ def composed_loss(stages, params, batch_stats, x, labels):
       h = (x2 + f, x1)
     else:
       h, _ = s.module.apply(variables, h, train=True, mutable=["batch_stats"])
+    if taps is not None and j < len(taps):
+      h = jax.tree.map(jnp.add, h, taps[j])
   return optax.softmax_cross_entropy_with_integer_labels(h, labels).mean()
+
+
+def composed_cotangents(stages, params, batch_stats, x, labels, outputs):
+  """``(parameter gradients, [cotangent of stage j's output for j < J - 1])`` of
+  :func:`composed_loss`, one jitted ``jax.grad``; ``outputs`` gives the outputs' shapes."""
+  taps = jax.tree.map(jnp.zeros_like, list(outputs))
+  grad = jax.jit(jax.grad(lambda p, t: composed_loss(stages, p, batch_stats, x, labels, t),
+                          argnums=(0, 1)))
+  return grad(params, taps)
 
 
 def composed_grad(stages, params, batch_stats, x, labels):

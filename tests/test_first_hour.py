@@ -88,7 +88,9 @@ def test_refused_resume_keeps_the_runs_config_json(cifar10_dir, tmp_path, capsys
   assert cli(*run, "--config.progress_seconds=1e-9") == 0
   out = capsys.readouterr().out.splitlines()
   assert f"data: cifar10 read from {os.path.abspath(cifar10_dir)}" in out
-  assert "step 1/2 (0.10 epochs): " in "\n".join(out)  # runlocal: 10 updates per epoch
+  # runlocal: 10 updates per epoch; the rate counts updates known to have run (line 1 read
+  # once line 2 is complete), so the first line comes after update 2's dispatch.
+  assert "step 2/2 (0.20 epochs): " in "\n".join(out)
   assert any(line.startswith("epoch 0.20: train_loss") for line in out)  # not "epoch 1"
   before = _listing(tmp_path)
   # Not finished at 3 steps: the set-up restores, and refuses the PETRA checkpoint.

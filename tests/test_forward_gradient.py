@@ -112,7 +112,7 @@ def test_update_with_the_true_gradient_as_guess_is_sgd():
   stages = _small_revnet()
   x, labels = random_batch()
   params, stats = _init(stages, x)
-  grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, labels))(params)
+  grads = helpers.composed_grad(stages, params, stats, x, labels)
   j = 1
   s = _directional(stages, params, stats, x, labels, j, param_tangent=grads[j])
   est = fg.estimate(stages[j], params[j], stats[j], None, grads[j], s, "weights", 0.0)
@@ -128,7 +128,7 @@ def test_batch_projection_through_batchnorm(guess):
   stages = _small_revnet()
   x, labels = random_batch()
   params, stats = _init(stages, x)
-  grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, labels))(params)
+  grads = helpers.composed_grad(stages, params, stats, x, labels)
   j = 1
   h = stage_lib.forward(stages[0], params[0], stats[0], x)[0]
   y, vjp = jax.vjp(lambda p: stage_lib.forward(stages[j], p, stats[j], h)[0], params[j])

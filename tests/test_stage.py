@@ -11,7 +11,7 @@ from petra_jax import models
 
 from petra_jax.engine import pipeline
 from petra_jax.engine.stages import stage as stage_lib
-from helpers import composed_loss, random_batch, rel_err
+from helpers import random_batch, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,11 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
   stages, _, state, x, y = tiny
   params = [s.params for s in state.train_states]
   stats = [s.batch_stats for s in state.train_states]
-  ref_grads = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
   acts = [x]
   for s, p, bs in zip(stages[:-1], params, stats):
     acts.append(stage_lib.forward(s, p, bs, acts[-1])[0])
+  # The composed model's parameter gradients and every stage output's cotangent, one grad.
+  ref_grads, ref_dys = helpers.composed_cotangents(stages, params, stats, x, y, acts[1:])
   _, dy, g_last, _ = stage_lib.loss_vjp(stages[-1], params[-1], stats[-1], acts[-1], y)
   # float32 round-off through 10 stages: relative error ~1e-6 measured; 1e-4
   # leaves room for other CPUs while still catching any real mistake (O(1)).
@@ -60,9 +61,7 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
   y_rec = acts[-1]
   for j in range(len(stages) - 2, -1, -1):
     s = stages[j]
-    # Cotangent of the stage's output, from jax.grad of the suffix model.
-    ref_dy = jax.grad(lambda a: composed_loss(stages[j + 1:], params[j + 1:], stats[j + 1:], a, y))(acts[j + 1])
-    assert rel_err(dy, ref_dy) < 1e-4, j
+    assert rel_err(dy, ref_dys[j]) < 1e-4, j  # the cotangent of stage j's output
     if s.reversible:
       x_rec, dy, g, _ = stage_lib.reverse_vjp(s, params[j], stats[j], y_rec, dy)
       chex.assert_trees_all_close(x_rec, acts[j], atol=1e-5, rtol=1e-5)
@@ -78,7 +77,7 @@ def test_revprop_engine_update_equals_jax_grad(tiny):
   stages, pipe, state, x, y = tiny
   params = [s.params for s in state.train_states]
   stats = [s.batch_stats for s in state.train_states]
-  ref = jax.grad(lambda p: composed_loss(stages, p, stats, x, y))(params)
+  ref = helpers.composed_grad(stages, params, stats, x, y)
   before = jax.tree.map(lambda a: a.copy(), params)  # the step donates state
   state, loss = helpers.drained_step(pipe, state, x, y)
   after = [s.params for s in state.train_states]

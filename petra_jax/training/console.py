@@ -189,6 +189,10 @@ class ProgressLines:
   ``step S/T (E epochs): train_loss L, R img/s`` at least every ``seconds``
   seconds (0: never), process 0 only; for text ``R sequences/s, T tokens/s``
   (:func:`rate_text`).
+
+  ``S`` is the update dispatched; ``R`` counts the updates known to have run (``done``:
+  the loss log's last line read), since dispatch runs ahead of the device by up to two
+  ``train_loss`` lines; with no update known done since the last line, no line yet.
   """
 
   def __init__(self, seconds: float, bar: tqdm, total_steps: int, steps_per_epoch: int,
@@ -198,20 +202,21 @@ class ProgressLines:
     self.seconds, self.total, self.per_epoch = seconds, total_steps, steps_per_epoch
     self.batch_size = batch_size
     self.examples, self.tokens_per_example = examples, tokens_per_example
-    self.last_time, self.last_step = time.time(), step
+    self.last_time, self.last_done = time.time(), step
 
-  def update(self, step: int, train_loss: float) -> None:
-    """After update ``step``: prints the line if ``seconds`` have passed."""
+  def update(self, step: int, train_loss: float, done: Optional[int] = None) -> None:
+    """After dispatching update ``step`` (``done``: the last update known to have run;
+    default ``step``): prints the line if ``seconds`` have passed and ``done`` moved."""
     if not self.enabled:
       return
-    now = time.time()
-    if now - self.last_time < self.seconds:
+    now, done = time.time(), step if done is None else done
+    if now - self.last_time < self.seconds or done <= self.last_done:
       return
-    rate = (step - self.last_step) * self.batch_size / max(now - self.last_time, 1e-9)
+    rate = (done - self.last_done) * self.batch_size / max(now - self.last_time, 1e-9)
     loss = f"train_loss {train_loss:.4f}, " if math.isfinite(train_loss) else ""
     say(f"step {step}/{self.total} ({step / self.per_epoch:.2f} epochs): {loss}"
         f"{rate_text(rate, self.examples, self.tokens_per_example)}")
-    self.last_time, self.last_step = now, step
+    self.last_time, self.last_done = now, done
 
 
 def outputs(workdir: str, checkpoint_dir: Optional[str]) -> None:

@@ -110,6 +110,7 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
       t += n
       if t in run.drain_points:  # (checkpoint_drain) the pipeline is empty
         progress.last_save = save_checkpoint(run, progress)
+      lines.update(progress.step, run.loss_log.last_loss, run.loss_log.read_step)
       if not updates:
         continue
       bar.update(len(updates) * c.batch_size)
@@ -123,7 +124,6 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
           progress.result = evaluate_and_log(run, progress)
         if _checkpoint_due(run, progress, due.epoch_end):
           progress.last_save = save_checkpoint(run, progress)
-      lines.update(progress.step, run.loss_log.last_loss)
       if _stop_requested(run, progress.step, stop) and progress.step < run.total_steps:
         bar.close()
         preempt(run, progress, stop.signal_name or "a signal to another process")

@@ -38,6 +38,7 @@ class LossLog:
     self.window: list = []
     self.lines: list = []  # (step, window, call) complete, not yet read
     self.call = None  # the executor call whose losses arrive now (:meth:`begin_call`)
+    self.read_step = 0  # the update of the last line read: every update to it has run
     self.last_loss = float("nan")
 
   def begin_call(self):
@@ -73,7 +74,7 @@ class LossLog:
     first = step - len(window) // self.k + 1
     if not math.isfinite(value):
       raise Diverged(value, first)
-    self.last_loss = value
+    self.last_loss, self.read_step = value, step
     self.writer.write(step, epoch=step / self.steps_per_epoch, train_loss=value,
                       learning_rate=float(self.schedule(step - 1)))
 
@@ -109,6 +110,7 @@ class LossLog:
     """Back to a checkpoint's :meth:`state`."""
     self.next_step, self.last_loss = meta["next_step"], meta["last_loss"]
     self.window = [arrays[-(i + 1)] for i in range(meta["window"])]
+    self.read_step = self.next_step - len(self.window) // self.k
     self.losses = {m: v for m, v in arrays.items() if m >= 0}
 
 
