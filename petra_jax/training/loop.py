@@ -381,6 +381,9 @@ def preempt(run: Setup, progress: Progress, signal_name: str) -> None:
   message = (f"preempted by {signal_name} at step {progress.step}: checkpoint saved in "
              f"{run.checkpointer.directory}; re-run the same command to resume.")
   if run.pipe.multiprocess:  # skip jax.distributed's shutdown barrier
+    # ... but not before every process has its part saved: process 0 leads the
+    # coordination service, and a peer still waiting on its save when it exits aborts.
+    distributed.barrier("preempted: every checkpoint part saved")
     distributed.exit_now(message if jax.process_index() == 0 else "",
                          preemption.PREEMPTED_EXIT_CODE)
   preemption.exit_preempted(message)
