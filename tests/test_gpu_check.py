@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
   parts = gpu_check.parts(tiny=False, out=str(tmp_path), executor="host")
   assert [p.name for p in parts] == ["info", "accelerator_float32", "accelerator_host",
-                                     "accelerator_bfloat16", "train", "language_model"]
+                                     "accelerator_bfloat16", "train", "accelerator_recipe",
+                                     "language_model"]
   assert sum(p.seconds + gpu_check.GRACE_S for p in parts) <= 8 * 60
   for dtype in ("float32", "bfloat16"):
     argv = next(p.argv for p in parts if p.name == f"accelerator_{dtype}")
@@ -24,6 +25,10 @@ def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
     assert "--methods=petra,backprop" in argv
   train = next(p for p in parts if p.name == "train")
   assert "--config=configs/cifar10.py" in train.argv and train.until_stopped
+  assert "--config.eval_every=0" in train.argv  # its rate is the loop's and the input's
+  recipe = next(p.argv for p in parts if p.name == "accelerator_recipe")
+  assert {"--config=configs/cifar10.py", "--micro-batches=64", "--accumulation-steps=2",
+          "--methods=petra", "--dtypes=float32"} <= set(recipe)
   assert not any("pip" in a for p in parts for a in p.argv)
 
 
@@ -53,12 +58,21 @@ def test_summary_fits_rows_and_quotes_progress_lines(tmp_path):
   (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
   (tmp_path / "train.log").write_text("step 5/9: 10.0 img/s\nstep 7/9: 12.5 img/s\ndone\n")
   (tmp_path / "language_model.log").write_text("step 3/9: 2.0 sequences/s, 512 tokens/s\n")
+  (tmp_path / "recipe_rows.jsonl").write_text(json.dumps({**rows[0], "images_per_s": 50.0}))
   text = gpu_check.summary(str(tmp_path), [{"name": "train", "status": "stopped",
                                             "seconds": 90.0}])
   assert "train: stopped (90 s)" in text
   assert "petra float32: tick H = 8.800 ms + C = 0.02000 ms/image" in text
   assert "main job: step 7/9: 12.5 img/s" in text
   assert "language model: step 3/9: 2.0 sequences/s, 512 tokens/s" in text
+  assert "main job against the benchmark on its recipe: 12.5 img/s / 50.0 img/s = 25 %" in text
+  assert text.count("petra float32: tick") == 1  # the recipe's row (k = 2) is not in the fit
+
+
+def test_main_job_against_benchmark_says_what_is_missing():
+  assert gpu_check.against_benchmark("", [{"images_per_s": 3.0}]) == "needs a progress line"
+  assert gpu_check.against_benchmark("step 1/2: 1.0 img/s", [{"incomplete": "compiling"}]) == (
+      "needs the recipe's row")
 
 
 def test_tiny_check_runs_on_the_cpu(tmp_path):

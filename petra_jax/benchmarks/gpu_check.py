@@ -10,14 +10,19 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 - ``accelerator_float32`` (160), ``accelerator_bfloat16`` (80): ``petra`` and ``backprop`` ticks
   of RevNet18 width 64 (10 stages, k = 1) at micro-batches 64, 256, 1024
   (:mod:`petra_jax.benchmarks.accelerator`); rows land in ``DIR/rows.jsonl`` as they end.
-- ``accelerator_host`` (50): ``petra`` float32 at 64 and 256 under the host executor (the
-  reference loop), beside the rows above.
-- ``train`` (80): the main job (``configs/cifar10.py``, real CIFAR-10) with a progress line
-  every 10 s, stopped by its limit: its img/s. Needs ``cifar10`` in the data dir.
+- ``accelerator_host`` (25): ``petra`` float32 at 256 under the host executor (the reference
+  loop), beside the rows above.
+- ``train`` (65): the main job (``configs/cifar10.py``, real CIFAR-10, no evaluation) with a
+  progress line every 10 s, stopped by its limit: its img/s. Needs ``cifar10`` in the data dir.
+- ``accelerator_recipe`` (40): the benchmark on the main job's recipe (``--config=
+  configs/cifar10.py``: its split, optimizer and compensation; ``petra`` float32, micro-batch 64,
+  k = 2, the main job's shapes), its row in ``DIR/recipe_rows.jsonl``: what the main job's img/s
+  is compared with (issue 47 item 4).
 - ``language_model`` (65): ``revgpt_small`` in 4 stages on tiny_shakespeare (context 256, 64
   sequences in 4 micro-batches): its sequences/s and tokens/s. Needs ``tiny_shakespeare``.
 - ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
-  (method, dtype) from the rows, the last progress line of each training run.
+  (method, dtype) from the rows, the last progress line of each training run, and the main
+  job's img/s as a percentage of the benchmark's on its recipe.
 
 Then ``DIR`` is bundled into ``DIR.tar.gz``. ``DIR`` defaults to
 ``gpu_check_<UTC date and time>_<host>``. ``--tiny``: the same parts at CPU sizes (width 2,
@@ -34,6 +39,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -46,6 +52,8 @@ from petra_jax.benchmarks import accelerator
 from petra_jax.engine.compiled import EXECUTORS
 _PY = sys.executable
 GRACE_S = 5  # after SIGTERM at a part's limit, SIGKILL this many seconds later
+MAIN_JOB = "configs/cifar10.py"
+ROWS, RECIPE_ROWS = "rows.jsonl", "recipe_rows.jsonl"  # the grid's rows; the recipe's row
 
 
 @dataclass(frozen=True)
@@ -63,11 +71,24 @@ def _accelerator(name: str, dtype: str, tiny: bool, seconds: float, out: str, ex
   sizes = (["--width=2", "--num-stages=2", "--micro-batches=2,4", "--ticks=3", "--warmup=1"]
            if tiny else ["--width=64", f"--micro-batches={micro_batches}", "--ticks=30",
                          "--warmup=2"])
+  return _benchmark(name, seconds, os.path.join(out, ROWS), f"--executor={executor}",
+                    f"--dtypes={dtype}", f"--methods={methods}", "--accumulation-steps=1", *sizes)
+
+
+def _recipe(tiny: bool, seconds: float, out: str, executor: str) -> Part:
+  """The benchmark's row on the main job's recipe and shapes (micro-batch 64 in k = 2; tiny: the
+  tiny main job's width 2 and micro-batch 4)."""
+  sizes = (["--width=2", "--micro-batches=4", "--ticks=3", "--warmup=1"] if tiny
+           else ["--width=64", "--micro-batches=64", "--ticks=32", "--warmup=2"])
+  return _benchmark("accelerator_recipe", seconds, os.path.join(out, RECIPE_ROWS),
+                    f"--config={MAIN_JOB}", f"--executor={executor}", "--dtypes=float32",
+                    "--methods=petra", "--accumulation-steps=2", *sizes)
+
+
+def _benchmark(name: str, seconds: float, rows_file: str, *flags: str) -> Part:
   argv = [_PY, "-m", "petra_jax.benchmarks.accelerator", "--model=revnet18", "--dataset=cifar10",
-          f"--executor={executor}",
-          f"--dtypes={dtype}", f"--methods={methods}", "--accumulation-steps=1",
-          "--no-reconstruction", f"--row-seconds={seconds:g}",
-          f"--rows-file={os.path.join(out, 'rows.jsonl')}", "--json", *sizes]
+          "--no-reconstruction", f"--row-seconds={seconds:g}", f"--rows-file={rows_file}",
+          "--json", *flags]
   return Part(name, tuple(argv), seconds)
 
 
@@ -95,21 +116,21 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           "--config.num_epochs=1", "--config.model.context=16", "--config.batch_size=8",
           "--config.accumulation_steps=2", "--config.eval_batch_size=8"]
   else:
-    main_job = ["--config.num_epochs=1000"]  # stopped by its time limit
+    main_job = ["--config.num_epochs=1000", "--config.eval_every=0"]  # stopped by its limit
     lm = ["--config.model.name=revgpt_small", "--config.model.width=64",
           "--config.model.context=256", "--config.model.stage_sizes=()",
           "--config.model.num_stages=4", "--config.batch_size=64",
           "--config.accumulation_steps=4", "--config.num_epochs=1000"]
-  times = (30, 150, 150, 150, 150, 150) if tiny else (15, 160, 50, 80, 80, 65)
+  times = (30, 150, 150, 150, 150, 150, 150) if tiny else (15, 155, 25, 80, 65, 40, 65)
   every = 1 if tiny else 10
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
           _accelerator("accelerator_float32", "float32", tiny, times[1], out, executor),
           _accelerator("accelerator_host", "float32", tiny, times[2], out, "host",
-                       methods="petra", micro_batches="64,256"),
+                       methods="petra", micro_batches="256"),
           _accelerator("accelerator_bfloat16", "bfloat16", tiny, times[3], out, executor),
-          _train("train", "configs/cifar10.py", main_job, times[4], out, data_dir, every,
-                 executor),
-          _train("language_model", "configs/shakespeare_cpu.py", lm, times[5], out, data_dir,
+          _train("train", MAIN_JOB, main_job, times[4], out, data_dir, every, executor),
+          _recipe(tiny, times[5], out, executor),
+          _train("language_model", "configs/shakespeare_cpu.py", lm, times[6], out, data_dir,
                  every, executor)]
 
 
@@ -177,22 +198,44 @@ def last_line(path: str, *words: str) -> str:
 def summary(out: str, results: Sequence[dict]) -> str:
   """The check in a few lines (module docstring)."""
   lines = [f"{r['name']}: {r['status']} ({r['seconds']:.0f} s)" for r in results]
-  rows = []
-  rows_file = os.path.join(out, "rows.jsonl")
-  if os.path.exists(rows_file):
-    with open(rows_file) as f:
-      rows = [json.loads(x) for x in f if x.strip()]
+  rows, recipe_rows = _rows(os.path.join(out, ROWS)), _rows(os.path.join(out, RECIPE_ROWS))
   for r in rows:
     lines.append(accelerator._row_line(r))
   for fit in accelerator.fits(rows):
     name = " ".join(x for x in (fit["method"], fit["dtype"], fit["executor"]) if x)
     lines.append(f"{name}: tick {accelerator._fit_text(fit['tick'])}; "
                  f"device {accelerator._fit_text(fit['device'])}")
-  lines.append("main job: " + (last_line(os.path.join(out, "train.log"), "img/s")
-                               or "no progress line"))
+  main_line = last_line(os.path.join(out, "train.log"), "img/s")
+  lines.append("main job: " + (main_line or "no progress line"))
+  for r in recipe_rows:
+    lines.append("benchmark on the main job's recipe: " + accelerator._row_line(r))
+  lines.append("main job against the benchmark on its recipe: "
+               + against_benchmark(main_line, recipe_rows))
   lines.append("language model: " + (last_line(os.path.join(out, "language_model.log"),
                                                "tokens/s") or "no progress line"))
   return "\n".join(lines) + "\n"
+
+
+def _rows(path: str) -> list[dict]:
+  """The JSON lines of the rows file at ``path``; [] if there is none."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(x) for x in f if x.strip()]
+
+
+def against_benchmark(progress_line: str, recipe_rows: Sequence[dict]) -> str:
+  """``"A img/s / B img/s = P %"``: the main job's rate in its progress line against the
+  benchmark row's ``images_per_s`` on the same recipe (issue 47 item 4: within 10 %), or what is
+  missing."""
+  rate = re.search(r"([0-9][0-9,]*(?:\.[0-9]+)?) img/s", progress_line)
+  bench = next((r["images_per_s"] for r in recipe_rows if "images_per_s" in r), None)
+  if rate is None or bench is None:
+    return "needs " + " and ".join(
+        w for w, miss in (("a progress line", rate is None), ("the recipe's row", bench is None))
+        if miss)
+  main = float(rate.group(1).replace(",", ""))
+  return f"{main:.1f} img/s / {bench:.1f} img/s = {100 * main / bench:.0f} %"
 
 
 def bundle(out: str) -> str:
