@@ -175,3 +175,44 @@ def test_task_kinds_are_an_enum_equal_to_their_old_strings():
   assert {schedule.TaskKind.BACKWARD: 1}["backward"] == 1
   with pytest.raises(ValueError, match="forwrd"):
     schedule.Task(0, "forwrd", 0)
+
+
+def _unit(name, J, k):
+  """The repeating ticks read off the table itself: a round's ticks (the table over one
+  round's micro-batches), or a stream's tick 2(J-1) of a table just long enough to hold it."""
+  size = schedule.family(name).round_size(k)
+  if size:
+    return list(Schedule(name, J, size, k))
+  t0 = schedule.drain_ticks(J)
+  return [Schedule(name, J, t0 + 1, k)[t0]]
+
+
+def _matches(tick, unit):
+  """Every ``(u, s)`` with ``tick`` equal to ``unit[u]`` with its micro-batches shifted by s."""
+  found = set()
+  for u, ref in enumerate(unit):
+    if tick and len(tick) == len(ref):
+      s = tick[0].micro_batch - ref[0].micro_batch
+      if tick == tuple(task._replace(micro_batch=task.micro_batch + s) for task in ref):
+        found.add((u, s))
+  return found
+
+
+@pytest.mark.parametrize("name", sorted(schedule.TICK_TABLES))
+@pytest.mark.parametrize("J, k", [(2, 1), (3, 2), (4, 3)])
+def test_steady_says_what_comparing_the_ticks_finds(name, J, k):
+  """``steady(t)`` (arithmetic, reads no tick) against a literal comparison of every tick with
+  the repeating unit: it is one of the matches, and None exactly where nothing matches."""
+  unit = _unit(name, J, k)
+  for M in (k, 3 * k, 4 * k + schedule.drain_ticks(J)):
+    table = Schedule(name, J, M, k)
+    for t in range(len(table) + 2):
+      found = table.steady(t)
+      matches = _matches(table[t], unit) if t < len(table) else set()
+      assert (found in matches) if found is not None else not matches, (M, t, found, matches)
+  chained = schedule.Chained((Schedule(name, J, 3 * k, k), Schedule(name, J, 2 * k, k)),
+                             (0, 3 * k))
+  assert chained.family is schedule.family(name)
+  for t in range(len(chained)):
+    found = chained.steady(t)
+    assert (found in _matches(chained[t], unit)) if found else not _matches(chained[t], unit)

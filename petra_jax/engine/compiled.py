@@ -207,6 +207,7 @@ class CompiledExecutor:
       raise ValueError(f"periods_per_dispatch must be >= 1, got {periods_per_dispatch}.")
     self.pipe, self.n = pipe, periods_per_dispatch
     self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
+    self._family = schedule_lib.family(pipe.method.schedule)
     self._plan = pipe.plan(_traced_feed)
     # The local methods' labels ride beside the activations: the only buffers a carry shares.
     self._labels_ride = pipe.method.updates != "backward"
@@ -280,19 +281,40 @@ class CompiledExecutor:
     period shifted by ``shift + i * period.shift`` micro-batches, end by tick ``limit`` and
     feed no micro-batch after ``last_micro_batch``."""
     P, period = len(self.period.ticks), self.period
-    first = schedule[t] if t < len(schedule) else ()
-    if not first or len(first) != len(period.ticks[0]):
+    s = self._first_shift(schedule, t)
+    if s is None:
       return 0, 0
-    s = first[0].micro_batch - period.ticks[0][0].micro_batch
     last = float("inf") if last_micro_batch is None else last_micro_batch
     count = 0
     while count < self.n and t + (count + 1) * P <= limit:
       shift = s + count * period.shift
-      if max(period.fed, default=-1) + shift > last or any(
-          schedule[t + count * P + u] != _shifted(period.ticks[u], shift) for u in range(P)):
+      if (max(period.fed, default=-1) + shift > last
+          or not self._is_period(schedule, t + count * P, shift)):
         break
       count += 1
     return count, s
+
+  def _knows(self, schedule) -> bool:
+    """Whether ``schedule`` says itself which ticks are steady (a :class:`Schedule` or
+    :class:`Chained` of this period's family), so that no tick need be built to compare."""
+    return getattr(schedule, "family", None) is self._family
+
+  def _first_shift(self, schedule, t: int) -> Optional[int]:
+    """The shift of the period that would start at tick ``t``, or None if none can."""
+    if self._knows(schedule):
+      found = schedule.steady(t)
+      return found[1] if found is not None and found[0] == 0 else None
+    first = schedule[t] if t < len(schedule) else ()
+    if not first or len(first) != len(self.period.ticks[0]):
+      return None
+    return first[0].micro_batch - self.period.ticks[0][0].micro_batch
+
+  def _is_period(self, schedule, t: int, shift: int) -> bool:
+    """Whether ticks ``t .. t + P - 1`` are the period's, shifted by ``shift``."""
+    ticks = self.period.ticks
+    if self._knows(schedule):
+      return all(schedule.steady(t + u) == (u, shift) for u in range(len(ticks)))
+    return all(schedule[t + u] == _shifted(tick, shift) for u, tick in enumerate(ticks))
 
   def advance(self, state: PipelineState, schedule, t: int, batches,
               limit: Optional[int] = None, last_micro_batch: Optional[int] = None) -> tuple:

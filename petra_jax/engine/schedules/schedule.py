@@ -81,6 +81,12 @@ class Schedule:
   def __iter__(self) -> Iterator[Tick]:
     return (self[t] for t in range(len(self)))
 
+  def steady(self, t: int) -> Optional[tuple[int, int]]:
+    """``(u, s)``: tick ``t`` is the family's repeating tick ``u`` shifted by ``s``
+    micro-batches (:meth:`TickTable.steady`); None if not, or ``t`` outside the table."""
+    return self.family.steady(t, self.num_stages, self.num_micro_batches,
+                              self.accumulation_steps)
+
 
 def fed(tick: Tick) -> Optional[int]:
   """The micro-batch that enters stage 0 on this tick, or None."""
@@ -121,3 +127,17 @@ class Chained:
 
   def __iter__(self) -> Iterator[Tick]:
     return (self[t] for t in range(len(self)))
+
+  @functools.cached_property
+  def family(self) -> Optional[type]:
+    """The parts' family, if they share one (None otherwise)."""
+    families = {part.family for part in self.parts}
+    return families.pop() if len(families) == 1 else None
+
+  def steady(self, t: int) -> Optional[tuple[int, int]]:
+    """As :meth:`Schedule.steady`, the shift counting the part's offset."""
+    if not 0 <= t < len(self):
+      return None
+    i = bisect.bisect_right(self._ends, t)
+    found = self.parts[i].steady(t - (self._ends[i - 1] if i else 0))
+    return None if found is None else (found[0], found[1] + self.offsets[i])

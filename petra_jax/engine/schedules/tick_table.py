@@ -213,6 +213,19 @@ class TickTable:
     return tuple(task._replace(micro_batch=task.micro_batch + r * size) for task in table[u])
 
   @classmethod
+  def steady(cls, t: int, J: int, M: int, k: int) -> Optional[tuple[int, int]]:
+    """``(u, s)`` if tick ``t`` holds the tasks of tick ``u`` of the family's repeating unit
+    with every micro-batch shifted by ``s``, else None: without reading the table. The unit
+    is one round (periodic families: every tick, ``u = t mod P``, ``s = (t // P) k``) or the
+    stream's steady tick, ``2(J - 1)`` of a table over ``2(J - 1) + 1`` micro-batches
+    (``u = 0``; :meth:`Stream.steady`)."""
+    size = cls.round_size(k)
+    if not 0 <= t < cls.length(J, M, k):
+      return None
+    r, u = divmod(t, len(_cached_round(cls, J, size)))
+    return u, r * size
+
+  @classmethod
   def cost(cls, task: Task, forward_ms: Sequence[float], backward_ms: Sequence[float]) -> float:
     """Simulated cost of ``task``: ``F_j``, ``B_j`` (the loss's ``B`` contains its forward)."""
     if task.kind == TaskKind.FORWARD:
@@ -242,6 +255,13 @@ class Stream(TickTable):
   def tick(cls, t: int, J: int, M: int, k: int) -> Tick:
     return _stream_tick(t, J, M)
 
+  @classmethod
+  def steady(cls, t: int, J: int, M: int, k: int) -> Optional[tuple[int, int]]:
+    """Every stage works on ticks ``2(J-1) .. M-1`` (the backward of ``t - 2(J-1)`` on stage
+    0, the forward of ``t`` on stage 0): those are the steady tick shifted by ``t - 2(J-1)``."""
+    t0 = drain_ticks(J)
+    return (0, t - t0) if t0 <= t < M else None
+
 
 class ForwardOnly(TickTable):
   """The stream's forwards only (methods that send nothing back)."""
@@ -254,6 +274,12 @@ class ForwardOnly(TickTable):
   @classmethod
   def tick(cls, t: int, J: int, M: int, k: int) -> Tick:
     return _stream_tick(t, J, M, backward=False)
+
+  @classmethod
+  def steady(cls, t: int, J: int, M: int, k: int) -> Optional[tuple[int, int]]:
+    """Every stage works on ticks ``J-1 .. M-1`` (the loss of ``t - (J-1)``, the forward of
+    ``t`` on stage 0): the stream's steady tick (forwards only) shifted by ``t - 2(J-1)``."""
+    return (0, t - drain_ticks(J)) if J - 1 <= t < M else None
 
 
 class Drained(TickTable):
