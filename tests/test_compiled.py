@@ -256,7 +256,10 @@ def test_train_loss_lines_do_not_end_a_compiled_call(cifar10_dir, tmp_path, monk
   """The training loop with a train_loss line after every update (k = 2, 4 stages, N = 4):
   the compiled calls still run N periods, since a line reads only losses (before, every
   update ended a call, so every call ran one period), and every line equals the host
-  executor's to rtol 1e-6 (measured: 4e-7 at most; the scan of 4 periods fuses differently)."""
+  executor's as closely as rounding allows: the scan of 4 periods fuses differently (per
+  micro-batch 1e-7 relative), and this tiny run amplifies that: the host executor's own lines
+  move by up to 1.5e-4 relative when the learning rate moves by 1e-6 relative (on one CPU;
+  4e-7 on another). So the bound is 10 times that measured effect, measured here too."""
   from helpers import tiny_config
   from petra_jax import train
   from petra_jax.training import metrics
@@ -268,15 +271,17 @@ def test_train_loss_lines_do_not_end_a_compiled_call(cifar10_dir, tmp_path, monk
     return state, outputs, n
   monkeypatch.setattr(compiled.CompiledExecutor, "advance", counted)
   lines = {}
-  for executor in ("host", "compiled"):
+  for name, executor, rate in (("host", "host", 0.05), ("nudged", "host", 0.05 * (1 + 1e-6)),
+                               ("compiled", "compiled", 0.05)):
     c = tiny_config(cifar10_dir, max_steps=12, accumulation_steps=2, executor=executor,
                     periods_per_dispatch=4, eval_every=0,
-                    **{"model.num_stages": 4, "model.width": 2})
-    train.train_and_evaluate(c, str(tmp_path / executor))
-    lines[executor] = [r["train_loss"] for r in metrics.read_metrics(str(tmp_path / executor))
-                       if "train_loss" in r]
+                    **{"model.num_stages": 4, "model.width": 2, "optim.learning_rate": rate})
+    train.train_and_evaluate(c, str(tmp_path / name))
+    lines[name] = np.array([r["train_loss"] for r in metrics.read_metrics(str(tmp_path / name))
+                            if "train_loss" in r])
   assert len(lines["host"]) == 12
-  np.testing.assert_allclose(lines["compiled"], lines["host"], rtol=1e-6)
+  rounding = np.max(np.abs(lines["nudged"] - lines["host"]) / lines["host"])
+  np.testing.assert_allclose(lines["compiled"], lines["host"], rtol=max(1e-6, 10 * rounding))
   # 24 micro-batches: filling 6 ticks, steady ticks 6-23 (4 calls of 4, then 2 of one
   # period: the last update ends the steady state), draining 6.
   assert ran == [1] * 6 + [4] * 4 + [1] * 2 + [1] * 6
