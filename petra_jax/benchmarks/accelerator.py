@@ -100,20 +100,27 @@ def segments(pipe, ticks: int, warmup: int, repeats: int = 1, per_call: int = 1)
   rounds for a periodic schedule); warm-up and each segment are rounded up to whole calls, so
   the untimed ticks compile every program the timed ones run.
   """
+  table, fill, length, done = segment_bounds(pipe, ticks, warmup, repeats, per_call)
+  table = list(table)
+  return table[:fill], [table[fill + i * length:fill + (i + 1) * length]
+                        for i in range(repeats)], done
+
+
+def segment_bounds(pipe, ticks: int, warmup: int, repeats: int = 1, per_call: int = 1):
+  """``(schedule, untimed ticks, ticks per timed segment, micro-batches completed per
+  segment)`` of :func:`segments`: the segments are ticks ``[fill + i * length, fill + (i + 1)
+  * length)`` of ``schedule``, which says itself which of its ticks are steady (an executor
+  run over it finds its periods as the training loop's does)."""
   if pipe.method.delayed:
     ticks, warmup = _whole(ticks, per_call), _whole(max(warmup, 1), per_call)
     fill = schedule_lib.drain_ticks(pipe.num_stages) + warmup
-    table = list(pipe.schedule(fill + repeats * ticks))
-    return table[:fill], [table[fill + i * ticks:fill + (i + 1) * ticks]
-                          for i in range(repeats)], ticks
+    return pipe.schedule(fill + repeats * ticks), fill, ticks, ticks
   size = pipe.schedule(0).round_size
   warm_rounds = _whole(math.ceil(warmup / size), per_call)
   rounds = _whole(math.ceil(ticks / size), per_call)
-  table = list(pipe.schedule(size * (warm_rounds + repeats * rounds)))
+  table = pipe.schedule(size * (warm_rounds + repeats * rounds))
   per_round = len(table) // (warm_rounds + repeats * rounds)
-  fill, length = per_round * warm_rounds, per_round * rounds
-  return table[:fill], [table[fill + i * length:fill + (i + 1) * length]
-                        for i in range(repeats)], size * rounds
+  return table, per_round * warm_rounds, per_round * rounds, size * rounds
 
 
 def _whole(count: int, per_call: int) -> int:
@@ -154,9 +161,9 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch)
   row["executor"] = executor.name
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
-  warm, (timed, profiled), done = segments(pipe, ticks, warmup, repeats=2,
-                                           per_call=getattr(executor, "n", 1))
-  table, a, b = warm + timed + profiled, len(warm), len(warm) + len(timed)
+  table, a, length, done = segment_bounds(pipe, ticks, warmup, repeats=2,
+                                          per_call=getattr(executor, "n", 1))
+  b = a + length
   state = _run_ticks(executor, pipe.init(seed, images), table, 0, a, images, labels)
   row.update(num_stages=pipe.num_stages, compile_s=time.perf_counter() - start)
   if _late(row, "compiling", start, row_seconds):
@@ -168,7 +175,7 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   if _late(row, "the timed ticks", start, row_seconds):
     return row
   with device_time.profile_window() as window:
-    state = _run_ticks(executor, state, table, b, len(table), images, labels)
+    state = _run_ticks(executor, state, table, b, b + length, images, labels)
   if not window.num_events:
     row.update(incomplete="the profile holds no device event (a GPU needs CUPTI)",
                seconds=time.perf_counter() - start)
