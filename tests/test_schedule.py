@@ -6,6 +6,7 @@ import pytest
 
 from petra_jax.benchmarks import simulate
 from petra_jax.benchmarks.memory import model as memory_model
+from petra_jax.engine import compiled
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.schedules import Schedule, TaskKind
 
@@ -204,6 +205,8 @@ def test_steady_says_what_comparing_the_ticks_finds(name, J, k):
   """``steady(t)`` (arithmetic, reads no tick) against a literal comparison of every tick with
   the repeating unit: it is one of the matches, and None exactly where nothing matches."""
   unit = _unit(name, J, k)
+  # the unit the compiled executor compares with (what steady's (u, s) refers to)
+  assert [tuple(tick) for tick in compiled.period_of(schedule.family(name), J, k).ticks] == unit
   for M in (k, 3 * k, 4 * k + schedule.drain_ticks(J)):
     table = Schedule(name, J, M, k)
     for t in range(len(table) + 2):
