@@ -139,6 +139,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.log_every = 50
   c.executor = "auto"         # "compiled" | "host"; auto = compiled on accelerators where it can
   c.periods_per_dispatch = 16  # compiled: steady-state periods (stream ticks, flushed rounds) per call
+  c.unroll_ticks = 4          # compiled: ticks per iteration of the scan's loop, in whole periods
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
   c.num_devices = 0           # 0 = all local devices
   c.data_parallel = 1
@@ -225,6 +226,8 @@ HELP = {
                 "per task) or 'auto' (compiled on a GPU/TPU where it can run the pipeline)",
     "periods_per_dispatch": "compiled executor: steady-state periods (a stream's ticks, a "
                             "flushed schedule's rounds) per dispatch",
+    "unroll_ticks": "compiled executor: ticks per iteration of its lax.scan loop, in whole "
+                    "periods, at least one (fewer carry copies per tick, longer compiles)",
     "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "
                         "(seconds); 0 = off",
     "num_devices": "devices to spread the stages over; 0 = all local devices",

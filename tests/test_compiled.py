@@ -47,16 +47,16 @@ def _stages(method, guess="local"):
 
 
 def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_parallel=1,
-           guess="local"):
+           guess="local", unroll_ticks=4):
   """``({m: loss}, final params, executor)`` of ``micro_batches`` micro-batches (``guess``:
-  ``forward_gradient``'s)."""
+  ``forward_gradient``'s; ``n`` and ``unroll_ticks``: the compiled executor's)."""
   pipe = Pipeline(_stages(method, guess), optax.sgd(0.02, momentum=0.9),
                   devices or jax.devices()[:1], method=method, accumulation_steps=k,
                   data_parallel=data_parallel,
                   forward_gradient=forward_gradient.Options(guess=guess))
   batches = _batches(4 * data_parallel)
   state = pipe.init(0, batches(0)[0])
-  table, ex = pipe.schedule(micro_batches), compiled.executor(pipe, executor, n)
+  table, ex = pipe.schedule(micro_batches), compiled.executor(pipe, executor, n, unroll_ticks)
   t, losses = 0, {}
   while t < len(table):
     state, outputs, ran = ex.advance(state, table, t, batches)
@@ -81,6 +81,30 @@ def assert_same_run(host, host_params, comp, comp_params) -> None:
   np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
   for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method, n, unroll_ticks, per_iteration", [
+    ("petra", 8, 4, 4),    # 2 loop iterations of 4 ticks
+    ("petra", 6, 4, 3),    # 2 iterations of 3 ticks: periods that divide N
+    ("petra", 6, 1, 1),    # one tick per iteration
+    ("gpipe", 4, 25, 2),   # whole rounds of 11 ticks: 2 per iteration
+])
+def test_compiled_with_several_periods_per_loop_iteration_equals_the_host(
+    method, n, unroll_ticks, per_iteration):
+  host, host_params, _ = _train(method, "host", micro_batches=32)
+  comp, comp_params, ex = _train(method, "compiled", micro_batches=32, n=n,
+                                 unroll_ticks=unroll_ticks)
+  assert ex.unroll == per_iteration and ex.dispatches > 0
+  assert sorted(comp) == sorted(host) == list(range(32))
+  np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(comp_params), jax.tree.leaves(host_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unroll_ticks_below_one_is_refused():
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.1), jax.devices()[:1])
+  with pytest.raises(ValueError, match="unroll_ticks must be >= 1"):
+    compiled.CompiledExecutor(pipe, 4, unroll_ticks=0)
 
 
 def test_compiled_draws_the_random_guesses_of_the_host_executor():
@@ -224,15 +248,16 @@ def _ring_leaf_shapes(ex, carry) -> set:
   return {tuple(x.shape) for r in found for x in jax.tree.leaves(r.data)}
 
 
-def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole():
+@pytest.mark.parametrize("n, unroll_ticks", [(4, 1), (8, 4)])
+def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole(n, unroll_ticks):
   """PETRA keeps each non-reversible stage's input for tau_j ticks: those messages stay in one
   ring per box (slot m mod R), which the compiled loop updates in place: no `copy` in the
-  optimized program has a ring's shape (re-keyed slots were copied every tick before)."""
-  n = 4
+  optimized program has a ring's shape (re-keyed slots were copied every tick before), with
+  one or several ticks per loop iteration."""
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
   batches = _batches()
   state = pipe.init(0, batches(0)[0])
-  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, n)
+  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, n, unroll_ticks)
   t = 0
   while ex.dispatches < 1:
     state, _, ran = ex.advance(state, table, t, batches)
@@ -248,6 +273,45 @@ def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole():
   copied = {tuple(int(d) for d in dims.split(",") if d)
             for dims in re.findall(r"= \w+\[([\d,]*)\]\S*\s+copy\(", text)}
   assert not copied & shapes, copied & shapes
+
+
+def _steady_program_text(unroll_ticks: int, n: int = 8) -> str:
+  """The optimized HLO of PETRA's steady-state call of ``n`` ticks (the tiny RevNet)."""
+  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
+  batches = _batches()
+  state = pipe.init(0, batches(0)[0])
+  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, n, unroll_ticks)
+  t = 0
+  for t in range(2 * (pipe.num_stages - 1)):  # filling, on the host executor
+    state, _, _ = ex.advance(state, table, t, batches)
+  periods, s = ex.steady_periods(table, t + 1, len(table))
+  assert periods == n
+  carry = compiled.to_carry(state, s)
+  inputs = tuple(tuple(batches(m + s + i)[:2] for m in ex.period.fed) for i in range(n))
+  fn, _ = ex._program(carry, inputs, n)
+  return fn.lower(*compiled._split(carry), inputs, None).compile().as_text()
+
+
+def _loop_body_ops(text: str) -> list:
+  """The operations of the largest ``while`` body in ``text`` (optimized HLO): the scan's
+  (the loss may hold small loops of its own)."""
+  bodies = []
+  for body in re.findall(r"\bwhile\(.*?body=%?([\w.\-]+)", text):
+    block = re.search(r"^%?" + re.escape(body) + r" .*?\n}", text, re.M | re.S).group(0)
+    bodies.append(re.findall(r"= \S+ ([\w-]+)\(", block))
+  return max(bodies, key=len)
+
+
+def test_several_ticks_per_loop_iteration_copy_fewer_carried_values_per_tick():
+  """A value a tick hands to another carry slot costs XLA a copy out of its slot and one into
+  the next at every loop iteration; 4 ticks per iteration keep the hand-overs between them
+  inside the iteration: per tick at most half the copies of one tick per iteration (the
+  RevNet18 program: 111 copies per tick, 38 with 4 ticks, docs/performance.md)."""
+  per_tick = {}
+  for u in (1, 4):
+    ops = _loop_body_ops(_steady_program_text(u))
+    per_tick[u] = ops.count("copy") / u
+  assert per_tick[1] > 0 and per_tick[4] <= 0.5 * per_tick[1], per_tick
 
 
 @pytest.mark.long  # two runs through the loop; test_time_to_accuracy and test_loss_log cover it

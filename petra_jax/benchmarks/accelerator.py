@@ -3,7 +3,7 @@
 ``python -m petra_jax.benchmarks.accelerator [--config=FILE] [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
 [--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--executor=auto]
-[--periods-per-dispatch=16] [--json]``
+[--periods-per-dispatch=16] [--unroll-ticks=4] [--json]``
 
 Per (method, micro-batch ``B``, dtype), on a pipeline built as training builds it and one
 random micro-batch, its ticks run by ``--executor`` (``executor`` in the row: ``compiled`` runs
@@ -66,14 +66,15 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
                dtype: str, accumulation_steps: int, num_stages: int = 0,
                executor: str = "auto", periods: int = 16,
-               recipe: str = "") -> ml_collections.ConfigDict:
+               recipe: str = "", unroll_ticks: int = 4) -> ml_collections.ConfigDict:
   """The training config of one row (one device; ``num_stages`` 0: the recipe's split, by
-  default one block per stage; the tick ``executor`` and its ``periods`` per call): the
+  default one block per stage; the tick ``executor``, its ``periods`` per call and
+  ``unroll_ticks`` per loop iteration): the
   default config, or the training ``recipe`` ``FILE[:VARIANT]`` (its optimizer, compensation
   and split) with the row's fields set. ConfigError as training would raise; ValueError for
   a missing recipe file."""
   c = config_lib.recipe(recipe) if recipe else config_lib.get_config()
-  c.executor, c.periods_per_dispatch = executor, periods
+  c.executor, c.periods_per_dispatch, c.unroll_ticks = executor, periods, unroll_ticks
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
   c.model.name, c.model.width = model, width
   if num_stages or not recipe:
@@ -158,7 +159,7 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   micro = cfg.batch_size // cfg.accumulation_steps
   row = {"method": cfg.method, "micro_batch": micro, "dtype": cfg.dtype}
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
-  executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch)
+  executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch, cfg.unroll_ticks)
   row["executor"] = executor.name
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
   table, a, length, done = segment_bounds(pipe, ticks, warmup, repeats=2,
@@ -278,7 +279,8 @@ def benchmark(args: argparse.Namespace) -> dict:
     for b in args.micro_batches:
       for m in args.methods:
         cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                         args.num_stages, args.executor, args.periods_per_dispatch, args.config)
+                         args.num_stages, args.executor, args.periods_per_dispatch, args.config,
+                         args.unroll_ticks)
         results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
         print(_row_line(results[-1]), file=sys.stderr, flush=True)
         if args.rows_file:
@@ -339,21 +341,6 @@ def _print_report(r: dict) -> None:
           f"highest {e['highest']:.2e}")
 
 
-def _csv(kind, choices: Optional[Sequence[str]] = None):
-  """An argparse type: a comma-separated list of ``kind`` (in ``choices``)."""
-  def parse(text: str) -> list:
-    try:
-      values = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
-    bad = [v for v in values if (v not in choices if choices else v < 1)]
-    if not values or bad:
-      need = f"choose from {', '.join(choices)}" if choices else "each at least 1"
-      raise argparse.ArgumentTypeError(f"bad value(s) {bad or text!r}: {need}")
-    return values
-  return parse
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   """The flags of the module docstring; a bad one exits with status 2."""
   p = argparse.ArgumentParser(prog="python -m petra_jax.benchmarks.accelerator",
@@ -370,11 +357,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   p.add_argument("--num-stages", type=int, default=0,
                  help="pipeline stages (default 0: the --config's split, else one block per "
                       "stage, as the paper)")
-  p.add_argument("--micro-batches", type=_csv(int), default=[64, 256],
+  p.add_argument("--micro-batches", type=cli.csv_list(int), default=[64, 256],
                  help="comma-separated micro-batch sizes, one measurement each (default 64,256)")
-  p.add_argument("--dtypes", type=_csv(str, DTYPES), default=["float32", "bfloat16"],
+  p.add_argument("--dtypes", type=cli.csv_list(str, DTYPES), default=["float32", "bfloat16"],
                  help=f"comma-separated compute dtypes among {DTYPES} (default: both)")
-  p.add_argument("--methods", type=_csv(str, METHODS), default=list(METHODS),
+  p.add_argument("--methods", type=cli.csv_list(str, METHODS), default=list(METHODS),
                  help=f"comma-separated methods among {tuple(METHODS)} (default: all)")
   p.add_argument("--accumulation-steps", type=int, default=4, help="k, micro-batches per update")
   p.add_argument("--ticks", type=int, default=20, help="measured micro-batches (N)")
@@ -389,12 +376,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="the tick executor (default auto: compiled where it runs the pipeline)")
   p.add_argument("--periods-per-dispatch", type=int, default=16,
                  help="compiled executor: steady-state ticks (or rounds) per call (default 16)")
+  p.add_argument("--unroll-ticks", type=int, default=4,
+                 help="compiled executor: ticks per iteration of its scan loop (default 4)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   if args.num_stages < 0:
     p.error("--num-stages must be at least 0")
   for flag in ("width", "accumulation_steps", "ticks", "warmup", "row_seconds",
-               "periods_per_dispatch"):
+               "periods_per_dispatch", "unroll_ticks"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1")
   return args

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from petra_jax import data as data_lib
 from petra_jax import models
@@ -17,6 +17,21 @@ def model_name(text: str) -> str:
     return text
   raise argparse.ArgumentTypeError(f"unknown model {text!r}: choose one of "
                                    f"{sorted(models.MODEL_SPECS)} or pass MODULE:FUNCTION")
+
+
+def csv_list(kind, choices: Optional[Sequence[str]] = None):
+  """An argparse type: a comma-separated list of ``kind`` (in ``choices``)."""
+  def parse(text: str) -> list:
+    try:
+      values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+    bad = [v for v in values if (v not in choices if choices else v < 1)]
+    if not values or bad:
+      need = f"choose from {', '.join(choices)}" if choices else "each at least 1"
+      raise argparse.ArgumentTypeError(f"bad value(s) {bad or text!r}: {need}")
+    return values
+  return parse
 
 
 def parser(module: str, doc: str, *, model: str, dataset: str, width: int,

@@ -1,7 +1,8 @@
 """The engine's host cost per stage and tick, and the tiny-model tick/step ratio.
 
 ``python -m petra_jax.benchmarks.host [--model=revnet18 --dataset=cifar10 --width=2
---batch-size=2 --ticks=200 --iters=3 --periods-per-dispatch=16] [--json]`` (or
+--batch-size=2 --ticks=200 --iters=3 --periods-per-dispatch=16 --unroll-ticks=4] [--json]``
+(or
 ``python -m petra_jax.benchmarks.throughput ... --host``) runs :func:`benchmark`.
 
 **Isolation method.** Two PETRA pipelines of the same stages run the same
@@ -68,11 +69,11 @@ class _Driver:
   """One pipeline run over a long stream table by an executor (``host`` or ``compiled``)."""
 
   def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int,
-               executor: str = "host", periods: int = 16):
+               executor: str = "host", periods: int = 16, unroll_ticks: int = 4):
     self.pipe, self.batch = pipe, (lambda m: (images, labels))
     self.state = pipe.init(seed, images)
     self.table = pipe.schedule(num_ticks)
-    self.executor = compiled.executor(pipe, executor, periods)
+    self.executor = compiled.executor(pipe, executor, periods, unroll_ticks)
     self.next = 0
 
   def run(self, n: int) -> float:
@@ -102,7 +103,8 @@ def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -
 
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0,
-              periods: int = 16, executors: Sequence[str] = EXECUTORS) -> dict:
+              periods: int = 16, executors: Sequence[str] = EXECUTORS,
+              unroll_ticks: Sequence[int] = (4,)) -> dict:
   """Host cost per stage and tick, and the real PETRA tick against backprop.
 
   Args:
@@ -115,12 +117,14 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     seed: initialisation and data seed.
     periods: the compiled executor's ticks per call.
     executors: those timed (:data:`EXECUTORS`), side by side in every round.
+    unroll_ticks: the compiled executor's ticks per loop iteration; each value is timed side
+      by side, the first gives the ``compiled_*`` figures.
 
   Returns:
     A JSON-able dict: ``host_us_per_stage_tick``, ``ticks_per_second``,
     ``petra_ms_per_tick``, ``backprop_ms_per_step``,
     ``ratio_petra_backprop``, the same three with the compiled executor
-    (``compiled_*``), ``num_stages``, ``ticks``, ``repeats``,
+    (``compiled_*``; per value of ``unroll_ticks`` in ``compiled_by_unroll_ticks``), ``num_stages``, ``ticks``, ``repeats``,
     ``batch_size``, ``device`` and the per-round lists ``rounds_*``.
   """
   J, device = len(stages), jax.devices()[0]
@@ -132,12 +136,14 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
   fill = schedule.drain_ticks(J) + 2
   total = fill + (repeats + 1) * ticks + 1
   drivers = {}
-  for executor in executors:
-    suffix = "" if executor == "host" else "_" + executor
+  variants = [("", "host", 1)] if "host" in executors else []
+  if "compiled" in executors:
+    variants += [(f"_compiled_u{u}", "compiled", u) for u in unroll_ticks]
+  for suffix, executor, unroll in variants:
     drivers["hollow" + suffix] = _Driver(hollow_pipeline(stages, tx, device), images, labels,
-                                         total, seed, executor, periods)
+                                         total, seed, executor, periods, unroll)
     drivers["petra" + suffix] = _Driver(Pipeline(stages, tx, [device]), images, labels, total,
-                                        seed, executor, periods)
+                                        seed, executor, periods, unroll)
   backprop = Pipeline(stages, tx, [device], method="backprop")
   bp_state = [backprop.init(seed, images)]
   for d in drivers.values():  # fill, compile and warm up
@@ -149,23 +155,28 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     for name, d in drivers.items():
       rounds[name].append(d.run(ticks) / ticks)
     rounds["backprop"].append(_backprop_seconds(backprop, bp_state, images, labels, ticks) / ticks)
-  return {**_figures({k: statistics.median(v) for k, v in rounds.items()}, J, periods),
+  return {**_figures({k: statistics.median(v) for k, v in rounds.items()}, J, periods,
+                      unroll_ticks),
           "num_stages": J, "ticks": ticks, "repeats": repeats, "batch_size": batch_size,
           "device": str(device),
           **{f"rounds_{k}_ms": [1e3 * x for x in v] for k, v in rounds.items()}}
 
 
-def _figures(med: dict, J: int, periods: int) -> dict:
+def _figures(med: dict, J: int, periods: int, unroll_ticks: Sequence[int]) -> dict:
   """The report's figures from the median seconds per tick of each variant (``med``)."""
   out = {"host_us_per_stage_tick": 1e6 * med["hollow"] / J,
          "ticks_per_second": 1.0 / med["hollow"],
          "petra_ms_per_tick": 1e3 * med["petra"],
          "backprop_ms_per_step": 1e3 * med["backprop"],
          "ratio_petra_backprop": med["petra"] / med["backprop"]}
-  if "hollow_compiled" in med:
-    out.update(compiled_host_us_per_stage_tick=1e6 * med["hollow_compiled"] / J,
-               compiled_petra_ms_per_tick=1e3 * med["petra_compiled"],
-               compiled_ratio_petra_backprop=med["petra_compiled"] / med["backprop"],
+  by_unroll = {u: {"host_us_per_stage_tick": 1e6 * med[f"hollow_compiled_u{u}"] / J,
+                   "petra_ms_per_tick": 1e3 * med[f"petra_compiled_u{u}"],
+                   "ratio_petra_backprop": med[f"petra_compiled_u{u}"] / med["backprop"]}
+               for u in unroll_ticks if f"hollow_compiled_u{u}" in med}
+  if by_unroll:
+    first = by_unroll[unroll_ticks[0]]
+    out.update({"compiled_" + k: v for k, v in first.items()},
+               compiled_by_unroll_ticks={str(u): f for u, f in by_unroll.items()},
                periods_per_dispatch=periods)
   return out
 
@@ -178,12 +189,10 @@ def print_report(r: dict, name: str) -> None:
         f"  ({r['ticks_per_second']:.0f} ticks/s at {r['num_stages']} stages)")
   print(f"  PETRA tick {r['petra_ms_per_tick']:.3f} ms, backprop step "
         f"{r['backprop_ms_per_step']:.3f} ms: {r['ratio_petra_backprop']:.2f}x")
-  if "compiled_host_us_per_stage_tick" not in r:
-    return
-  print(f"  compiled executor ({r['periods_per_dispatch']} ticks per call): host cost per stage "
-        f"and tick {r['compiled_host_us_per_stage_tick']:8.1f} us, PETRA tick "
-        f"{r['compiled_petra_ms_per_tick']:.3f} ms: {r['compiled_ratio_petra_backprop']:.2f}x "
-        "backprop")
+  for u, f in r.get("compiled_by_unroll_ticks", {}).items():
+    print(f"  compiled executor ({r['periods_per_dispatch']} ticks per call, {u} per loop "
+          f"iteration): host cost per stage and tick {f['host_us_per_stage_tick']:8.1f} us, "
+          f"PETRA tick {f['petra_ms_per_tick']:.3f} ms: {f['ratio_petra_backprop']:.2f}x backprop")
 
 
 
@@ -196,12 +205,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--iters", type=int, default=3, help="timed rounds (the median is reported)")
   p.add_argument("--periods-per-dispatch", type=int, default=16,
                  help="the compiled executor's ticks per call")
+  p.add_argument("--unroll-ticks", type=cli.csv_list(int), default=[4],
+                 help="the compiled executor's ticks per loop iteration; a comma-separated "
+                      "list is timed side by side (default 4)")
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   stages = cli.build(args.model, args.dataset, args.width)
   report = benchmark(stages, cli.image_shape(args.dataset),
                      data_lib.DATASETS[args.dataset].num_classes, args.batch_size, args.ticks,
-                     args.iters, periods=args.periods_per_dispatch)
+                     args.iters, periods=args.periods_per_dispatch, unroll_ticks=args.unroll_ticks)
   report.update(model=args.model, dataset=args.dataset, width=args.width)
   return cli.emit(report, args.json, lambda r: print_report(r, args.model))
 

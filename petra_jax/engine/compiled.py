@@ -12,6 +12,14 @@ ends with nothing in flight. ``N`` periods run as one ``lax.scan``: one
 dispatch per ``N`` periods. Filling and draining (ticks unlike the period)
 run on the host executor.
 
+Each iteration of the scan's loop runs ``U`` periods as one (:func:`unrolled`,
+:func:`periods_per_iteration`). A value that a tick hands to another carry slot (an
+activation to the next stage's inbox, a stored input passed on to the stage below) costs
+XLA a copy out of its slot and one into the next at every iteration, because it cannot
+order the slot's last read before its new write; between the periods of one iteration
+it is a plain value. Fewer copies per tick, a larger program (docs/performance.md). The
+stage-mesh program runs one period per iteration.
+
 Why one program is exact: in the steady state, tick ``t`` runs tick ``t0``'s
 tasks with every micro-batch shifted by ``s = t - t0`` (a round: by ``k``),
 and the messages in flight at its start (activations waiting one tick,
@@ -116,6 +124,22 @@ def period_of(family: type, num_stages: int, accumulation_steps: int) -> Period:
   return Period(ticks, fed, size)
 
 
+def periods_per_iteration(period: Period, unroll_ticks: int, periods_per_dispatch: int) -> int:
+  """``U``: the most whole periods within ``unroll_ticks`` ticks that divide
+  ``periods_per_dispatch``, at least one."""
+  most = max(1, unroll_ticks // len(period.ticks))
+  return max(u for u in range(1, most + 1) if periods_per_dispatch % u == 0)
+
+
+def unrolled(period: Period, u: int) -> Period:
+  """``u`` consecutive periods as one: the ticks of the ``i``-th moved by ``i * shift``
+  micro-batches (keys in the first one's frame)."""
+  ticks = tuple(tuple(schedule_lib.Task(t.stage, t.kind, t.micro_batch + i * period.shift)
+                      for t in tick) for i in range(u) for tick in period.ticks)
+  fed = tuple(m + i * period.shift for i in range(u) for m in period.fed)
+  return Period(ticks, fed, u * period.shift)
+
+
 def _shifted(tick, s: int) -> tuple:
   """``tick``'s tasks as plain tuples, micro-batches shifted by ``s`` (equal to the tasks)."""
   return tuple((j, kind, m + s) for j, kind, m in tick)
@@ -180,6 +204,11 @@ def _join(donated: tuple, kept: tuple) -> tuple:
   return stage_states, {**rest, "labels": labels, "buffers": [first_buffer, *later_buffers]}
 
 
+def _grouped(inputs_per_period: tuple, u: int) -> tuple:
+  """Each ``u`` consecutive periods' inputs as one tuple (an :func:`unrolled` period's)."""
+  return tuple(sum(inputs_per_period[i:i + u], ()) for i in range(0, len(inputs_per_period), u))
+
+
 def _traced_feed(state: PipelineState, m: int, batches) -> None:
   """Stage 0's feed inside the program: micro-batch ``m``'s arrays, on their one device."""
   images, labels = batches(m)
@@ -193,20 +222,25 @@ class CompiledExecutor:
   Args:
     pipe: a pipeline :func:`unsupported` accepts.
     periods_per_dispatch: ``N``, periods per ``lax.scan`` (a stream's period is one tick).
+    unroll_ticks: ticks per iteration of the scan's loop, in whole periods, at least one
+      (:func:`periods_per_iteration`).
 
   Raises:
     Unsupported: ``pipe`` cannot run compiled.
-    ValueError: ``periods_per_dispatch < 1``.
+    ValueError: ``periods_per_dispatch < 1`` or ``unroll_ticks < 1``.
   """
 
   name = "compiled"
 
-  def __init__(self, pipe, periods_per_dispatch: int = 16):
+  def __init__(self, pipe, periods_per_dispatch: int = 16, unroll_ticks: int = 4):
     require_supported(pipe)
-    if periods_per_dispatch < 1:
-      raise ValueError(f"periods_per_dispatch must be >= 1, got {periods_per_dispatch}.")
+    for name, value in (("periods_per_dispatch", periods_per_dispatch),
+                        ("unroll_ticks", unroll_ticks)):
+      if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
     self.pipe, self.n = pipe, periods_per_dispatch
     self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
+    self.unroll = periods_per_iteration(self.period, unroll_ticks, periods_per_dispatch)
     self._family = schedule_lib.family(pipe.method.schedule)
     self._plan = pipe.plan(_traced_feed)
     # The local methods' labels ride beside the activations: the only buffers a carry shares.
@@ -222,7 +256,8 @@ class CompiledExecutor:
     family = self.pipe.method.schedule
     unit = "rounds" if family.round_size(self.pipe.accumulation_steps) else "ticks"
     where = "" if self.mesh is None else f", one SPMD program over {len(self.mesh.devices)} devices"
-    return f"compiled ({self.n} steady-state {unit} per call{where})"
+    return (f"compiled ({self.n} steady-state {unit} per call, {self.unroll} per loop "
+            f"iteration{where})")
 
   def _body(self, out_mbs: list) -> Callable:
     """One period: ``(carry, (origin or None, inputs)) -> (carry, losses)``; records the
@@ -262,17 +297,21 @@ class CompiledExecutor:
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(carry))):
       return None
     mbs = tuple(out_mbs)
-    reads = rings.read_sets(self.period, self.pipe, self._plan, carry, inputs[0])
-    ring_body = rings.ring_body(self.period, self.pipe, self._plan, reads)
+    u = self.unroll if periods > 1 else 1
+    iteration = unrolled(self.period, u)  # one iteration of the loop
+    grouped = _grouped(inputs, u)
+    reads = rings.read_sets(iteration, self.pipe, self._plan, carry, grouped[0])
+    ring_body = rings.ring_body(iteration, self.pipe, self._plan, reads)
 
     def run(donated, kept, inputs_per_period, origins):
       carry = _join(donated, kept)
       if periods == 1:
         return body(carry, (None if origins is None else origins[0], inputs_per_period[0]))
-      xs = (origins, jax.tree.map(lambda *a: jnp.stack(a), *inputs_per_period))
-      carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods,
-                                            self.period.shift)
-      return carry, tuple(loss[i] for i in range(periods) for loss in losses)
+      xs = (None if origins is None else origins[::u],
+            jax.tree.map(lambda *a: jnp.stack(a), *_grouped(inputs_per_period, u)))
+      carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods // u,
+                                            iteration.shift)
+      return carry, tuple(loss[i] for i in range(periods // u) for loss in losses)
     return jax.jit(run, donate_argnums=0), mbs
 
   def steady_periods(self, schedule, t: int, limit: int,
@@ -387,8 +426,9 @@ class HostExecutor:
     return state, outputs, 1
 
 
-def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16):
-  """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe``.
+def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16, unroll_ticks: int = 4):
+  """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe`` (the last two arguments:
+  :class:`CompiledExecutor`'s).
 
   ``auto``: compiled on an accelerator where :func:`unsupported` finds nothing missing, else
   host. On the CPU, XLA lays out one program holding every stage worse than it lays out each
@@ -408,4 +448,4 @@ def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16):
   if name == "auto" and pipe.devices[0].platform == "cpu":
     return HostExecutor(pipe, "on the CPU the host executor is faster (--config.executor="
                               "compiled to choose it)")
-  return CompiledExecutor(pipe, periods_per_dispatch)
+  return CompiledExecutor(pipe, periods_per_dispatch, unroll_ticks)

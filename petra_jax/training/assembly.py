@@ -159,7 +159,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, Progr
     loss_log.restore(restored.extra["loss_log"], restored.extra_arrays)
   schedule, drain_points = _schedule(config, pipe, restored.start_step, total_steps)
   try:
-    executor = compiled.executor(pipe, config.executor, config.periods_per_dispatch)
+    executor = compiled.executor(pipe, config.executor, config.periods_per_dispatch,
+                                 config.unroll_ticks)
   except compiled.Unsupported as e:
     raise validation.ConfigError(str(e)) from None
   run = Setup(config, workdir, info, train, test, pipe, schedule,

@@ -71,6 +71,7 @@ RANGES = (
     Range("model.patch_size", 0, why="0: the ViT's default patch"),
     Range("batch_size", 1, why="images per update"),
     Range("periods_per_dispatch", 1, why="periods per compiled call"),
+    Range("unroll_ticks", 1, why="ticks per iteration of the compiled loop"),
     Range("accumulation_steps", 1, why="micro-batches per update"),
     Range("num_epochs", 1, why="0 epochs is a run with no training steps"),
     Range("steps_per_epoch", 0, why="0: the whole training split"),
