@@ -136,6 +136,14 @@ def test_fits_group_rows_by_method_and_dtype():
   assert got["petra", "bfloat16"]["tick"] is None  # an incomplete row has no tick_ms
 
 
+def test_fits_keep_rows_of_another_loop_unroll_apart():
+  rows = [{"method": "petra", "dtype": "float32", "micro_batch": b, "tick_ms": h + 0.5 * b,
+           "executor": "compiled", "unroll_ticks": u} for u, h in ((4, 1.0), (1, 3.0))
+          for b in (2, 4)]
+  got = {f["executor"]: f["tick"]["fixed_ms"] for f in accelerator.fits(rows)}
+  assert got == {"compiled/u4": pytest.approx(1.0), "compiled/u1": pytest.approx(3.0)}
+
+
 def _fake_profile():
   """A profile's shape: planes of lines of events (name, start_ns, end_ns, stats)."""
   ev = lambda name, a, b, stats=(): SimpleNamespace(name=name, start_ns=a, end_ns=b,

@@ -84,7 +84,7 @@ def assert_same_run(host, host_params, comp, comp_params) -> None:
 
 
 @pytest.mark.parametrize("method, n, unroll_ticks, per_iteration", [
-    ("petra", 8, 4, 4),    # 2 loop iterations of 4 ticks
+    pytest.param("petra", 8, 4, 4, marks=pytest.mark.long),  # 2 loop iterations of 4 ticks
     ("petra", 6, 4, 3),    # 2 iterations of 3 ticks: periods that divide N
     ("petra", 6, 1, 1),    # one tick per iteration
     ("gpipe", 4, 25, 2),   # whole rounds of 11 ticks: 2 per iteration

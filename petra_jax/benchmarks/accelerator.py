@@ -161,6 +161,8 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
   executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch, cfg.unroll_ticks)
   row["executor"] = executor.name
+  if executor.name == "compiled":
+    row["unroll_ticks"] = cfg.unroll_ticks
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
   table, a, length, done = segment_bounds(pipe, ticks, warmup, repeats=2,
                                           per_call=getattr(executor, "n", 1))
@@ -212,14 +214,18 @@ def _late(row: dict, phase: str, start: float, limit: float) -> bool:
 
 
 def fits(rows: Sequence[dict]) -> list[dict]:
-  """Per (method, dtype, executor), the lines ``tick_ms = H + C B`` and ``device_ms = H + C B``.
+  """Per (method, dtype, executor and its ticks per loop iteration), the lines
+  ``tick_ms = H + C B`` and ``device_ms = H + C B``.
 
   Each entry: ``{"method", "dtype", "executor", "tick": fit, "device": fit}`` with ``fit`` as
   :func:`device_time.fit_line` (None with fewer than two micro-batches measured); ``executor``
-  is "" for rows that name none.
+  is "" for rows that name none, ``compiled/uN`` for a compiled row of ``unroll_ticks = N``.
   """
   def key(r):
-    return r["method"], r["dtype"], r.get("executor", "")
+    executor = r.get("executor", "")
+    if "unroll_ticks" in r:
+      executor += f"/u{r['unroll_ticks']}"
+    return r["method"], r["dtype"], executor
   out = []
   for method, dtype, executor in dict.fromkeys(key(r) for r in rows):
     mine = [r for r in rows if key(r) == (method, dtype, executor)]
