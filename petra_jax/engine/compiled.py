@@ -18,7 +18,7 @@ activation to the next stage's inbox, a stored input passed on to the stage belo
 XLA a copy out of its slot and one into the next at every iteration, because it cannot
 order the slot's last read before its new write; between the periods of one iteration
 it is a plain value. Fewer copies per tick, a larger program (docs/performance.md). The
-stage-mesh program runs one period per iteration.
+stage-mesh program (its carry one flat buffer per device, no rings) unrolls its scan instead.
 
 Why one program is exact: in the steady state, tick ``t`` runs tick ``t0``'s
 tasks with every micro-batch shifted by ``s = t - t0`` (a round: by ``k``),
@@ -246,7 +246,7 @@ class CompiledExecutor:
     # The local methods' labels ride beside the activations: the only buffers a carry shares.
     self._labels_ride = pipe.method.updates != "backward"
     self._needs_origin = needs_origin(pipe)
-    self.mesh = (stage_mesh.StageMesh(pipe, self.period, self._needs_origin)
+    self.mesh = (stage_mesh.StageMesh(pipe, self.period, self._needs_origin, self.unroll)
                  if len(set(pipe.placements)) > 1 else None)
     self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
     self.dispatches = 0  # compiled calls made (a counter for tests and benchmarks)

@@ -221,10 +221,13 @@ class StageMesh:
       steady tick, or a flushed schedule's round).
     needs_origin: whether its tasks draw per-micro-batch keys (every device then gets each
       period's :attr:`PipelineState.origin`).
+    unroll: periods per iteration of the scan's loop (``lax.scan``'s ``unroll``): a device's
+      local buffer is copied once per iteration, not once per period.
   """
 
-  def __init__(self, pipe, period, needs_origin: bool = False):
+  def __init__(self, pipe, period, needs_origin: bool = False, unroll: int = 1):
     self.pipe, self.period, self.needs_origin = pipe, period, needs_origin
+    self.unroll = unroll
     self.devices = list(pipe.devices)
     self.mesh = Mesh(np.array(self.devices), (AXIS,))
     self.sharding = NamedSharding(self.mesh, P(AXIS))
@@ -339,7 +342,8 @@ class StageMesh:
           losses.append(tick_losses)
         return carry, jnp.concatenate(losses)
       xs = (*jax.tree.map(lambda *a: jnp.stack(a), *zip(images, labels)), origins)
-      carry, losses = jax.lax.scan(body, (local, fwd, bwd), xs, length=periods)
+      carry, losses = jax.lax.scan(body, (local, fwd, bwd), xs, length=periods,
+                                   unroll=min(self.unroll, periods))
       return (*carry, jax.lax.psum(jnp.where(stage == J - 1, losses, 0.0), AXIS))
 
     mapped = jax.shard_map(per_device, mesh=self.mesh, in_specs=(P(AXIS),) * 5 + (P(),),
