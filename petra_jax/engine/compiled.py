@@ -17,8 +17,9 @@ Each iteration of the scan's loop runs ``U`` periods as one (:func:`unrolled`,
 activation to the next stage's inbox, a stored input passed on to the stage below) costs
 XLA a copy out of its slot and one into the next at every iteration, because it cannot
 order the slot's last read before its new write; between the periods of one iteration
-it is a plain value. Fewer copies per tick, a larger program (docs/performance.md). The
-stage-mesh program (its carry one flat buffer per device, no rings) unrolls its scan instead.
+it is a plain value. Fewer copies per tick, a larger program, and ``U - 1`` more slots in
+each ring (docs/performance.md). The stage-mesh program (its carry one flat buffer per
+device, no rings) unrolls its scan instead.
 
 Why one program is exact: in the steady state, tick ``t`` runs tick ``t0``'s
 tasks with every micro-batch shifted by ``s = t - t0`` (a round: by ``k``),
