@@ -12,8 +12,8 @@ ends with nothing in flight. ``N`` periods run as one ``lax.scan``: one
 dispatch per ``N`` periods. Filling and draining (ticks unlike the period)
 run on the host executor.
 
-Each iteration of the scan's loop runs ``U`` periods as one (:func:`unrolled`,
-:func:`periods_per_iteration`). A value that a tick hands to another carry slot (an
+Each iteration of the scan's loop runs ``U`` periods as one (:func:`periods.unrolled`,
+:func:`periods.periods_per_iteration`). A value that a tick hands to another carry slot (an
 activation to the next stage's inbox, a stored input passed on to the stage below) costs
 XLA a copy out of its slot and one into the next at every iteration, because it cannot
 order the slot's last read before its new write; between the periods of one iteration
@@ -41,7 +41,6 @@ every method, unquantised messages, no observers. Anything else raises
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import jax
@@ -49,6 +48,7 @@ import jax.numpy as jnp
 
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine import stage_mesh
+from petra_jax.engine.periods import grouped, period_of, periods_per_iteration, unrolled
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
@@ -100,45 +100,6 @@ def require_supported(pipe) -> None:
   if why is not None:
     raise Unsupported(f"the compiled executor cannot run method {pipe.method.name!r} here: "
                       f"{why}; use --config.executor=host.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Period:
-  """One period of a tick table: its ``ticks`` (canonical micro-batches), the micro-batches
-  it feeds, in order, and ``shift``, the micro-batches by which the next period moves."""
-  ticks: tuple
-  fed: tuple
-  shift: int
-
-
-def period_of(family: type, num_stages: int, accumulation_steps: int) -> Period:
-  """The repeating unit of ``family``'s tick table: a round, or the stream's steady tick."""
-  J, k = num_stages, accumulation_steps
-  size = family.round_size(k)
-  if size:
-    ticks = tuple(family.round(J, k))
-  else:
-    t0 = schedule_lib.drain_ticks(J)  # the first tick on which every stage works
-    ticks = (family.tick(t0, J, t0 + 1, k),)
-    size = 1
-  fed = tuple(m for m in (schedule_lib.fed(tick) for tick in ticks) if m is not None)
-  return Period(ticks, fed, size)
-
-
-def periods_per_iteration(period: Period, unroll_ticks: int, periods_per_dispatch: int) -> int:
-  """``U``: the most whole periods within ``unroll_ticks`` ticks that divide
-  ``periods_per_dispatch``, at least one."""
-  most = max(1, unroll_ticks // len(period.ticks))
-  return max(u for u in range(1, most + 1) if periods_per_dispatch % u == 0)
-
-
-def unrolled(period: Period, u: int) -> Period:
-  """``u`` consecutive periods as one: the ticks of the ``i``-th moved by ``i * shift``
-  micro-batches (keys in the first one's frame)."""
-  ticks = tuple(tuple(schedule_lib.Task(t.stage, t.kind, t.micro_batch + i * period.shift)
-                      for t in tick) for i in range(u) for tick in period.ticks)
-  fed = tuple(m + i * period.shift for i in range(u) for m in period.fed)
-  return Period(ticks, fed, u * period.shift)
 
 
 def _shifted(tick, s: int) -> tuple:
@@ -203,11 +164,6 @@ def _join(donated: tuple, kept: tuple) -> tuple:
   """The carry :func:`_split` split."""
   (stage_states, rest, later_buffers), (labels, first_buffer) = donated, kept
   return stage_states, {**rest, "labels": labels, "buffers": [first_buffer, *later_buffers]}
-
-
-def _grouped(inputs_per_period: tuple, u: int) -> tuple:
-  """Each ``u`` consecutive periods' inputs as one tuple (an :func:`unrolled` period's)."""
-  return tuple(sum(inputs_per_period[i:i + u], ()) for i in range(0, len(inputs_per_period), u))
 
 
 def _traced_feed(state: PipelineState, m: int, batches) -> None:
@@ -300,8 +256,8 @@ class CompiledExecutor:
     mbs = tuple(out_mbs)
     u = self.unroll if periods > 1 else 1
     iteration = unrolled(self.period, u)  # one iteration of the loop
-    grouped = _grouped(inputs, u)
-    reads = rings.read_sets(iteration, self.pipe, self._plan, carry, grouped[0])
+    first = grouped(inputs, u)[0]
+    reads = rings.read_sets(iteration, self.pipe, self._plan, carry, first)
     ring_body = rings.ring_body(iteration, self.pipe, self._plan, reads)
 
     def run(donated, kept, inputs_per_period, origins):
@@ -309,7 +265,7 @@ class CompiledExecutor:
       if periods == 1:
         return body(carry, (None if origins is None else origins[0], inputs_per_period[0]))
       xs = (None if origins is None else origins[::u],
-            jax.tree.map(lambda *a: jnp.stack(a), *_grouped(inputs_per_period, u)))
+            jax.tree.map(lambda *a: jnp.stack(a), *grouped(inputs_per_period, u)))
       carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods // u,
                                             iteration.shift)
       return carry, tuple(loss[i] for i in range(periods // u) for loss in losses)

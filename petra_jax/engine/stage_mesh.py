@@ -217,7 +217,7 @@ class StageMesh:
 
   Args:
     pipe: a pipeline whose ``J`` stages are on ``J`` distinct devices of this process.
-    period: its schedule's period (:class:`petra_jax.engine.compiled.Period`: the stream's
+    period: its schedule's period (:class:`petra_jax.engine.periods.Period`: the stream's
       steady tick, or a flushed schedule's round).
     needs_origin: whether its tasks draw per-micro-batch keys (every device then gets each
       period's :attr:`PipelineState.origin`).
