@@ -10,6 +10,8 @@ import os
 
 import ml_collections
 
+from petra_jax.engine import periods
+
 BALANCE_BY = ("flops", "time")
 PLATFORMS = ("", "cpu", "gpu", "tpu")
 
@@ -138,8 +140,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.prefetch = 4
   c.log_every = 50
   c.executor = "auto"         # "compiled" | "host"; auto = compiled on accelerators where it can
-  c.periods_per_dispatch = 16  # compiled: steady-state periods (stream ticks, flushed rounds) per call
-  c.unroll_ticks = 4          # compiled: ticks per iteration of the scan's loop, in whole periods
+  c.periods_per_dispatch = periods.PERIODS_PER_DISPATCH  # compiled: steady-state periods per call
+  c.unroll_ticks = periods.UNROLL_TICKS  # compiled: ticks per iteration of the scan's loop
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
   c.num_devices = 0           # 0 = all local devices
   c.data_parallel = 1

@@ -144,6 +144,36 @@ def test_fits_keep_rows_of_another_loop_unroll_apart():
   assert got == {"compiled/u4": pytest.approx(1.0), "compiled/u1": pytest.approx(3.0)}
 
 
+def test_fits_keep_rows_of_another_periods_per_dispatch_apart():
+  rows = [{"method": "petra", "dtype": "float32", "micro_batch": b, "tick_ms": h + 0.5 * b,
+           "executor": "compiled", "unroll_ticks": 4, "periods_per_dispatch": n}
+          for n, h in ((16, 2.0), (64, 1.5)) for b in (2, 4)]
+  got = {f["executor"]: f["tick"]["fixed_ms"] for f in accelerator.fits(rows)}
+  assert got == {"compiled/u4/n16": pytest.approx(2.0), "compiled/u4/n64": pytest.approx(1.5)}
+
+
+def test_a_compiled_row_runs_at_every_listed_periods_per_dispatch_and_unroll(monkeypatch):
+  """``--periods-per-dispatch`` and ``--unroll-ticks`` take lists: one row per pair where the
+  compiled executor runs the method, one row where the host executor does (they change
+  nothing there)."""
+  seen = []
+
+  def fake_measure(cfg, ticks, warmup, row_seconds):
+    del ticks, warmup, row_seconds
+    seen.append((cfg.method, cfg.periods_per_dispatch, cfg.unroll_ticks))
+    return {"method": cfg.method, "micro_batch": cfg.batch_size, "dtype": cfg.dtype,
+            "executor": "host" if cfg.method == "1f1b" else "compiled"}
+  monkeypatch.setattr(accelerator, "measure", fake_measure)
+  monkeypatch.setattr(accelerator, "fits", lambda results: {})
+  args = accelerator.parse_args(["--width=2", "--micro-batches=2", "--methods=petra,1f1b",
+                                 "--dtypes=float32", "--periods-per-dispatch=16,64",
+                                 "--unroll-ticks=1,4", "--no-reconstruction"])
+  accelerator.benchmark(args)
+  assert seen == [("petra", n, u) for n in (16, 64) for u in (1, 4)] + [("1f1b", 16, 1)]
+  with pytest.raises(SystemExit):
+    accelerator.parse_args(["--periods-per-dispatch=16,0"])
+
+
 def _fake_profile():
   """A profile's shape: planes of lines of events (name, start_ns, end_ns, stats)."""
   ev = lambda name, a, b, stats=(): SimpleNamespace(name=name, start_ns=a, end_ns=b,

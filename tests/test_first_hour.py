@@ -270,6 +270,24 @@ def test_run_tick_refuses_a_batch_unlike_the_models_input(feed, says):
     pipe.run_tick(state, tick, lambda m: feed(images, labels))
 
 
+@pytest.mark.parametrize("bad, says", [
+    (lambda x, y: (x, y[:3]), r"batches\(3\): labels of shape \[3\]"),
+    (lambda x, y: ((x * 50 + 128).clip(0, 255).astype(np.uint8), y),
+     r"batches\(3\): images are uint8"),
+])
+def test_a_bad_micro_batch_after_good_ones_is_refused(bad, says):
+  """The checks remember the shapes and dtypes they accepted, not the micro-batches: a later
+  micro-batch unlike the accepted ones is still refused."""
+  from petra_jax.engine.stages import input_checks
+  pipe, _, images, labels = _tiny_pipe()
+  checked = input_checks.checked(
+      lambda m: (images, labels) if m < 3 else bad(images, labels), pipe.input_spec)
+  for m in range(3):
+    checked(m)
+  with pytest.raises(ValueError, match=says):
+    checked(3)
+
+
 def test_predict_and_init_refuse_nchw_and_uint8():
   pipe, state, images, _ = _tiny_pipe()
   with pytest.raises(ValueError, match=r"predict: images of shape \[4, 3, 8, 8\].*NCHW"):

@@ -3,9 +3,11 @@
 ``python -m petra_jax.benchmarks.accelerator [--config=FILE] [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
 [--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--executor=auto]
-[--periods-per-dispatch=16] [--unroll-ticks=4] [--json]``
+[--periods-per-dispatch=64] [--unroll-ticks=4] [--json]``
 
-Per (method, micro-batch ``B``, dtype), on a pipeline built as training builds it and one
+Per (method, micro-batch ``B``, dtype, and for a compiled row each ``N`` of
+``--periods-per-dispatch`` and ``U`` of ``--unroll-ticks``: comma-separated lists, timed one
+row each), on a pipeline built as training builds it and one
 random micro-batch, its ticks run by ``--executor`` (``executor`` in the row: ``compiled`` runs
 the steady-state ticks ``--periods-per-dispatch`` at a time in one call), after the filling
 ticks (which compile; ``compile_s``):
@@ -34,6 +36,7 @@ finish; the table (or ``--json``'s one line) comes at the end. ``reconstruction_
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -47,6 +50,7 @@ from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli, device_time
 from petra_jax.engine.stages import diagnostics
 from petra_jax.engine import compiled
+from petra_jax.engine import periods as periods_lib
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.arrays.precision import DTYPES
@@ -65,8 +69,9 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
                dtype: str, accumulation_steps: int, num_stages: int = 0,
-               executor: str = "auto", periods: int = 16,
-               recipe: str = "", unroll_ticks: int = 4) -> ml_collections.ConfigDict:
+               executor: str = "auto", periods: int = periods_lib.PERIODS_PER_DISPATCH,
+               recipe: str = "", unroll_ticks: int = periods_lib.UNROLL_TICKS
+               ) -> ml_collections.ConfigDict:
   """The training config of one row (one device; ``num_stages`` 0: the recipe's split, by
   default one block per stage; the tick ``executor``, its ``periods`` per call and
   ``unroll_ticks`` per loop iteration): the
@@ -162,7 +167,7 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch, cfg.unroll_ticks)
   row["executor"] = executor.name
   if executor.name == "compiled":
-    row["unroll_ticks"] = cfg.unroll_ticks
+    row.update(periods_per_dispatch=cfg.periods_per_dispatch, unroll_ticks=cfg.unroll_ticks)
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
   table, a, length, done = segment_bounds(pipe, ticks, warmup, repeats=2,
                                           per_call=getattr(executor, "n", 1))
@@ -219,12 +224,15 @@ def fits(rows: Sequence[dict]) -> list[dict]:
 
   Each entry: ``{"method", "dtype", "executor", "tick": fit, "device": fit}`` with ``fit`` as
   :func:`device_time.fit_line` (None with fewer than two micro-batches measured); ``executor``
-  is "" for rows that name none, ``compiled/uN`` for a compiled row of ``unroll_ticks = N``.
+  is "" for rows that name none, ``compiled/uU/nN`` for a compiled row of ``unroll_ticks = U``
+  and ``periods_per_dispatch = N`` (each part only where the row records it).
   """
   def key(r):
     executor = r.get("executor", "")
     if "unroll_ticks" in r:
       executor += f"/u{r['unroll_ticks']}"
+    if "periods_per_dispatch" in r:
+      executor += f"/n{r['periods_per_dispatch']}"
     return r["method"], r["dtype"], executor
   out = []
   for method, dtype, executor in dict.fromkeys(key(r) for r in rows):
@@ -284,14 +292,16 @@ def benchmark(args: argparse.Namespace) -> dict:
   for d in args.dtypes:
     for b in args.micro_batches:
       for m in args.methods:
-        cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                         args.num_stages, args.executor, args.periods_per_dispatch, args.config,
-                         args.unroll_ticks)
-        results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
-        print(_row_line(results[-1]), file=sys.stderr, flush=True)
-        if args.rows_file:
-          with open(args.rows_file, "a") as f:
-            f.write(json.dumps(results[-1]) + "\n")
+        for n, u in itertools.product(args.periods_per_dispatch, args.unroll_ticks):
+          cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
+                           args.num_stages, args.executor, n, args.config, u)
+          results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
+          print(_row_line(results[-1]), file=sys.stderr, flush=True)
+          if args.rows_file:
+            with open(args.rows_file, "a") as f:
+              f.write(json.dumps(results[-1]) + "\n")
+          if results[-1].get("executor") != "compiled":
+            break  # the host executor ran it: N and U change nothing
   dev = jax.devices()[0]
   report = {"device": {"kind": dev.device_kind, "platform": dev.platform},
             "versions": _versions(), "recipe": args.config or "default config",
@@ -380,17 +390,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="append each row to this file as one JSON line when it ends")
   p.add_argument("--executor", default="auto", choices=compiled.EXECUTORS,
                  help="the tick executor (default auto: compiled where it runs the pipeline)")
-  p.add_argument("--periods-per-dispatch", type=int, default=16,
-                 help="compiled executor: steady-state ticks (or rounds) per call (default 16)")
-  p.add_argument("--unroll-ticks", type=int, default=4,
-                 help="compiled executor: ticks per iteration of its scan loop (default 4)")
+  cli.add_compiled_flags(p, lists=("periods_per_dispatch", "unroll_ticks"))
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   if args.num_stages < 0:
     p.error("--num-stages must be at least 0")
   for flag in ("width", "accumulation_steps", "ticks", "warmup", "row_seconds",
                "periods_per_dispatch", "unroll_ticks"):
-    if getattr(args, flag) < 1:
+    value = getattr(args, flag)
+    if (min(value) if isinstance(value, list) else value) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1")
   return args
 

@@ -9,6 +9,7 @@ from typing import Callable, Optional, Sequence
 
 from petra_jax import data as data_lib
 from petra_jax import models
+from petra_jax.engine import periods
 
 
 def model_name(text: str) -> str:
@@ -51,6 +52,23 @@ def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
   p.add_argument("--width", type=int, default=width,
                  help=width_help or f"the model's base width (default {width})")
   return p
+
+
+def add_compiled_flags(p: argparse.ArgumentParser, lists: tuple = ()) -> None:
+  """``--periods-per-dispatch`` and ``--unroll-ticks``, the compiled executor's ``N`` and
+  ``U``, defaulting to the engine's (:mod:`petra_jax.engine.periods`); a flag named in
+  ``lists`` (``"periods_per_dispatch"``, ``"unroll_ticks"``) takes a comma-separated list,
+  each value timed side by side."""
+  flags = (("periods_per_dispatch", periods.PERIODS_PER_DISPATCH,
+            "steady-state ticks (or rounds) per call"),
+           ("unroll_ticks", periods.UNROLL_TICKS, "ticks per iteration of its scan loop"))
+  for name, default, what in flags:
+    listed = name in lists
+    p.add_argument("--" + name.replace("_", "-"), type=csv_list(int) if listed else int,
+                   default=[default] if listed else default,
+                   help=f"compiled executor: {what}"
+                        + ("; a comma-separated list is timed side by side" if listed else "")
+                        + f" (default {default})")
 
 
 def build(model: str, dataset: str, width: int, depth: Optional[int] = None) -> list:

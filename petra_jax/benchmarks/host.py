@@ -1,7 +1,7 @@
 """The engine's host cost per stage and tick, and the tiny-model tick/step ratio.
 
 ``python -m petra_jax.benchmarks.host [--model=revnet18 --dataset=cifar10 --width=2
---batch-size=2 --ticks=200 --iters=3 --periods-per-dispatch=16 --unroll-ticks=4] [--json]``
+--batch-size=2 --ticks=200 --iters=3 --periods-per-dispatch=64 --unroll-ticks=4] [--json]``
 (or
 ``python -m petra_jax.benchmarks.throughput ... --host``) runs :func:`benchmark`.
 
@@ -43,6 +43,7 @@ import optax
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.engine import compiled
+from petra_jax.engine.periods import PERIODS_PER_DISPATCH, UNROLL_TICKS
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stages.stage import Stage
@@ -69,7 +70,8 @@ class _Driver:
   """One pipeline run over a long stream table by an executor (``host`` or ``compiled``)."""
 
   def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int,
-               executor: str = "host", periods: int = 16, unroll_ticks: int = 4):
+               executor: str = "host", periods: int = PERIODS_PER_DISPATCH,
+               unroll_ticks: int = UNROLL_TICKS):
     self.pipe, self.batch = pipe, (lambda m: (images, labels))
     self.state = pipe.init(seed, images)
     self.table = pipe.schedule(num_ticks)
@@ -103,8 +105,8 @@ def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -
 
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0,
-              periods: int = 16, executors: Sequence[str] = EXECUTORS,
-              unroll_ticks: Sequence[int] = (4,)) -> dict:
+              periods: int = PERIODS_PER_DISPATCH, executors: Sequence[str] = EXECUTORS,
+              unroll_ticks: Sequence[int] = (UNROLL_TICKS,)) -> dict:
   """Host cost per stage and tick, and the real PETRA tick against backprop.
 
   Args:
@@ -203,11 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  width=2, batch_size=2, batch_help="micro-batch size (default 2)")
   p.add_argument("--ticks", type=int, default=200, help="ticks per timed round")
   p.add_argument("--iters", type=int, default=3, help="timed rounds (the median is reported)")
-  p.add_argument("--periods-per-dispatch", type=int, default=16,
-                 help="the compiled executor's ticks per call")
-  p.add_argument("--unroll-ticks", type=cli.csv_list(int), default=[4],
-                 help="the compiled executor's ticks per loop iteration; a comma-separated "
-                      "list is timed side by side (default 4)")
+  cli.add_compiled_flags(p, lists=("unroll_ticks",))
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   stages = cli.build(args.model, args.dataset, args.width)

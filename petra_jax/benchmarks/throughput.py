@@ -35,6 +35,7 @@ from petra_jax.benchmarks import cli, host, reversible_backward  # noqa: E402
 from petra_jax.benchmarks.memory.model import stage_bytes, stored_bytes  # noqa: E402
 from petra_jax.engine.arrays import quantize as quantize_lib  # noqa: E402
 from petra_jax.engine import schedules as schedule  # noqa: E402
+from petra_jax.engine.periods import PERIODS_PER_DISPATCH  # noqa: E402
 from petra_jax.engine.stages.partition import balanced_partition, equal_partition, group_cost  # noqa: E402
 from petra_jax.engine.pipeline import Pipeline  # noqa: E402
 from petra_jax.engine.stages.stage import Stage, has_reversible  # noqa: E402
@@ -261,8 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="host cost per stage and tick instead (petra_jax.benchmarks.host; "
                       "--iters rounds of --ticks ticks)")
   p.add_argument("--ticks", type=int, default=200, help="ticks per timed round (--host)")
-  p.add_argument("--periods-per-dispatch", type=int, default=16,
-                 help="the compiled executor's ticks per call (--host)")
+  p.add_argument("--periods-per-dispatch", type=int, default=PERIODS_PER_DISPATCH,
+                 help=f"the compiled executor's ticks per call (--host; default "
+                      f"{PERIODS_PER_DISPATCH})")
   p.add_argument("--only-reversible-backward", action="store_true", help="that key alone")
   args = p.parse_args(argv)
   shape = cli.image_shape(args.dataset, args.image_size)

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine import stage_mesh
-from petra_jax.engine.periods import grouped, period_of, periods_per_iteration, unrolled
+from petra_jax.engine.periods import (PERIODS_PER_DISPATCH, UNROLL_TICKS, grouped, period_of,
+                                      periods_per_iteration, unrolled)
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
@@ -189,7 +190,8 @@ class CompiledExecutor:
 
   name = "compiled"
 
-  def __init__(self, pipe, periods_per_dispatch: int = 16, unroll_ticks: int = 4):
+  def __init__(self, pipe, periods_per_dispatch: int = PERIODS_PER_DISPATCH,
+               unroll_ticks: int = UNROLL_TICKS):
     require_supported(pipe)
     for name, value in (("periods_per_dispatch", periods_per_dispatch),
                         ("unroll_ticks", unroll_ticks)):
@@ -281,11 +283,11 @@ class CompiledExecutor:
     if s is None:
       return 0, 0
     last = float("inf") if last_micro_batch is None else last_micro_batch
+    last_fed, is_period = max(period.fed, default=-1), self._period_test(schedule)
     count = 0
     while count < self.n and t + (count + 1) * P <= limit:
       shift = s + count * period.shift
-      if (max(period.fed, default=-1) + shift > last
-          or not self._is_period(schedule, t + count * P, shift)):
+      if last_fed + shift > last or not is_period(t + count * P, shift):
         break
       count += 1
     return count, s
@@ -305,12 +307,17 @@ class CompiledExecutor:
       return None
     return first[0].micro_batch - self.period.ticks[0][0].micro_batch
 
-  def _is_period(self, schedule, t: int, shift: int) -> bool:
-    """Whether ticks ``t .. t + P - 1`` are the period's, shifted by ``shift``."""
+  def _period_test(self, schedule) -> Callable[[int, int], bool]:
+    """``(t, shift) ->`` whether ticks ``t .. t + P - 1`` of ``schedule`` are the period's,
+    shifted by ``shift``."""
     ticks = self.period.ticks
     if self._knows(schedule):
-      return all(schedule.steady(t + u) == (u, shift) for u in range(len(ticks)))
-    return all(schedule[t + u] == _shifted(tick, shift) for u, tick in enumerate(ticks))
+      steady, P = schedule.steady, len(ticks)
+      if P == 1:
+        return lambda t, shift: steady(t) == (0, shift)
+      return lambda t, shift: all(steady(t + u) == (u, shift) for u in range(P))
+    return lambda t, shift: all(schedule[t + u] == _shifted(tick, shift)
+                                for u, tick in enumerate(ticks))
 
   def advance(self, state: PipelineState, schedule, t: int, batches,
               limit: Optional[int] = None, last_micro_batch: Optional[int] = None) -> tuple:
@@ -383,7 +390,8 @@ class HostExecutor:
     return state, outputs, 1
 
 
-def executor(pipe, name: str = "auto", periods_per_dispatch: int = 16, unroll_ticks: int = 4):
+def executor(pipe, name: str = "auto", periods_per_dispatch: int = PERIODS_PER_DISPATCH,
+             unroll_ticks: int = UNROLL_TICKS):
   """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe`` (the last two arguments:
   :class:`CompiledExecutor`'s).
 

@@ -12,6 +12,14 @@ import dataclasses
 
 from petra_jax.engine import schedules as schedule_lib
 
+# The compiled executor's defaults (one place; the config, the executor and the benchmarks read
+# them). N: steady-state periods per call; its fixed cost per call (the engine's Python, one
+# argument per carried array, the rings stacked and unstacked) is paid once per N periods, so the
+# host cost per tick falls with N; the price is N micro-batches' inputs alive per call
+# (docs/performance.md). U: ticks per iteration of the scan's loop (:func:`periods_per_iteration`).
+PERIODS_PER_DISPATCH = 64
+UNROLL_TICKS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class Period:
