@@ -127,13 +127,16 @@ def test_compiled_on_a_data_parallel_group_of_four_devices():
 
 def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
   """PETRA's steady ticks (2(J-1) .. M-1) run in calls of N ticks; once compiled, no
-  jitted step of the host executor runs in between (tracing called them once)."""
+  jitted step of the host executor runs in between (tracing called them once), and the
+  state a call returns stays in the program's rings until read (the next call takes it as
+  it is)."""
   n, M, J = 8, 48, 5
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
   batches = _batches()
   state = pipe.init(0, batches(0)[0])
   table, ex = pipe.schedule(M), compiled.CompiledExecutor(pipe, n)
   state, t = fill_until_the_first_call(ex, state, table, batches, J, n)
+  first = state
   host_calls = count_host_step_calls(pipe)
   steady = (M - 2 * (J - 1)) // n * n
   while t < 2 * (J - 1) + steady:
@@ -141,6 +144,11 @@ def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
     assert ran == n
     t += ran
   assert ex.dispatches == steady // n and not host_calls
+  assert state.block_until_ready() is state and ex.conversions == 0  # (waiting converts nothing)
+  with pytest.raises(RuntimeError, match="donated"):
+    first.stage_states  # noqa: B018  (a state a later call took)
+  assert state.in_flight() == 2 * (J - 1)  # read: converted, one call
+  assert ex.conversions == 1
 
 
 def fill_until_the_first_call(ex, state, table, batches, J: int, n: int):
@@ -239,21 +247,10 @@ def test_auto_is_compiled_on_an_accelerator_and_host_on_the_cpu():
   assert isinstance(compiled.executor(pipe, "compiled"), compiled.CompiledExecutor)
 
 
-def _ring_leaf_shapes(ex, carry) -> set:
-  _, boxes = carry
-  held = jax.eval_shape(lambda b: rings.views(
-      b, lambda box, key: rings.to_ring(box, ex.period.shift)), boxes)
-  found = []
-  rings.views(held, lambda r, key: found.append(r) if isinstance(r, rings.Ring) else None)
-  return {tuple(x.shape) for r in found for x in jax.tree.leaves(r.data)}
-
-
-@pytest.mark.parametrize("n, unroll_ticks", [(4, 1), (8, 4)])
-def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole(n, unroll_ticks):
-  """PETRA keeps each non-reversible stage's input for tau_j ticks: those messages stay in one
-  ring per box (slot m mod R), which the compiled loop updates in place: no `copy` in the
-  optimized program has a ring's shape (re-keyed slots were copied every tick before), with
-  one or several ticks per loop iteration."""
+def _held_program(unroll_ticks: int, n: int = 8) -> tuple:
+  """``(optimized HLO, {(HLO element type, shape)} of the rings' leaves)`` of PETRA's
+  steady-state call of ``n`` ticks (the tiny RevNet) that takes the ring carry the call before
+  it left."""
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
   batches = _batches()
   state = pipe.init(0, batches(0)[0])
@@ -264,32 +261,32 @@ def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole(n, unroll_t
     t += ran
   periods, s = ex.steady_periods(table, t, len(table))
   assert periods == n
-  carry = compiled.to_carry(state, s)
-  shapes = _ring_leaf_shapes(ex, carry)
-  assert shapes  # stage 0 keeps its images, and stages keep their inputs, over several ticks
+  program, ring_carry = state.claim(ex, s)
   inputs = tuple(tuple(batches(m + s + i)[:2] for m in ex.period.fed) for i in range(n))
-  fn, _ = ex._program(carry, inputs, n)
-  text = fn.lower(*compiled._split(carry), inputs, None).compile().as_text()
-  copied = {tuple(int(d) for d in dims.split(",") if d)
-            for dims in re.findall(r"= \w+\[([\d,]*)\]\S*\s+copy\(", text)}
+  text = program.held.lower(ring_carry, inputs, None).compile().as_text()
+  found = []
+  rings.views(ring_carry[1], lambda r, key: found.append(r) if isinstance(r, rings.Ring) else None)
+  hlo_type = {"float32": "f32", "int32": "s32", "bfloat16": "bf16", "int8": "s8", "uint8": "u8"}
+  return text, {(hlo_type[str(x.dtype)], tuple(x.shape))
+                for r in found for x in jax.tree.leaves(r.data)}
+
+
+@pytest.mark.parametrize("n, unroll_ticks", [(4, 1), (8, 4)])
+def test_the_scan_keeps_held_messages_in_rings_it_never_copies_whole(n, unroll_ticks):
+  """PETRA keeps each non-reversible stage's input for tau_j ticks: those messages stay in one
+  ring per box (slot m mod R), which the compiled loop updates in place: no `copy` in the
+  optimized program has a ring's shape (re-keyed slots were copied every tick before), with
+  one or several ticks per loop iteration."""
+  text, shapes = _held_program(unroll_ticks, n)
+  assert shapes  # stage 0 keeps its images, and stages keep their inputs, over several ticks
+  copied = {(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in re.findall(r"= (\w+)\[([\d,]*)\]\S*\s+copy\(", text)}
   assert not copied & shapes, copied & shapes
 
 
 def _steady_program_text(unroll_ticks: int, n: int = 8) -> str:
   """The optimized HLO of PETRA's steady-state call of ``n`` ticks (the tiny RevNet)."""
-  pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
-  batches = _batches()
-  state = pipe.init(0, batches(0)[0])
-  table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, n, unroll_ticks)
-  t = 0
-  for t in range(2 * (pipe.num_stages - 1)):  # filling, on the host executor
-    state, _, _ = ex.advance(state, table, t, batches)
-  periods, s = ex.steady_periods(table, t + 1, len(table))
-  assert periods == n
-  carry = compiled.to_carry(state, s)
-  inputs = tuple(tuple(batches(m + s + i)[:2] for m in ex.period.fed) for i in range(n))
-  fn, _ = ex._program(carry, inputs, n)
-  return fn.lower(*compiled._split(carry), inputs, None).compile().as_text()
+  return _held_program(unroll_ticks, n)[0]
 
 
 def _loop_body_ops(text: str) -> list:

@@ -9,6 +9,7 @@ import pytest
 
 from petra_jax.benchmarks import host
 from petra_jax.engine.pipeline import Pipeline
+from petra_jax.engine.transport.pipeline_state import PipelineState
 
 from helpers import tiny_revnet
 
@@ -91,7 +92,7 @@ class _ScriptedPipeline:
 
   def init(self, seed, images):
     del seed, images
-    return types.SimpleNamespace(stage_states=[])
+    return PipelineState.empty([])
 
   def schedule(self, num_micro_batches):
     return list(range(num_micro_batches))

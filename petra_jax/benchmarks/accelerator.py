@@ -134,11 +134,6 @@ def _whole(count: int, per_call: int) -> int:
   return per_call * math.ceil(count / per_call)
 
 
-def _all_arrays(state, losses=()):
-  """Every array the next tick depends on, and the losses."""
-  return state.train_states, state.inbox, state.grad_inbox, state.buffers, list(losses)
-
-
 def _run_ticks(executor, state, table, start: int, stop: int, images, labels):
   """Runs ticks ``[start, stop)`` of ``table`` with ``executor`` and waits once for everything
   they produced; returns the new state."""
@@ -147,7 +142,8 @@ def _run_ticks(executor, state, table, start: int, stop: int, images, labels):
     state, outs, ran = executor.advance(state, table, t, lambda m: (images, labels), limit=stop)
     losses += [o.loss for o in outs]
     t += ran
-  jax.block_until_ready(_all_arrays(state, losses))
+  jax.block_until_ready(losses)
+  state.block_until_ready()  # (a compiled call's carry as it is: nothing converted)
   return state
 
 

@@ -10,7 +10,9 @@ forward and a backward; for a flushed schedule (GPipe, 1F1B, ZB-H1,
 revprop's drained round, backprop's step) one whole round, which starts and
 ends with nothing in flight. ``N`` periods run as one ``lax.scan``: one
 dispatch per ``N`` periods. Filling and draining (ticks unlike the period)
-run on the host executor.
+run on the host executor. A call of ``N`` periods returns its carry as the scan left it (the
+rings below, :class:`~petra_jax.engine.transport.resident.Resident`): the next call takes it
+as it is, and only a read of the state converts it back into plain messages (one jitted call).
 
 Each iteration of the scan's loop runs ``U`` periods as one (:func:`periods.unrolled`,
 :func:`periods.periods_per_iteration`). A value that a tick hands to another carry slot (an
@@ -41,7 +43,7 @@ every method, unquantised messages, no observers. Anything else raises
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +55,10 @@ from petra_jax.engine.periods import (PERIODS_PER_DISPATCH, UNROLL_TICKS, groupe
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
+from petra_jax.engine.transport.carry import from_carry, join, split, to_carry, unaliased
 from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, period_origins
+from petra_jax.engine.transport.resident import Resident
 
-_BOXES = rings.BOXES
 EXECUTORS = ("auto", "compiled", "host")
 
 
@@ -108,63 +111,18 @@ def _shifted(tick, s: int) -> tuple:
   return tuple((j, kind, m + s) for j, kind, m in tick)
 
 
-def to_carry(state: PipelineState, s: int) -> tuple:
-  """``(stage_states, boxes)`` with every box keyed by ``m - s`` (a pytree)."""
-  boxes = {}
-  for name, per_stage in _BOXES:
-    box = getattr(state, name)
-    boxes[name] = [rings.rekey(b, -s) for b in box] if per_stage else rings.rekey(box, -s)
-  return list(state.stage_states), boxes
+_from_rings = jax.jit(rings.from_rings)
 
 
-def from_carry(carry: tuple, s: int, tick: int, origin=0) -> PipelineState:
-  """The :class:`PipelineState` at ``tick`` of ``carry`` keyed by ``m - s`` (``origin``: the
-  micro-batch of key 0, for the tasks that draw keys)."""
-  stage_states, boxes = carry
-  fields = {name: [rings.rekey(b, s) for b in boxes[name]] if per_stage
-            else rings.rekey(boxes[name], s)
-            for name, per_stage in _BOXES}
-  return PipelineState(stage_states=list(stage_states), tick=tick, origin=origin, **fields)
-
-
-def _split(carry: tuple) -> tuple:
-  """``(donated, kept)``: what the caller fed is not donated (it may feed one array for
-  several micro-batches): the labels, and stage 0's kept inputs (its buffered images)."""
-  stage_states, boxes = carry
-  rest = {k: v for k, v in boxes.items() if k not in ("labels", "buffers")}
-  return ((stage_states, rest, boxes["buffers"][1:]),
-          (boxes["labels"], boxes["buffers"][0]))
-
-
-_copies = jax.jit(lambda leaves: [jnp.copy(x) for x in leaves])
-
-
-def _buffers(leaf) -> tuple:
-  return tuple(shard.data.unsafe_buffer_pointer() for shard in leaf.addressable_shards)
-
-
-def unaliased(donated, kept):
-  """``donated`` with a copy of every leaf whose buffer another leaf of ``donated`` or ``kept``
-  also holds (one call for all): a donated buffer must appear once in a call. The local
-  methods carry each micro-batch's labels beside its activation, the array the caller fed."""
-  seen = {b for leaf in jax.tree.leaves(kept) for b in _buffers(leaf)}
-  leaves, treedef = jax.tree.flatten(donated)
-  shared = []
-  for i, leaf in enumerate(leaves):
-    buffers = _buffers(leaf)
-    if seen.intersection(buffers):
-      shared.append(i)
-    seen.update(buffers)
-  if shared:
-    for i, copy in zip(shared, _copies([leaves[i] for i in shared])):
-      leaves[i] = copy
-  return jax.tree.unflatten(treedef, leaves)
-
-
-def _join(donated: tuple, kept: tuple) -> tuple:
-  """The carry :func:`_split` split."""
-  (stage_states, rest, later_buffers), (labels, first_buffer) = donated, kept
-  return stage_states, {**rest, "labels": labels, "buffers": [first_buffer, *later_buffers]}
+class Program(NamedTuple):
+  """One built program: ``fn(donated, kept, inputs, origins) -> (carry, losses)`` from a plain
+  carry (``to_carry``; its two parts: :meth:`CompiledExecutor._arguments`); ``held(ring_carry,
+  inputs, origins)``, the same periods from the ring carry a call of ``fn`` or ``held`` returned
+  (None for a one-period program, whose carry stays plain); ``mbs``: the frame micro-batches of
+  a period's losses."""
+  fn: Callable
+  held: Optional[Callable]
+  mbs: tuple
 
 
 def _traced_feed(state: PipelineState, m: int, batches) -> None:
@@ -207,8 +165,9 @@ class CompiledExecutor:
     self._needs_origin = needs_origin(pipe)
     self.mesh = (stage_mesh.StageMesh(pipe, self.period, self._needs_origin, self.unroll)
                  if len(set(pipe.placements)) > 1 else None)
-    self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> (jitted fn, out mbs)
+    self._programs: dict = {}  # (carry treedef, leaf shapes, periods) -> Program or None
     self.dispatches = 0  # compiled calls made (a counter for tests and benchmarks)
+    self.conversions = 0  # held ring carries converted back into plain states (the same)
 
   def describe(self) -> str:
     """One phrase for the run's summary."""
@@ -256,22 +215,26 @@ class CompiledExecutor:
         for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(carry))):
       return None
     mbs = tuple(out_mbs)
-    u = self.unroll if periods > 1 else 1
+    if periods == 1:
+      def run_one(donated, kept, inputs_per_period, origins):
+        return body(join(donated, kept),
+                    (None if origins is None else origins[0], inputs_per_period[0]))
+      return Program(jax.jit(run_one, donate_argnums=0), None, mbs)
+    u = self.unroll
     iteration = unrolled(self.period, u)  # one iteration of the loop
-    first = grouped(inputs, u)[0]
-    reads = rings.read_sets(iteration, self.pipe, self._plan, carry, first)
+    reads = rings.read_sets(iteration, self.pipe, self._plan, carry, grouped(inputs, u)[0])
     ring_body = rings.ring_body(iteration, self.pipe, self._plan, reads)
 
-    def run(donated, kept, inputs_per_period, origins):
-      carry = _join(donated, kept)
-      if periods == 1:
-        return body(carry, (None if origins is None else origins[0], inputs_per_period[0]))
+    def run_held(ring_carry, inputs_per_period, origins):
       xs = (None if origins is None else origins[::u],
             jax.tree.map(lambda *a: jnp.stack(a), *grouped(inputs_per_period, u)))
-      carry, losses = rings.scan_with_rings(ring_body, reads, carry, xs, periods // u,
-                                            iteration.shift)
-      return carry, tuple(loss[i] for i in range(periods // u) for loss in losses)
-    return jax.jit(run, donate_argnums=0), mbs
+      ring_carry, losses = jax.lax.scan(ring_body, ring_carry, xs, length=periods // u)
+      return ring_carry, tuple(loss[i] for i in range(periods // u) for loss in losses)
+
+    def run(stage_states, boxes, inputs_per_period, origins):
+      ring_carry = rings.to_rings((stage_states, boxes), reads, iteration.shift)
+      return run_held(ring_carry, inputs_per_period, origins)
+    return Program(jax.jit(run, donate_argnums=0), jax.jit(run_held, donate_argnums=0), mbs)
 
   def steady_periods(self, schedule, t: int, limit: int,
                      last_micro_batch: Optional[int] = None) -> tuple[int, int]:
@@ -350,23 +313,47 @@ class CompiledExecutor:
     period, checked = self.period, input_checks.checked(batches, self.pipe.input_spec)
     inputs = tuple(tuple(checked(m + s + i * period.shift) for m in period.fed)
                    for i in range(periods))
-    carry = to_carry(state, s)
-    program = self._program(carry, inputs, periods)
-    if program is None:
-      return None
-    fn, mbs = program
-    donated, kept = _split(carry)
-    if self._labels_ride:
-      donated = unaliased(donated, kept)
     origins = (period_origins(s, periods, period.shift, self.pipe.placements[0].replicated)
                if self._needs_origin else None)
-    carry, losses = fn(donated, kept, inputs, origins)
+    claimed = state.claim(self, s) if isinstance(state, Resident) else None
+    if claimed is not None and claimed[0].held is not None and periods > 1:
+      program, carry = claimed
+      state.donate()
+      carry, losses = program.held(carry, inputs, origins)
+    else:
+      carry = to_carry(state, s)
+      program = self._program(carry, inputs, periods)
+      if program is None:
+        return None
+      carry, losses = program.fn(*self._arguments(program, carry), inputs, origins)
     self.dispatches += 1
+    return self._result(state.tick, program, carry, losses, s, periods)
+
+  def _arguments(self, program: "Program", carry: tuple) -> tuple:
+    """``(donated, kept)``: a ring program's are ``carry``'s stage states and boxes (it donates
+    the stage states only: its boxes become rings, which no input buffer can hold); a
+    one-period program donates all but what the caller fed (``split``)."""
+    if program.held is not None:
+      return carry
+    donated, kept = split(carry)
+    return (unaliased(donated, kept) if self._labels_ride else donated), kept
+
+  def _result(self, tick: int, program: "Program", carry, losses, s: int, periods: int):
+    """``(state, outputs, ticks)`` of a call that ran ``periods`` periods from shift ``s``."""
+    period, mbs = self.period, program.mbs
     end = s + periods * period.shift
     outputs = [TickOutput(m + s + i * period.shift, losses[i * len(mbs) + q])
                for i in range(periods) for q, m in enumerate(mbs)]
     ticks = periods * len(period.ticks)
-    return from_carry(carry, end, state.tick + ticks), outputs, ticks
+    if program.held is None:
+      return from_carry(carry, end, tick + ticks), outputs, ticks
+    return Resident(self, program, carry, end, tick + ticks,
+                    lambda: self._convert(carry, end, tick + ticks)), outputs, ticks
+
+  def _convert(self, ring_carry, s: int, tick: int) -> PipelineState:
+    """A held ring carry as a plain :class:`PipelineState` (one jitted call)."""
+    self.conversions += 1
+    return from_carry(_from_rings(ring_carry), s, tick)
 
 
 class HostExecutor:

@@ -34,6 +34,7 @@ from petra_jax.engine.arrays import packing
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, period_origins
+from petra_jax.engine.transport.resident import Resident
 from petra_jax.engine.transport.rings import rekey
 
 AXIS = "stage"
@@ -158,47 +159,6 @@ class Program(NamedTuple):
   unpacks: list
   mbs: tuple
   abstract: list
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(PipelineState) if f.name != "tick")
-_DONATED = "donated"
-
-
-class Resident(PipelineState):
-  """The :class:`PipelineState` a stage-mesh call returns, left packed on the devices: its
-  fields are unpacked (one jitted call per stage) when first read; passed back unread to
-  the next call, that call takes the program's carry as it is (no dispatch but its own).
-
-  Raises (reading a field):
-    RuntimeError: a later call took (donated) its arrays.
-  """
-
-  def __init__(self, mesh: "StageMesh", program: Program, carry: tuple, s: int, tick: int):
-    self.tick = tick
-    self._packed = (mesh, program, carry, s)
-
-  def __getattr__(self, name):
-    packed = self.__dict__.get("_packed")
-    if packed is None or name not in _FIELDS:
-      raise AttributeError(name)
-    if packed is _DONATED:
-      raise RuntimeError("this pipeline state's arrays were donated to a later compiled call "
-                         "(advance donates the state it takes): use the state it returned.")
-    mesh, program, carry, s = packed
-    full = join(mesh.unpack(program, carry), s, self.tick)
-    self.__dict__.update({f: getattr(full, f) for f in _FIELDS}, _packed=None)
-    return self.__dict__[name]
-
-  def claim(self, mesh: "StageMesh", s: int) -> Optional[tuple]:
-    """``(program, carry)`` if unread, of ``mesh`` and keyed ``m - s``; else None."""
-    packed = self.__dict__.get("_packed")
-    if packed is None or packed is _DONATED or packed[0] is not mesh or packed[3] != s:
-      return None
-    return packed[1], packed[2]
-
-  def donate(self) -> None:
-    """Marks the carry taken by a call (its fields can no longer be read)."""
-    self.__dict__["_packed"] = _DONATED
 
 
 def _feed_images(state: PipelineState, m: int, batches) -> None:
@@ -438,4 +398,6 @@ class StageMesh:
                for i in range(periods) for q, m in enumerate(program.mbs)]
     ticks = periods * len(period.ticks)
     end = s + periods * period.shift
-    return Resident(self, program, carry, end, state.tick + ticks), outputs, ticks
+    tick = state.tick + ticks
+    return Resident(self, program, carry, end, tick,
+                    lambda: join(self.unpack(program, carry), end, tick)), outputs, ticks

@@ -65,6 +65,12 @@ class PipelineState:
     """Per stage, its :class:`StageState` (unpacked into fresh arrays) or None."""
     return [packing.unpack(s) for s in self.stage_states]
 
+  def block_until_ready(self) -> "PipelineState":
+    """Waits until every array the state holds (stage states, messages) is computed; returns
+    the state."""
+    jax.block_until_ready([self.stage_states] + [getattr(self, n) for n, _ in _MESSAGE_BOXES])
+    return self
+
   def in_flight(self) -> int:
     """Micro-batches fed whose backward has not reached stage 0 yet."""
     waiting = set(self.labels)

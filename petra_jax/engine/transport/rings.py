@@ -67,8 +67,9 @@ def to_ring(box: dict, shift: int):
   return Ring(jax.tree.map(lambda *a: jnp.stack(a), *slots), keys, size)
 
 
-def from_ring(box, offset: int) -> dict:
-  """The messages of a :class:`Ring` after ``offset`` micro-batches, keyed as at its start."""
+def from_ring(box, offset) -> dict:
+  """The messages of a :class:`Ring` after ``offset`` micro-batches (an int or a traced int32
+  scalar), keyed as at its start."""
   if not isinstance(box, Ring):
     return box
   return {m: jax.tree.map(lambda a, m=m: a[(m + offset) % box.size], box.data)
@@ -195,14 +196,18 @@ def _opened(box, ahead: dict) -> dict:
   return {m: ahead.get(m, _UNREAD) for m in box.keys}
 
 
-def scan_with_rings(body, reads: dict, carry, xs, periods: int, shift: int):
-  """``lax.scan`` of ``body`` (:func:`ring_body`) over ``xs``, the carry's boxes as rings."""
+def to_rings(carry, reads: dict, shift: int) -> tuple:
+  """``carry`` ``(stage_states, boxes)`` (keys as at a period's start) as :func:`ring_body`'s
+  ``(stage_states, rings, ahead, offset)``: each box worth it a :class:`Ring` whose key 0
+  sits in slot 0, the messages the first period reads (``reads``) read ahead."""
   stage_states, boxes = carry
   rings = views(boxes, lambda b, key: to_ring(b, shift))
   ahead = views(rings, lambda b, key: read(b, reads.get(key, set()), 0))
-  (stage_states, rings, _, _), losses = jax.lax.scan(
-      body, (stage_states, rings, ahead, jnp.int32(0)), xs, length=periods)
-  end = periods * shift
-  return (stage_states, views(rings, lambda b, key: from_ring(b, end))), losses
+  return stage_states, rings, ahead, jnp.int32(0)
 
 
+def from_rings(ring_carry: tuple) -> tuple:
+  """``(stage_states, boxes)`` of :func:`ring_body`'s carry, keys as at the next period's start:
+  each ring's messages read from their slots at the carry's (traced) offset."""
+  stage_states, rings, _, offset = ring_carry
+  return stage_states, views(rings, lambda b, key: from_ring(b, offset))
