@@ -15,6 +15,7 @@ from petra_jax.training import checkpoint
 
 
 from petra_jax.engine import pipeline
+from petra_jax.models import auxiliary
 from helpers import random_batch, tiny_revnet
 
 FP = {"model": "revnet18", "width": 4}
@@ -22,8 +23,11 @@ FP = {"model": "revnet18", "width": 4}
 
 def _tiny_pipeline(method="petra"):
   """The tiny RevNet (J = 5: reversible, recomputing and BatchNorm stages) on
-  2 devices, SGD-momentum accumulated over k = 2 micro-batches."""
+  2 devices, SGD-momentum accumulated over k = 2 micro-batches; with auxiliary heads
+  for ``forward_gradient`` (its local guesses)."""
   stages = tiny_revnet()
+  if method == "forward_gradient":
+    stages = auxiliary.with_heads(stages, "mlp", 10, hidden=8)
   tx = optax.MultiSteps(optax.sgd(0.05, momentum=0.9), every_k_schedule=2)
   pipe = pipeline.Pipeline(stages, tx, jax.devices()[:2], method=method)
   return pipe, pipe.init(0, random_batch()[0])
@@ -39,12 +43,15 @@ def _run(pipe, state, ticks):
   return state, np.asarray(jax.device_get([o.loss for o in out]))
 
 
-@pytest.mark.parametrize("method", ["petra", "delayed"])  # delayed: weight stashes too
+# delayed: weight stashes too; forward_gradient: auxiliary heads and its own in-flight messages
+# (its CLI stop and resume, tests/test_train_resume.py, is in the long set)
+@pytest.mark.parametrize("method", ["petra", "delayed", "forward_gradient"])
 def test_restore_mid_flight_continues_bit_exactly(tmp_path, method):
   pipe, state = _tiny_pipeline(method)
   state, _ = _run(pipe, state, range(13))  # pipeline full, accumulators half full
   assert state.in_flight() > 0 and any(len(b) for b in state.buffers)
-  assert any(len(w) for w in state.weight_stash) == (method == "delayed")
+  # delayed stashes weights; forward_gradient keeps each micro-batch's guess there until its update
+  assert any(len(w) for w in state.weight_stash) == (method != "petra")
   ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2, fingerprint=FP)
   ckpt.save(13, state, extra={"hello": 1}, extra_arrays={5: jax.numpy.float32(2.5)})
   ckpt.wait()

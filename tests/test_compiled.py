@@ -1,6 +1,7 @@
 """The compiled executor against the host executor (the reference): same losses, same
 weights, a fraction of the dispatches, no implicit transfer, no wait inside a call."""
 
+import functools
 import re
 
 import jax
@@ -65,11 +66,19 @@ def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_para
   return losses, [s.params for s in state.train_states], ex
 
 
+@functools.lru_cache(maxsize=None)
+def _host_run(method, micro_batches=16, guess="local"):
+  """The host executor's ``({m: loss}, final params)`` of :func:`_train` (the reference): run
+  once per test process and row, shared by the tests that compare with it (read-only)."""
+  losses, params, _ = _train(method, "host", micro_batches=micro_batches, guess=guess)
+  return losses, params
+
+
 @pytest.mark.parametrize("method", [  # a stream, a drained round, a flushed round; the rest long
     m if m in ("petra", "revprop", "gpipe", "local") else pytest.param(m, marks=pytest.mark.long)
     for m in METHODS + LOCAL_METHODS])
 def test_compiled_losses_and_weights_equal_the_host_executors(method):
-  host, host_params, _ = _train(method, "host")
+  host, host_params = _host_run(method)
   comp, comp_params, ex = _train(method, "compiled")
   assert ex.dispatches > 0
   assert_same_run(host, host_params, comp, comp_params)
@@ -91,7 +100,7 @@ def assert_same_run(host, host_params, comp, comp_params) -> None:
 ])
 def test_compiled_with_several_periods_per_loop_iteration_equals_the_host(
     method, n, unroll_ticks, per_iteration):
-  host, host_params, _ = _train(method, "host", micro_batches=32)
+  host, host_params = _host_run(method, micro_batches=32)
   comp, comp_params, ex = _train(method, "compiled", micro_batches=32, n=n,
                                  unroll_ticks=unroll_ticks)
   assert ex.unroll == per_iteration and ex.dispatches > 0
@@ -111,7 +120,7 @@ def test_compiled_draws_the_random_guesses_of_the_host_executor():
   """``forward_gradient.guess='random'``: micro-batch ``m``'s key folds in ``m``, its index in
   the run, which the program takes per period (the state's ``origin``). Losses and weights as
   the host's; with every origin 0 instead, the losses move by 7e-5 (measured)."""
-  host, host_params, _ = _train("forward_gradient", "host", guess="random")
+  host, host_params = _host_run("forward_gradient", guess="random")
   comp, comp_params, ex = _train("forward_gradient", "compiled", guess="random")
   assert ex.dispatches > 0
   assert_same_run(host, host_params, comp, comp_params)

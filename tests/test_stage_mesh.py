@@ -1,6 +1,7 @@
 """The compiled executor with one stage per device (conftest's 4 virtual CPU devices): one SPMD
 program over a ``stage`` mesh axis against the host executor (the reference)."""
 
+import functools
 import re
 
 import jax
@@ -59,12 +60,20 @@ def _train(method, executor, micro_batches=16, k=2, n=4, guess="local", unroll_t
   return losses, [s.params for s in state.train_states], ex, ran_each
 
 
+@functools.lru_cache(maxsize=None)
+def _host_run(method, guess="local"):
+  """The host executor's ``({m: loss}, final params)`` of :func:`_train` (the reference): run
+  once per test process and row, shared by the tests that compare with it (read-only)."""
+  losses, params, _, _ = _train(method, "host", guess=guess)
+  return losses, params
+
+
 @pytest.mark.parametrize("method", [
     m if m == "petra" else pytest.param(m, marks=pytest.mark.long) for m in STREAM])
 def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
   """16 micro-batches: 6 filling ticks on the host, 10 steady ticks as 2 calls of 4 and 2 of
   1, 6 draining ticks on the host; every loss and the final weights as the host's."""
-  host, host_params, _, _ = _train(method, "host")
+  host, host_params = _host_run(method)
   comp, comp_params, ex, ran = _train(method, "compiled")
   assert ex.mesh is not None and "SPMD program over 4 devices" in ex.describe()
   assert ran == [1] * 6 + [4, 4, 1, 1] + [1] * 6 and ex.dispatches == 4
@@ -75,7 +84,7 @@ def test_stage_mesh_losses_and_weights_equal_the_host_executors(method):
 def test_stage_mesh_with_a_rolled_loop_equals_the_host_executor(unroll_ticks):
   """Calls of 4 ticks as a loop of 4 or 2 iterations (the default 4 ticks per iteration leave
   no loop at N = 4): every loss and the final weights as the host's."""
-  host, host_params, _, _ = _train("petra", "host")
+  host, host_params = _host_run("petra")
   comp, comp_params, ex, ran = _train("petra", "compiled", unroll_ticks=unroll_ticks)
   assert ex.mesh.unroll == unroll_ticks and ran == [1] * 6 + [4, 4, 1, 1] + [1] * 6
   assert_same_run(host, host_params, comp, comp_params)
@@ -139,7 +148,7 @@ def test_stage_mesh_copies_a_devices_local_buffer_once_per_loop_iteration():
 def test_stage_mesh_runs_the_local_methods_as_the_host_executor(method):
   """A loss on every stage: stage 0 takes each fed micro-batch's labels too and sends them on
   with its activation; every loss and the final weights as the host's."""
-  host, host_params, _, _ = _train(method, "host")
+  host, host_params = _host_run(method)
   comp, comp_params, ex, ran = _train(method, "compiled")
   assert ex.mesh is not None and ex.dispatches > 0 and max(ran) == 4
   assert_same_run(host, host_params, comp, comp_params)
@@ -149,7 +158,7 @@ def test_stage_mesh_draws_the_random_guesses_of_the_host_executor():
   """``forward_gradient.guess='random'``: every device takes each period's origin (the run's
   index of the period's key 0), so each micro-batch's guesses are the host's; every loss and
   the final weights as the host's (with every origin 0, the losses move by 1e-4: measured)."""
-  host, host_params, _, _ = _train("forward_gradient", "host", guess="random")
+  host, host_params = _host_run("forward_gradient", guess="random")
   comp, comp_params, ex, ran = _train("forward_gradient", "compiled", guess="random")
   assert ex.mesh is not None and ex.dispatches > 0 and max(ran) == 4
   assert_same_run(host, host_params, comp, comp_params)
@@ -161,7 +170,7 @@ def test_stage_mesh_runs_the_flushed_rounds_as_the_host_executor(method):
   """A round's ticks unrolled in one period, messages moved after each tick, a cotangent that
   waits a tick kept on its device: 16 micro-batches, every round compiled (no host tick: a
   round starts and ends with nothing in flight), losses and final weights as the host's."""
-  host, host_params, _, _ = _train(method, "host")
+  host, host_params = _host_run(method)
   comp, comp_params, ex, ran = _train(method, "compiled")
   rounds = 16 // ex.period.shift
   assert ex.mesh is not None and ex.dispatches == rounds // 4
