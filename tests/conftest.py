@@ -48,9 +48,8 @@ import pytest  # noqa: E402
 
 # Python's cyclic garbage collector, tuned for a process that traces thousands of programs: it
 # runs after 50,000 net allocations instead of 700, and what the collected test modules imported
-# (JAX, Flax, the engine) is frozen out of its scans (pytest_collection_finish). Its time in
-# tests/test_methods.py went from 2.65 s to 0.76 s of 32 s (docs/performance.md, "The test
-# suite's time").
+# (JAX, Flax, the engine) is frozen out of its scans (pytest_collection_finish). Its measured
+# effect: docs/performance.md, "The test suite's time".
 gc.set_threshold(50_000, 50, 50)
 
 

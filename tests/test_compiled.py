@@ -3,6 +3,7 @@ weights, a fraction of the dispatches, no implicit transfer, no wait inside a ca
 
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +70,10 @@ def _train(method, executor, micro_batches=16, k=2, n=4, devices=None, data_para
 @functools.lru_cache(maxsize=None)
 def _host_run(method, micro_batches=16, guess="local"):
   """The host executor's ``({m: loss}, final params)`` of :func:`_train` (the reference): run
-  once per test process and row, shared by the tests that compare with it (read-only)."""
+  once per test process and row, shared by the tests that compare with it (the losses a
+  read-only mapping, the params a tuple of arrays)."""
   losses, params, _ = _train(method, "host", micro_batches=micro_batches, guess=guess)
-  return losses, params
+  return types.MappingProxyType(losses), tuple(params)
 
 
 @pytest.mark.parametrize("method", [  # a stream, a drained round, a flushed round; the rest long

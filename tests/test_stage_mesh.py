@@ -3,6 +3,7 @@ program over a ``stage`` mesh axis against the host executor (the reference)."""
 
 import functools
 import re
+import types
 
 import jax
 import numpy as np
@@ -63,9 +64,10 @@ def _train(method, executor, micro_batches=16, k=2, n=4, guess="local", unroll_t
 @functools.lru_cache(maxsize=None)
 def _host_run(method, guess="local"):
   """The host executor's ``({m: loss}, final params)`` of :func:`_train` (the reference): run
-  once per test process and row, shared by the tests that compare with it (read-only)."""
+  once per test process and row, shared by the tests that compare with it (the losses a
+  read-only mapping, the params a tuple of arrays)."""
   losses, params, _, _ = _train(method, "host", guess=guess)
-  return losses, params
+  return types.MappingProxyType(losses), tuple(params)
 
 
 @pytest.mark.parametrize("method", [
