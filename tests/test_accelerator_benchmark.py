@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import logging
 from types import SimpleNamespace
 
 import jax
@@ -222,7 +223,10 @@ def test_timed_segments_follow_each_other(method):
 
 
 @pytest.mark.parametrize("method", ["petra", "1f1b"])
-def test_timed_segments_run_only_programs_the_warm_up_compiled(method):
+def test_timed_segments_run_only_programs_the_warm_up_compiled(method, caplog):
+  """The warm-up (one call here) compiles every program the timed ticks run: a call that takes
+  the carry the call before it left runs the program the first call ran (a compile inside the
+  timed ticks was counted as their time)."""
   cfg = accelerator.run_config("revnet18", "cifar10", 2, method, 2, "float32", 1,
                                executor="compiled", periods=3)
   info = accelerator.data_lib.get_dataset_info("cifar10")
@@ -232,11 +236,13 @@ def test_timed_segments_run_only_programs_the_warm_up_compiled(method):
   table = warm + first
   images, labels = accelerator.random_batch(info.image_shape, info.num_classes, 2)
   state = accelerator._run_ticks(run, pipe.init(0, images), table, 0, len(warm), images, labels)
-  programs, calls = len(run._programs), run.dispatches
-  accelerator._run_ticks(run, state, table, len(warm), len(table), images, labels)
-  # Every timed tick ran inside a full call of 3 periods, none compiled a new program.
-  assert len(run._programs) == programs
-  assert (run.dispatches - calls) * 3 * len(run.period.ticks) == len(first)
+  assert run.dispatches == 1
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    accelerator._run_ticks(run, state, table, len(warm), len(table), images, labels)
+  compiles = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+  assert not compiles
+  # Every timed tick ran inside a full call of 3 periods.
+  assert (run.dispatches - 1) * 3 * len(run.period.ticks) == len(first)
 
 
 @pytest.mark.parametrize("flag, says", [("--methods=petra,sgd", "choose from"),
@@ -249,6 +255,23 @@ def test_bad_flags_exit_with_status_2(flag, says, capsys):
     accelerator.main([flag])
   assert e.value.code == 2
   assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe, says", [("missing.py", "no recipe at"),
+                                           ("deep.py", "model.depth applies to")])
+def test_a_grid_it_cannot_run_is_one_line_before_any_row(recipe, says, tmp_path, monkeypatch,
+                                                          capsys):
+  """A recipe that is not there, or whose fields do not fit ``--model``, is one line and exit
+  status 2 before any row runs (not a traceback after the rows before it)."""
+  (tmp_path / "deep.py").write_text(
+      "from petra_jax import config\n\n\ndef get_config():\n  c = config.get_config()\n"
+      "  c.model.depth = 2\n  return c\n")
+  monkeypatch.setattr(accelerator, "measure", lambda *a, **k: pytest.fail("a row ran"))
+  code = accelerator.main([f"--config={tmp_path / recipe}", "--methods=petra",
+                           "--dtypes=float32", "--micro-batches=2"])
+  err = capsys.readouterr().err
+  assert code == 2
+  assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
 
 
 def test_rows_run_size_by_size_every_method_at_a_size_first(monkeypatch):

@@ -279,25 +279,31 @@ def _versions() -> dict:
           "flax": flax.__version__, "numpy": np.__version__}
 
 
+def grid(args: argparse.Namespace) -> list[list[ml_collections.ConfigDict]]:
+  """Every row's config, validated before any row runs: per (dtype, micro-batch, method), the
+  configs of each ``(periods_per_dispatch, unroll_ticks)`` pair. ConfigError and ValueError as
+  :func:`run_config`."""
+  return [[run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
+                      args.num_stages, args.executor, n, args.config, u)
+           for n, u in itertools.product(args.periods_per_dispatch, args.unroll_ticks)]
+          for d in args.dtypes for b in args.micro_batches for m in args.methods]
+
+
 def benchmark(args: argparse.Namespace) -> dict:
   """Every row of the grid (each printed to stderr as it ends), the fits, the reconstruction
   errors (unless ``args.no_reconstruction``), device and versions. Rows run micro-batch by
   micro-batch, every method at one size before the next size, so a check stopped by its
   time limit keeps comparable pairs (it loses the largest sizes, not a whole method)."""
   results = []
-  for d in args.dtypes:
-    for b in args.micro_batches:
-      for m in args.methods:
-        for n, u in itertools.product(args.periods_per_dispatch, args.unroll_ticks):
-          cfg = run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                           args.num_stages, args.executor, n, args.config, u)
-          results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
-          print(_row_line(results[-1]), file=sys.stderr, flush=True)
-          if args.rows_file:
-            with open(args.rows_file, "a") as f:
-              f.write(json.dumps(results[-1]) + "\n")
-          if results[-1].get("executor") != "compiled":
-            break  # the host executor ran it: N and U change nothing
+  for row in grid(args):
+    for cfg in row:
+      results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
+      print(_row_line(results[-1]), file=sys.stderr, flush=True)
+      if args.rows_file:
+        with open(args.rows_file, "a") as f:
+          f.write(json.dumps(results[-1]) + "\n")
+      if results[-1].get("executor") != "compiled":
+        break  # the host executor ran it: N and U change nothing
   dev = jax.devices()[0]
   report = {"device": {"kind": dev.device_kind, "platform": dev.platform},
             "versions": _versions(), "recipe": args.config or "default config",
@@ -402,6 +408,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """``python -m petra_jax.benchmarks.accelerator``."""
   args = parse_args(argv)
+  try:
+    grid(args)
+  except (validation.ConfigError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   return cli.emit(benchmark(args), args.json, _print_report)
 
 

@@ -13,6 +13,8 @@ dispatch per ``N`` periods. Filling and draining (ticks unlike the period)
 run on the host executor. A call of ``N`` periods returns its carry as the scan left it (the
 rings below, :class:`~petra_jax.engine.transport.resident.Resident`): the next call takes it
 as it is, and only a read of the state converts it back into plain messages (one jitted call).
+The first call from plain messages converts them into rings in a call of its own, so both run
+the same scan program (compiled once).
 
 Each iteration of the scan's loop runs ``U`` periods as one (:func:`periods.unrolled`,
 :func:`periods.periods_per_iteration`). A value that a tick hands to another carry slot (an
@@ -119,7 +121,8 @@ class Program(NamedTuple):
   carry (``to_carry``; its two parts: :meth:`CompiledExecutor._arguments`); ``held(ring_carry,
   inputs, origins)``, the same periods from the ring carry a call of ``fn`` or ``held`` returned
   (None for a one-period program, whose carry stays plain); ``mbs``: the frame micro-batches of
-  a period's losses."""
+  a period's losses. A ring program's ``fn`` is a small jitted conversion into rings, then
+  ``held``: one scan program per structure, compiled by the first call."""
   fn: Callable
   held: Optional[Callable]
   mbs: tuple
@@ -231,10 +234,13 @@ class CompiledExecutor:
       ring_carry, losses = jax.lax.scan(ring_body, ring_carry, xs, length=periods // u)
       return ring_carry, tuple(loss[i] for i in range(periods // u) for loss in losses)
 
+    held = jax.jit(run_held, donate_argnums=0)
+    to_rings = jax.jit(lambda stage_states, boxes: rings.to_rings(
+        (stage_states, boxes), reads, iteration.shift), donate_argnums=0)
+
     def run(stage_states, boxes, inputs_per_period, origins):
-      ring_carry = rings.to_rings((stage_states, boxes), reads, iteration.shift)
-      return run_held(ring_carry, inputs_per_period, origins)
-    return Program(jax.jit(run, donate_argnums=0), jax.jit(run_held, donate_argnums=0), mbs)
+      return held(to_rings(stage_states, boxes), inputs_per_period, origins)
+    return Program(run, held, mbs)
 
   def steady_periods(self, schedule, t: int, limit: int,
                      last_micro_batch: Optional[int] = None) -> tuple[int, int]:
