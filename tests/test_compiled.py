@@ -2,6 +2,7 @@
 weights, a fraction of the dispatches, no implicit transfer, no wait inside a call."""
 
 import functools
+import logging
 import re
 import types
 
@@ -136,11 +137,12 @@ def test_compiled_on_a_data_parallel_group_of_four_devices():
   np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
 
 
-def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
+def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call(caplog):
   """PETRA's steady ticks (2(J-1) .. M-1) run in calls of N ticks; once compiled, no
-  jitted step of the host executor runs in between (tracing called them once), and the
-  state a call returns stays in the program's rings until read (the next call takes it as
-  it is)."""
+  jitted step of the host executor runs in between (tracing called them once), the state a
+  call returns stays in the program's rings until read (the next call takes it as it is),
+  and the calls after the first compile nothing (the one from plain messages and the ones
+  from the rings run one scan program)."""
   n, M, J = 8, 48, 5
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
   batches = _batches()
@@ -150,10 +152,12 @@ def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
   first = state
   host_calls = count_host_step_calls(pipe)
   steady = (M - 2 * (J - 1)) // n * n
-  while t < 2 * (J - 1) + steady:
-    state, _, ran = ex.advance(state, table, t, batches)
-    assert ran == n
-    t += ran
+  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+    while t < 2 * (J - 1) + steady:
+      state, _, ran = ex.advance(state, table, t, batches)
+      assert ran == n
+      t += ran
+  assert not [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
   assert ex.dispatches == steady // n and not host_calls
   assert state.block_until_ready() is state and ex.conversions == 0  # (waiting converts nothing)
   with pytest.raises(RuntimeError, match="donated"):
