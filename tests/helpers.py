@@ -1,8 +1,10 @@
 """Shared helpers for tests: tiny models and configs, an independent composed
 model, reading a run's losses and waiting for a process's event."""
 
+import contextlib
 import functools
 import importlib.util
+import logging
 import math
 import os
 import pathlib
@@ -413,3 +415,22 @@ def drained_run(pipe, batches, num_micro_batches):
   losses = np.array([float(o.loss) for o in sorted(out)])
   final = state.train_states
   return p0, s0, losses, [s.params for s in final], [s.batch_stats for s in final]
+
+
+@contextlib.contextmanager
+def compiles_counted():
+  """Yields a list that holds, once the block ends, the first 80 characters of each program JAX
+  compiled inside it (``jax.log_compiles``'s "Compiling ..." records, cache hits included)."""
+  found: list = []
+
+  class _Handler(logging.Handler):
+    def emit(self, record):
+      if record.getMessage().startswith("Compiling"):
+        found.append(record.getMessage()[:80])
+  handler, logger = _Handler(level=logging.WARNING), logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles():
+      yield found
+  finally:
+    logger.removeHandler(handler)

@@ -3,7 +3,6 @@
 import contextlib
 import io
 import json
-import logging
 from types import SimpleNamespace
 
 import jax
@@ -11,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import compiles_counted
 from petra_jax.benchmarks import accelerator, cli, device_time
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.arrays.precision import Precision
@@ -223,7 +223,7 @@ def test_timed_segments_follow_each_other(method):
 
 
 @pytest.mark.parametrize("method", ["petra", "1f1b"])
-def test_timed_segments_run_only_programs_the_warm_up_compiled(method, caplog):
+def test_timed_segments_run_only_programs_the_warm_up_compiled(method):
   """The warm-up (one call here) compiles every program the timed ticks run: a call that takes
   the carry the call before it left runs the program the first call ran (a compile inside the
   timed ticks was counted as their time)."""
@@ -237,9 +237,8 @@ def test_timed_segments_run_only_programs_the_warm_up_compiled(method, caplog):
   images, labels = accelerator.random_batch(info.image_shape, info.num_classes, 2)
   state = accelerator._run_ticks(run, pipe.init(0, images), table, 0, len(warm), images, labels)
   assert run.dispatches == 1
-  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+  with compiles_counted() as compiles:
     accelerator._run_ticks(run, state, table, len(warm), len(table), images, labels)
-  compiles = [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
   assert not compiles
   # Every timed tick ran inside a full call of 3 periods.
   assert (run.dispatches - 1) * 3 * len(run.period.ticks) == len(first)

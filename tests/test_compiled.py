@@ -2,7 +2,6 @@
 weights, a fraction of the dispatches, no implicit transfer, no wait inside a call."""
 
 import functools
-import logging
 import re
 import types
 
@@ -20,7 +19,7 @@ from petra_jax.engine.methods import forward_gradient
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.models import auxiliary
 
-from helpers import tiny_revnet
+from helpers import compiles_counted, tiny_revnet
 
 IMAGE = (8, 8, 3)
 # Every method whose cotangents travel back; the local methods below (auxiliary heads).
@@ -137,7 +136,7 @@ def test_compiled_on_a_data_parallel_group_of_four_devices():
   np.testing.assert_allclose([comp[m] for m in host], [host[m] for m in host], rtol=1e-6)
 
 
-def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call(caplog):
+def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call():
   """PETRA's steady ticks (2(J-1) .. M-1) run in calls of N ticks; once compiled, no
   jitted step of the host executor runs in between (tracing called them once), the state a
   call returns stays in the program's rings until read (the next call takes it as it is),
@@ -152,12 +151,12 @@ def test_steady_state_is_one_dispatch_per_n_ticks_and_no_step_call(caplog):
   first = state
   host_calls = count_host_step_calls(pipe)
   steady = (M - 2 * (J - 1)) // n * n
-  with jax.log_compiles(), caplog.at_level(logging.WARNING):
+  with compiles_counted() as compiles:
     while t < 2 * (J - 1) + steady:
       state, _, ran = ex.advance(state, table, t, batches)
       assert ran == n
       t += ran
-  assert not [r.getMessage()[:80] for r in caplog.records if "Compiling" in r.getMessage()]
+  assert not compiles
   assert ex.dispatches == steady // n and not host_calls
   assert state.block_until_ready() is state and ex.conversions == 0  # (waiting converts nothing)
   with pytest.raises(RuntimeError, match="donated"):

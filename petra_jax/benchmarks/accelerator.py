@@ -289,13 +289,14 @@ def grid(args: argparse.Namespace) -> list[list[ml_collections.ConfigDict]]:
           for d in args.dtypes for b in args.micro_batches for m in args.methods]
 
 
-def benchmark(args: argparse.Namespace) -> dict:
-  """Every row of the grid (each printed to stderr as it ends), the fits, the reconstruction
-  errors (unless ``args.no_reconstruction``), device and versions. Rows run micro-batch by
-  micro-batch, every method at one size before the next size, so a check stopped by its
-  time limit keeps comparable pairs (it loses the largest sizes, not a whole method)."""
+def benchmark(args: argparse.Namespace, configs: Optional[list] = None) -> dict:
+  """Every row of the grid (``configs``, default :func:`grid`; each row printed to stderr as it
+  ends), the fits, the reconstruction errors (unless ``args.no_reconstruction``), device and
+  versions. Rows run micro-batch by micro-batch, every method at one size before the next size,
+  so a check stopped by its time limit keeps comparable pairs (it loses the largest sizes, not
+  a whole method)."""
   results = []
-  for row in grid(args):
+  for row in grid(args) if configs is None else configs:
     for cfg in row:
       results.append(measure(cfg, args.ticks, args.warmup, row_seconds=args.row_seconds))
       print(_row_line(results[-1]), file=sys.stderr, flush=True)
@@ -409,11 +410,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   """``python -m petra_jax.benchmarks.accelerator``."""
   args = parse_args(argv)
   try:
-    grid(args)
+    configs = grid(args)
   except (validation.ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  return cli.emit(benchmark(args), args.json, _print_report)
+  return cli.emit(benchmark(args, configs), args.json, _print_report)
 
 
 if __name__ == "__main__":
