@@ -142,6 +142,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.executor = "auto"         # "compiled" | "host"; auto = compiled on accelerators where it can
   c.periods_per_dispatch = periods.PERIODS_PER_DISPATCH  # compiled: steady-state periods per call
   c.unroll_ticks = periods.UNROLL_TICKS  # compiled: ticks per iteration of the scan's loop
+  c.order_writes = periods.ORDER_WRITES  # compiled: carried slots written after their reads
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
   c.num_devices = 0           # 0 = all local devices
   c.data_parallel = 1
@@ -230,6 +231,9 @@ HELP = {
                             "flushed schedule's rounds) per dispatch",
     "unroll_ticks": "compiled executor: ticks per iteration of its lax.scan loop, in whole "
                     "periods, at least one (fewer carry copies per tick, longer compiles)",
+    "order_writes": "compiled executor: order each carried slot's new value after the reads of "
+                    "its old one, so that XLA updates the loop's carry in place instead of "
+                    "copying it (the same values; more small operations)",
     "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "
                         "(seconds); 0 = off",
     "num_devices": "devices to spread the stages over; 0 = all local devices",

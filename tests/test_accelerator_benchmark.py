@@ -145,6 +145,14 @@ def test_fits_keep_rows_of_another_loop_unroll_apart():
   assert got == {"compiled/u4": pytest.approx(1.0), "compiled/u1": pytest.approx(3.0)}
 
 
+def test_fits_keep_rows_with_ordered_writes_apart():
+  rows = [{"method": "petra", "dtype": "float32", "micro_batch": b, "tick_ms": h + 0.5 * b,
+           "executor": "compiled", "unroll_ticks": 4, "order_writes": o}
+          for o, h in ((False, 2.0), (True, 1.5)) for b in (2, 4)]
+  got = {f["executor"]: f["tick"]["fixed_ms"] for f in accelerator.fits(rows)}
+  assert got == {"compiled/u4": pytest.approx(2.0), "compiled/u4/ordered": pytest.approx(1.5)}
+
+
 def test_fits_keep_rows_of_another_periods_per_dispatch_apart():
   rows = [{"method": "petra", "dtype": "float32", "micro_batch": b, "tick_ms": h + 0.5 * b,
            "executor": "compiled", "unroll_ticks": 4, "periods_per_dispatch": n}
@@ -154,23 +162,25 @@ def test_fits_keep_rows_of_another_periods_per_dispatch_apart():
 
 
 def test_a_compiled_row_runs_at_every_listed_periods_per_dispatch_and_unroll(monkeypatch):
-  """``--periods-per-dispatch`` and ``--unroll-ticks`` take lists: one row per pair where the
-  compiled executor runs the method, one row where the host executor does (they change
-  nothing there)."""
+  """``--periods-per-dispatch``, ``--unroll-ticks`` and ``--order-writes`` take lists: one row
+  per combination where the compiled executor runs the method, one row where the host executor
+  does (they change nothing there)."""
   seen = []
 
   def fake_measure(cfg, ticks, warmup, row_seconds):
     del ticks, warmup, row_seconds
-    seen.append((cfg.method, cfg.periods_per_dispatch, cfg.unroll_ticks))
+    seen.append((cfg.method, cfg.periods_per_dispatch, cfg.unroll_ticks, cfg.order_writes))
     return {"method": cfg.method, "micro_batch": cfg.batch_size, "dtype": cfg.dtype,
             "executor": "host" if cfg.method == "1f1b" else "compiled"}
   monkeypatch.setattr(accelerator, "measure", fake_measure)
   monkeypatch.setattr(accelerator, "fits", lambda results: {})
   args = accelerator.parse_args(["--width=2", "--micro-batches=2", "--methods=petra,1f1b",
                                  "--dtypes=float32", "--periods-per-dispatch=16,64",
-                                 "--unroll-ticks=1,4", "--no-reconstruction"])
+                                 "--unroll-ticks=1,4", "--order-writes=0,1",
+                                 "--no-reconstruction"])
   accelerator.benchmark(args)
-  assert seen == [("petra", n, u) for n in (16, 64) for u in (1, 4)] + [("1f1b", 16, 1)]
+  assert seen == [("petra", n, u, o) for n in (16, 64) for u in (1, 4) for o in (False, True)
+                  ] + [("1f1b", 16, 1, False)]
   with pytest.raises(SystemExit):
     accelerator.parse_args(["--periods-per-dispatch=16,0"])
 
@@ -248,7 +258,8 @@ def test_timed_segments_run_only_programs_the_warm_up_compiled(method):
                                         ("--micro-batches=0", "at least 1"),
                                         ("--dtypes=float16", "choose from"),
                                         ("--ticks=0", "at least 1"),
-                                        ("--row-seconds=0", "at least 1")])
+                                        ("--row-seconds=0", "at least 1"),
+                                        ("--order-writes=0,2", "0 or 1")])
 def test_bad_flags_exit_with_status_2(flag, says, capsys):
   with pytest.raises(SystemExit) as e:
     accelerator.main([flag])

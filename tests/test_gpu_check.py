@@ -15,10 +15,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
   parts = gpu_check.parts(tiny=False, out=str(tmp_path), executor="host")
-  assert [p.name for p in parts] == ["info", "accelerator_float32", "accelerator_host",
-                                     "accelerator_bfloat16", "train", "accelerator_recipe",
-                                     "language_model"]
-  assert sum(p.seconds + gpu_check.GRACE_S for p in parts) <= 8 * 60
+  assert [p.name for p in parts if not p.optional] == [
+      "info", "accelerator_float32", "accelerator_host", "accelerator_bfloat16", "train",
+      "accelerator_recipe", "language_model"]
+  assert sum(p.seconds + gpu_check.GRACE_S for p in parts if not p.optional) <= 8 * 60
+  ordered = next(p.argv for p in parts if p.name == "accelerator_ordered")
+  assert {"--order-writes=1", "--methods=petra", "--dtypes=float32"} <= set(ordered)
   for dtype in ("float32", "bfloat16"):
     argv = next(p.argv for p in parts if p.name == f"accelerator_{dtype}")
     assert "--micro-batches=64,256,1024" in argv and f"--dtypes={dtype}" in argv
@@ -92,3 +94,16 @@ def test_tiny_check_runs_on_the_cpu(tmp_path):
     names = set(tar.getnames())
   assert {"check/info.log", "check/rows.jsonl", "check/summary.txt",
           "check/accelerator_float32.log"} <= names
+
+
+def test_an_optional_part_runs_only_when_named(tmp_path, monkeypatch):
+  ran = []
+  monkeypatch.setattr(gpu_check, "run_part",
+                      lambda part, out: ran.append(part.name) or {"status": 0})
+  monkeypatch.setattr(gpu_check, "summary", lambda out, results: "")
+  monkeypatch.setattr(gpu_check, "bundle", lambda out: out + ".tar.gz")
+  assert gpu_check.main(["--tiny", f"--out={tmp_path / 'a'}"]) == 0
+  assert "accelerator_ordered" not in ran and "accelerator_float32" in ran
+  ran.clear()
+  assert gpu_check.main(["--tiny", f"--out={tmp_path / 'b'}", "--parts=accelerator_ordered"]) == 0
+  assert ran == ["accelerator_ordered"]

@@ -170,15 +170,15 @@ def test_python_m_host_runs_the_benchmark_with_its_flags(monkeypatch, capsys):
   calls = []
 
   def fake_benchmark(stages, shape, num_classes, batch_size, ticks, repeats, periods,
-                     unroll_ticks):
+                     unroll_ticks, order_writes):
     calls.append((len(stages), tuple(shape), num_classes, batch_size, ticks, repeats, periods,
-                  unroll_ticks))
+                  unroll_ticks, order_writes))
     return {"host_us_per_stage_tick": 1.0}
   monkeypatch.setattr(host, "benchmark", fake_benchmark)
   assert host.main(["--ticks=7", "--iters=2", "--periods-per-dispatch=4", "--unroll-ticks=1,4",
-                    "--json"]) == 0
+                    "--order-writes=1", "--json"]) == 0
   # revnet18 at width 2 on CIFAR-10: stem, 8 reversible blocks, head = 10 stages.
-  assert calls == [(10, (32, 32, 3), 10, 2, 7, 2, 4, [1, 4])]
+  assert calls == [(10, (32, 32, 3), 10, 2, 7, 2, 4, [1, 4], True)]
   out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert out == {"host_us_per_stage_tick": 1.0, "model": "revnet18", "dataset": "cifar10",
                  "width": 2}

@@ -3,11 +3,11 @@
 ``python -m petra_jax.benchmarks.accelerator [--config=FILE] [--model=revnet18] [--micro-batches=64,256]
 [--dtypes=float32,bfloat16] [--methods=backprop,petra,1f1b] [--accumulation-steps=4]
 [--ticks=N] [--num-stages=J] [--row-seconds=S] [--rows-file=PATH] [--executor=auto]
-[--periods-per-dispatch=64] [--unroll-ticks=4] [--json]``
+[--periods-per-dispatch=64] [--unroll-ticks=4] [--order-writes=0,1] [--json]``
 
 Per (method, micro-batch ``B``, dtype, and for a compiled row each ``N`` of
-``--periods-per-dispatch`` and ``U`` of ``--unroll-ticks``: comma-separated lists, timed one
-row each), on a pipeline built as training builds it and one
+``--periods-per-dispatch``, ``U`` of ``--unroll-ticks`` and value of ``--order-writes``:
+comma-separated lists, timed one row each), on a pipeline built as training builds it and one
 random micro-batch, its ticks run by ``--executor`` (``executor`` in the row: ``compiled`` runs
 the steady-state ticks ``--periods-per-dispatch`` at a time in one call), after the filling
 ticks (which compile; ``compile_s``):
@@ -70,16 +70,17 @@ _STEPS_PER_EPOCH = 1000  # only shapes the optimizers' learning-rate schedule
 def run_config(model: str, dataset: str, width: int, method: str, micro_batch: int,
                dtype: str, accumulation_steps: int, num_stages: int = 0,
                executor: str = "auto", periods: int = periods_lib.PERIODS_PER_DISPATCH,
-               recipe: str = "", unroll_ticks: int = periods_lib.UNROLL_TICKS
-               ) -> ml_collections.ConfigDict:
+               recipe: str = "", unroll_ticks: int = periods_lib.UNROLL_TICKS,
+               order_writes: bool = periods_lib.ORDER_WRITES) -> ml_collections.ConfigDict:
   """The training config of one row (one device; ``num_stages`` 0: the recipe's split, by
-  default one block per stage; the tick ``executor``, its ``periods`` per call and
-  ``unroll_ticks`` per loop iteration): the
+  default one block per stage; the tick ``executor``, its ``periods`` per call,
+  ``unroll_ticks`` per loop iteration and ``order_writes``): the
   default config, or the training ``recipe`` ``FILE[:VARIANT]`` (its optimizer, compensation
   and split) with the row's fields set. ConfigError as training would raise; ValueError for
   a missing recipe file."""
   c = config_lib.recipe(recipe) if recipe else config_lib.get_config()
   c.executor, c.periods_per_dispatch, c.unroll_ticks = executor, periods, unroll_ticks
+  c.order_writes = order_writes
   c.method, c.dataset, c.dtype, c.num_devices = method, dataset, dtype, 1
   c.model.name, c.model.width = model, width
   if num_stages or not recipe:
@@ -160,10 +161,12 @@ def measure(cfg: ml_collections.ConfigDict, ticks: int, warmup: int, seed: int =
   micro = cfg.batch_size // cfg.accumulation_steps
   row = {"method": cfg.method, "micro_batch": micro, "dtype": cfg.dtype}
   pipe, _, _ = assembly.build_pipeline(cfg, "", info, micro, _STEPS_PER_EPOCH)
-  executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch, cfg.unroll_ticks)
+  executor = compiled.executor(pipe, cfg.executor, cfg.periods_per_dispatch, cfg.unroll_ticks,
+                               cfg.order_writes)
   row["executor"] = executor.name
   if executor.name == "compiled":
-    row.update(periods_per_dispatch=cfg.periods_per_dispatch, unroll_ticks=cfg.unroll_ticks)
+    row.update(periods_per_dispatch=cfg.periods_per_dispatch, unroll_ticks=cfg.unroll_ticks,
+               order_writes=cfg.order_writes)
   images, labels = random_batch(info.image_shape, info.num_classes, micro, seed)
   table, a, length, done = segment_bounds(pipe, ticks, warmup, repeats=2,
                                           per_call=getattr(executor, "n", 1))
@@ -221,7 +224,8 @@ def fits(rows: Sequence[dict]) -> list[dict]:
   Each entry: ``{"method", "dtype", "executor", "tick": fit, "device": fit}`` with ``fit`` as
   :func:`device_time.fit_line` (None with fewer than two micro-batches measured); ``executor``
   is "" for rows that name none, ``compiled/uU/nN`` for a compiled row of ``unroll_ticks = U``
-  and ``periods_per_dispatch = N`` (each part only where the row records it).
+  and ``periods_per_dispatch = N`` (each part only where the row records it), ending in
+  ``/ordered`` where it ordered its writes.
   """
   def key(r):
     executor = r.get("executor", "")
@@ -229,6 +233,8 @@ def fits(rows: Sequence[dict]) -> list[dict]:
       executor += f"/u{r['unroll_ticks']}"
     if "periods_per_dispatch" in r:
       executor += f"/n{r['periods_per_dispatch']}"
+    if r.get("order_writes"):
+      executor += "/ordered"
     return r["method"], r["dtype"], executor
   out = []
   for method, dtype, executor in dict.fromkeys(key(r) for r in rows):
@@ -281,11 +287,12 @@ def _versions() -> dict:
 
 def grid(args: argparse.Namespace) -> list[list[ml_collections.ConfigDict]]:
   """Every row's config, validated before any row runs: per (dtype, micro-batch, method), the
-  configs of each ``(periods_per_dispatch, unroll_ticks)`` pair. ConfigError and ValueError as
-  :func:`run_config`."""
+  configs of each ``(periods_per_dispatch, unroll_ticks, order_writes)``. ConfigError and
+  ValueError as :func:`run_config`."""
   return [[run_config(args.model, args.dataset, args.width, m, b, d, args.accumulation_steps,
-                      args.num_stages, args.executor, n, args.config, u)
-           for n, u in itertools.product(args.periods_per_dispatch, args.unroll_ticks)]
+                      args.num_stages, args.executor, n, args.config, u, o)
+           for n, u, o in itertools.product(args.periods_per_dispatch, args.unroll_ticks,
+                                            args.order_writes)]
           for d in args.dtypes for b in args.micro_batches for m in args.methods]
 
 
@@ -335,6 +342,7 @@ def _row_line(x: dict) -> str:
           + f("tick_ms", ".2f", 10) + f("profiled_tick_ms", ".2f", 10)
           + f("device_ms", ".2f", 11) + f("busy_fraction", ".2f", 7)
           + f("device_idle_us_per_tick", ".0f", 10) + f("compile_s", ".1f", 10))
+  line += "  writes ordered" if x.get("order_writes") else ""
   return line + (f"  incomplete: {x['incomplete']}" if "incomplete" in x else "")
 
 
@@ -393,7 +401,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  help="append each row to this file as one JSON line when it ends")
   p.add_argument("--executor", default="auto", choices=compiled.EXECUTORS,
                  help="the tick executor (default auto: compiled where it runs the pipeline)")
-  cli.add_compiled_flags(p, lists=("periods_per_dispatch", "unroll_ticks"))
+  cli.add_compiled_flags(p, lists=("periods_per_dispatch", "unroll_ticks", "order_writes"))
   p.add_argument("--json", action="store_true", help="print JSON")
   args = p.parse_args(argv)
   if args.num_stages < 0:

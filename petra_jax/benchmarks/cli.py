@@ -35,6 +35,21 @@ def csv_list(kind, choices: Optional[Sequence[str]] = None):
   return parse
 
 
+def zero_or_one(text: str) -> bool:
+  """An argparse type: ``0`` or ``1`` as a bool."""
+  if text.strip() not in ("0", "1"):
+    raise argparse.ArgumentTypeError(f"{text!r}: 0 or 1")
+  return text.strip() == "1"
+
+
+def zero_or_one_list(text: str) -> list:
+  """An argparse type: a comma-separated list of ``0`` and ``1`` as bools."""
+  values = [zero_or_one(v) for v in text.split(",") if v.strip()]
+  if not values:
+    raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of 0 and 1")
+  return values
+
+
 def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
            batch_size: int, width_help: Optional[str] = None,
            batch_help: Optional[str] = None) -> argparse.ArgumentParser:
@@ -55,20 +70,25 @@ def parser(module: str, doc: str, *, model: str, dataset: str, width: int,
 
 
 def add_compiled_flags(p: argparse.ArgumentParser, lists: tuple = ()) -> None:
-  """``--periods-per-dispatch`` and ``--unroll-ticks``, the compiled executor's ``N`` and
-  ``U``, defaulting to the engine's (:mod:`petra_jax.engine.periods`); a flag named in
-  ``lists`` (``"periods_per_dispatch"``, ``"unroll_ticks"``) takes a comma-separated list,
-  each value timed side by side."""
+  """``--periods-per-dispatch``, ``--unroll-ticks`` and ``--order-writes``, the compiled
+  executor's ``N``, ``U`` and whether it orders its carried writes (0 or 1), defaulting to the
+  engine's (:mod:`petra_jax.engine.periods`); a flag named in ``lists``
+  (``"periods_per_dispatch"``, ``"unroll_ticks"``, ``"order_writes"``) takes a
+  comma-separated list, each value timed side by side."""
   flags = (("periods_per_dispatch", periods.PERIODS_PER_DISPATCH,
-            "steady-state ticks (or rounds) per call"),
-           ("unroll_ticks", periods.UNROLL_TICKS, "ticks per iteration of its scan loop"))
-  for name, default, what in flags:
+            "steady-state ticks (or rounds) per call", int, csv_list(int)),
+           ("unroll_ticks", periods.UNROLL_TICKS, "ticks per iteration of its scan loop", int,
+            csv_list(int)),
+           ("order_writes", periods.ORDER_WRITES,
+            "1: each carried slot written after the reads of its old value, 0: not",
+            zero_or_one, zero_or_one_list))
+  for name, default, what, one, many in flags:
     listed = name in lists
-    p.add_argument("--" + name.replace("_", "-"), type=csv_list(int) if listed else int,
+    p.add_argument("--" + name.replace("_", "-"), type=many if listed else one,
                    default=[default] if listed else default,
                    help=f"compiled executor: {what}"
                         + ("; a comma-separated list is timed side by side" if listed else "")
-                        + f" (default {default})")
+                        + f" (default {int(default) if isinstance(default, bool) else default})")
 
 
 def build(model: str, dataset: str, width: int, depth: Optional[int] = None) -> list:

@@ -23,6 +23,10 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 - ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
   (method, dtype) from the rows, the last progress line of each training run, and the main
   job's img/s as a percentage of the benchmark's on its recipe.
+- ``accelerator_ordered`` (40; only when ``--parts`` names it, beyond the 8 minutes): ``petra``
+  float32 at 64 and 256 with its carried writes ordered (``--order-writes=1``,
+  :mod:`petra_jax.engine.transport.ordered_writes`), beside the float32 rows, which do not
+  order them: whether the engine's default should change.
 
 Then ``DIR`` is bundled into ``DIR.tar.gz``. ``DIR`` defaults to
 ``gpu_check_<UTC date and time>_<host>``. ``--tiny``: the same parts at CPU sizes (width 2,
@@ -45,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -64,15 +69,18 @@ class Part:
   argv: tuple
   seconds: float
   until_stopped: bool = False
+  optional: bool = False  # runs only when --parts names it
 
 
 def _accelerator(name: str, dtype: str, tiny: bool, seconds: float, out: str, executor: str,
-                 methods: str = "petra,backprop", micro_batches: str = "64,256,1024") -> Part:
+                 methods: str = "petra,backprop", micro_batches: str = "64,256,1024",
+                 extra: Sequence[str] = ()) -> Part:
   sizes = (["--width=2", "--num-stages=2", "--micro-batches=2,4", "--ticks=3", "--warmup=1"]
            if tiny else ["--width=64", f"--micro-batches={micro_batches}", "--ticks=30",
                          "--warmup=2"])
   return _benchmark(name, seconds, os.path.join(out, ROWS), f"--executor={executor}",
-                    f"--dtypes={dtype}", f"--methods={methods}", "--accumulation-steps=1", *sizes)
+                    f"--dtypes={dtype}", f"--methods={methods}", "--accumulation-steps=1", *sizes,
+                    *extra)
 
 
 def _recipe(tiny: bool, seconds: float, out: str, executor: str) -> Part:
@@ -121,7 +129,7 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           "--config.model.context=256", "--config.model.stage_sizes=()",
           "--config.model.num_stages=4", "--config.batch_size=64",
           "--config.accumulation_steps=4", "--config.num_epochs=1000"]
-  times = (30, 150, 150, 150, 150, 150, 150) if tiny else (15, 155, 25, 80, 65, 40, 65)
+  times = (30, 150, 150, 150, 150, 150, 150, 150) if tiny else (15, 155, 25, 80, 65, 40, 65, 40)
   every = 1 if tiny else 10
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
           _accelerator("accelerator_float32", "float32", tiny, times[1], out, executor),
@@ -131,7 +139,11 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           _train("train", MAIN_JOB, main_job, times[4], out, data_dir, every, executor),
           _recipe(tiny, times[5], out, executor),
           _train("language_model", "configs/shakespeare_cpu.py", lm, times[6], out, data_dir,
-                 every, executor)]
+                 every, executor),
+          dataclasses.replace(
+              _accelerator("accelerator_ordered", "float32", tiny, times[7], out, executor,
+                           methods="petra", micro_batches="64,256", extra=("--order-writes=1",)),
+              optional=True)]
 
 
 def run_part(part: Part, out: str) -> dict:
@@ -279,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if unknown:
     print(f"unknown part(s) {unknown}: choose from {[p.name for p in todo]}", file=sys.stderr)
     return 2
-  results = [run_part(p, out) for p in todo if not wanted or p.name in wanted]
+  results = [run_part(p, out) for p in todo
+             if (p.name in wanted if wanted else not p.optional)]
   text = summary(out, results)
   with open(os.path.join(out, "summary.txt"), "w") as f:
     f.write(text)

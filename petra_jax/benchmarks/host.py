@@ -43,7 +43,7 @@ import optax
 from petra_jax import data as data_lib
 from petra_jax.benchmarks import cli
 from petra_jax.engine import compiled
-from petra_jax.engine.periods import PERIODS_PER_DISPATCH, UNROLL_TICKS
+from petra_jax.engine.periods import ORDER_WRITES, PERIODS_PER_DISPATCH, UNROLL_TICKS
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.engine.stages.stage import Stage
@@ -71,11 +71,11 @@ class _Driver:
 
   def __init__(self, pipe: Pipeline, images, labels, num_ticks: int, seed: int,
                executor: str = "host", periods: int = PERIODS_PER_DISPATCH,
-               unroll_ticks: int = UNROLL_TICKS):
+               unroll_ticks: int = UNROLL_TICKS, order_writes: bool = ORDER_WRITES):
     self.pipe, self.batch = pipe, (lambda m: (images, labels))
     self.state = pipe.init(seed, images)
     self.table = pipe.schedule(num_ticks)
-    self.executor = compiled.executor(pipe, executor, periods, unroll_ticks)
+    self.executor = compiled.executor(pipe, executor, periods, unroll_ticks, order_writes)
     self.next = 0
 
   def run(self, n: int) -> float:
@@ -106,7 +106,8 @@ def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0,
               periods: int = PERIODS_PER_DISPATCH, executors: Sequence[str] = EXECUTORS,
-              unroll_ticks: Sequence[int] = (UNROLL_TICKS,)) -> dict:
+              unroll_ticks: Sequence[int] = (UNROLL_TICKS,),
+              order_writes: bool = ORDER_WRITES) -> dict:
   """Host cost per stage and tick, and the real PETRA tick against backprop.
 
   Args:
@@ -121,6 +122,7 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     executors: those timed (:data:`EXECUTORS`), side by side in every round.
     unroll_ticks: the compiled executor's ticks per loop iteration; each value is timed side
       by side, the first gives the ``compiled_*`` figures.
+    order_writes: whether the compiled executor orders its carried writes.
 
   Returns:
     A JSON-able dict: ``host_us_per_stage_tick``, ``ticks_per_second``,
@@ -143,9 +145,9 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     variants += [(f"_compiled_u{u}", "compiled", u) for u in unroll_ticks]
   for suffix, executor, unroll in variants:
     drivers["hollow" + suffix] = _Driver(hollow_pipeline(stages, tx, device), images, labels,
-                                         total, seed, executor, periods, unroll)
+                                         total, seed, executor, periods, unroll, order_writes)
     drivers["petra" + suffix] = _Driver(Pipeline(stages, tx, [device]), images, labels, total,
-                                        seed, executor, periods, unroll)
+                                        seed, executor, periods, unroll, order_writes)
   backprop = Pipeline(stages, tx, [device], method="backprop")
   bp_state = [backprop.init(seed, images)]
   for d in drivers.values():  # fill, compile and warm up
@@ -211,7 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   stages = cli.build(args.model, args.dataset, args.width)
   report = benchmark(stages, cli.image_shape(args.dataset),
                      data_lib.DATASETS[args.dataset].num_classes, args.batch_size, args.ticks,
-                     args.iters, periods=args.periods_per_dispatch, unroll_ticks=args.unroll_ticks)
+                     args.iters, periods=args.periods_per_dispatch, unroll_ticks=args.unroll_ticks,
+                     order_writes=args.order_writes)
   report.update(model=args.model, dataset=args.dataset, width=args.width)
   return cli.emit(report, args.json, lambda r: print_report(r, args.model))
 

@@ -52,12 +52,13 @@ import jax.numpy as jnp
 
 from petra_jax.engine import schedules as schedule_lib
 from petra_jax.engine import stage_mesh
-from petra_jax.engine.periods import (PERIODS_PER_DISPATCH, UNROLL_TICKS, grouped, period_of,
-                                      periods_per_iteration, unrolled)
+from petra_jax.engine.periods import (ORDER_WRITES, PERIODS_PER_DISPATCH, UNROLL_TICKS, grouped,
+                                      period_of, periods_per_iteration, unrolled)
 from petra_jax.engine.methods.tasks import TickOutput
 from petra_jax.engine.stages import input_checks
 from petra_jax.engine.transport import rings
 from petra_jax.engine.transport.carry import from_carry, join, split, to_carry, unaliased
+from petra_jax.engine.transport.ordered_writes import ordered_writes
 from petra_jax.engine.transport.pipeline_state import PipelineState, ScheduleError, period_origins
 from petra_jax.engine.transport.resident import Resident
 
@@ -143,6 +144,10 @@ class CompiledExecutor:
     periods_per_dispatch: ``N``, periods per ``lax.scan`` (a stream's period is one tick).
     unroll_ticks: ticks per iteration of the scan's loop, in whole periods, at least one
       (:func:`periods_per_iteration`).
+    order_writes: order each carried slot's new value after the reads of its old one, so that
+      XLA updates the carry in place instead of copying it in and out of the loop
+      (:func:`~petra_jax.engine.transport.ordered_writes.ordered_writes`; the values are
+      the same). The one-device program only: the stage-mesh program has no such copies.
 
   Raises:
     Unsupported: ``pipe`` cannot run compiled.
@@ -152,13 +157,13 @@ class CompiledExecutor:
   name = "compiled"
 
   def __init__(self, pipe, periods_per_dispatch: int = PERIODS_PER_DISPATCH,
-               unroll_ticks: int = UNROLL_TICKS):
+               unroll_ticks: int = UNROLL_TICKS, order_writes: bool = ORDER_WRITES):
     require_supported(pipe)
     for name, value in (("periods_per_dispatch", periods_per_dispatch),
                         ("unroll_ticks", unroll_ticks)):
       if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")
-    self.pipe, self.n = pipe, periods_per_dispatch
+    self.pipe, self.n, self.order_writes = pipe, periods_per_dispatch, order_writes
     self.period = period_of(pipe.method.schedule, pipe.num_stages, pipe.accumulation_steps)
     self.unroll = periods_per_iteration(self.period, unroll_ticks, periods_per_dispatch)
     self._family = schedule_lib.family(pipe.method.schedule)
@@ -177,8 +182,9 @@ class CompiledExecutor:
     family = self.pipe.method.schedule
     unit = "rounds" if family.round_size(self.pipe.accumulation_steps) else "ticks"
     where = "" if self.mesh is None else f", one SPMD program over {len(self.mesh.devices)} devices"
+    ordered = ", writes ordered" if self.order_writes and self.mesh is None else ""
     return (f"compiled ({self.n} steady-state {unit} per call, {self.unroll} per loop "
-            f"iteration{where})")
+            f"iteration{where}{ordered})")
 
   def _body(self, out_mbs: list) -> Callable:
     """One period: ``(carry, (origin or None, inputs)) -> (carry, losses)``; records the
@@ -227,6 +233,8 @@ class CompiledExecutor:
     iteration = unrolled(self.period, u)  # one iteration of the loop
     reads = rings.read_sets(iteration, self.pipe, self._plan, carry, grouped(inputs, u)[0])
     ring_body = rings.ring_body(iteration, self.pipe, self._plan, reads)
+    if self.order_writes:
+      ring_body = ordered_writes(ring_body, lambda node: isinstance(node, rings.Ring))
 
     def run_held(ring_carry, inputs_per_period, origins):
       xs = (None if origins is None else origins[::u],
@@ -384,8 +392,8 @@ class HostExecutor:
 
 
 def executor(pipe, name: str = "auto", periods_per_dispatch: int = PERIODS_PER_DISPATCH,
-             unroll_ticks: int = UNROLL_TICKS):
-  """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe`` (the last two arguments:
+             unroll_ticks: int = UNROLL_TICKS, order_writes: bool = ORDER_WRITES):
+  """The executor called ``name`` (:data:`EXECUTORS`) for ``pipe`` (the last three arguments:
   :class:`CompiledExecutor`'s).
 
   ``auto``: compiled on an accelerator where :func:`unsupported` finds nothing missing, else
@@ -406,4 +414,4 @@ def executor(pipe, name: str = "auto", periods_per_dispatch: int = PERIODS_PER_D
   if name == "auto" and pipe.devices[0].platform == "cpu":
     return HostExecutor(pipe, "on the CPU the host executor is faster (--config.executor="
                               "compiled to choose it)")
-  return CompiledExecutor(pipe, periods_per_dispatch, unroll_ticks)
+  return CompiledExecutor(pipe, periods_per_dispatch, unroll_ticks, order_writes)

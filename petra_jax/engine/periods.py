@@ -19,6 +19,9 @@ from petra_jax.engine import schedules as schedule_lib
 # (docs/performance.md). U: ticks per iteration of the scan's loop (:func:`periods_per_iteration`).
 PERIODS_PER_DISPATCH = 64
 UNROLL_TICKS = 4
+# Whether the loop's carried slots are written in order after their reads
+# (:mod:`petra_jax.engine.transport.ordered_writes`): off until an accelerator has timed it.
+ORDER_WRITES = False
 
 
 @dataclasses.dataclass(frozen=True)

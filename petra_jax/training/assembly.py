@@ -160,7 +160,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, Progr
   schedule, drain_points = _schedule(config, pipe, restored.start_step, total_steps)
   try:
     executor = compiled.executor(pipe, config.executor, config.periods_per_dispatch,
-                                 config.unroll_ticks)
+                                 config.unroll_ticks, config.order_writes)
   except compiled.Unsupported as e:
     raise validation.ConfigError(str(e)) from None
   run = Setup(config, workdir, info, train, test, pipe, schedule,

@@ -66,7 +66,7 @@ def forward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s guess and forward; ``(y, labels, tangents)`` to ``j+1``."""
   j, o, send, keeps_input = ctx.j, ctx.options, ctx.send, ctx.keeps.input
   step = jax.jit(functools.partial(fg_forward, ctx.stage, o.guess, o.perturb, o.emulate),
-                 donate_argnums=0)
+                 donate_argnums=0, inline=True)
   base = jax.random.key(o.seed + 3)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
@@ -86,7 +86,7 @@ def forward_task(ctx: StageContext) -> Callable:
 def loss_task(ctx: StageContext) -> Callable:
   """The last stage's update; its scalars (or ``dL/dx``) to ``j-1``."""
   j, steps, send, emulate = ctx.j, ctx.steps, ctx.route_back, ctx.options.emulate
-  scalars = jax.jit(functools.partial(last_scalars, ctx.stage))
+  scalars = jax.jit(functools.partial(last_scalars, ctx.stage), inline=True)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, _, tangents = take(state.inbox[j], m, "input", j)
@@ -103,7 +103,7 @@ def backward_task(ctx: StageContext) -> Callable:
   j, o, send, keeps_input = ctx.j, ctx.options, ctx.route_back, ctx.keeps.input
   update = fg_emulated_update if o.emulate else fg_update
   step = jax.jit(functools.partial(update, ctx.stage, o.perturb, o.eps, o.projection),
-                 donate_argnums=0)
+                 donate_argnums=0, inline=True)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     message = take(state.grad_inbox[j], m, "scalars", j)

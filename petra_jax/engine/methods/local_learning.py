@@ -94,7 +94,7 @@ def inputs_with_labels(ctx: StageContext, state: PipelineState, m: int, batches)
 def forward_task(ctx: StageContext) -> Callable:
   """Stage ``j``'s forward, auxiliary loss and update; ``(y, labels)`` to ``j+1``."""
   j, send = ctx.j, ctx.send
-  step = jax.jit(functools.partial(local_step, ctx.stage), donate_argnums=0)
+  step = jax.jit(functools.partial(local_step, ctx.stage), donate_argnums=0, inline=True)
 
   def task(state: PipelineState, m: int, batches) -> TaskResult:
     x, labels = inputs_with_labels(ctx, state, m, batches)

@@ -124,9 +124,11 @@ def backprop_step(stages: Sequence[Stage], states: Sequence[StageState], images,
 
 
 def _jit(fn: Callable, donate_argnums=(), wrap: Optional[Callable] = None):
-  """``fn`` jitted for packed states too, through ``wrap`` if given."""
+  """``fn`` jitted for packed states too, through ``wrap`` if given. Inline: inside another
+  trace (the compiled executor's program) its operations join the caller's, where
+  :mod:`~petra_jax.engine.transport.ordered_writes` can see which of them read a slot."""
   fn = packing.on_packed(fn)
-  return jax.jit(fn if wrap is None else wrap(fn), donate_argnums=donate_argnums)
+  return jax.jit(fn if wrap is None else wrap(fn), donate_argnums=donate_argnums, inline=True)
 
 
 _copy_params = _jit(params_step)  # shared by every stage (one compilation per shape)
