@@ -114,7 +114,8 @@ def test_compiled_with_several_periods_per_loop_iteration_equals_the_host(
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["petra", "local"])  # local: labels ride with activations
+@pytest.mark.parametrize("method", [  # local: its labels ride with the activations
+    "petra", pytest.param("local", marks=pytest.mark.long)])
 def test_compiled_with_ordered_writes_equals_the_host(method):
   """``order_writes`` subtracts a zero from each carried slot's new value: the same run."""
   host, host_params = _host_run(method)
@@ -275,7 +276,12 @@ def test_auto_is_compiled_on_an_accelerator_and_host_on_the_cpu():
 def _held_program(unroll_ticks: int, n: int = 8, order_writes: bool = False) -> tuple:
   """``(optimized HLO, {(HLO element type, shape)} of the rings' leaves)`` of PETRA's
   steady-state call of ``n`` ticks (the tiny RevNet) that takes the ring carry the call before
-  it left."""
+  it left (compiled once per test process and arguments)."""
+  return _compiled_held_program(unroll_ticks, n, order_writes)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_held_program(unroll_ticks: int, n: int, order_writes: bool) -> tuple:
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
   batches = _batches()
   state = pipe.init(0, batches(0)[0])
