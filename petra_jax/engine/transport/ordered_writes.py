@@ -99,13 +99,13 @@ def _with_outputs(jaxpr, extra: list):
 
 def ordered_writes(body: Callable, in_place: Callable[[Any], bool]) -> Callable:
   """``body(carry, x) -> (carry, y)`` (a ``lax.scan`` body) computing the same values, each
-  floating carried leaf's new value made to depend on every read of its old value.
+  numeric carried leaf's new value made to depend on every read of its old value.
 
-  ``x - 0.0`` is ``x`` for every float, -0.0, infinities and NaN included, so the values are
-  bitwise those of ``body``. Left as they are: leaves under a carry node for which ``in_place``
-  is true (a ring buffer written with ``dynamic_update_slice``, which XLA updates in place
-  already and a whole-array subtraction would rewrite), integer leaves, scalars, and leaves
-  whose new value is their old one. The body is traced once here (``jax.make_jaxpr``, its
+  ``x - 0.0`` is ``x`` for every float, -0.0, infinities and NaN included (``x - 0`` for an
+  integer), so the values are bitwise those of ``body``. Left as they are: leaves under a carry
+  node for which ``in_place`` is true (a ring buffer written with ``dynamic_update_slice``,
+  which XLA updates in place already and a whole-array subtraction would rewrite), booleans,
+  keys, scalars, and leaves whose new value is their old one. The body is traced once here (``jax.make_jaxpr``, its
   jitted calls inline where they were jitted with ``inline=True``) and evaluated once.
   """
 
@@ -118,7 +118,7 @@ def ordered_writes(body: Callable, in_place: Callable[[Any], bool]) -> Callable:
     for p, keep in enumerate(kept):
       old, new = jaxpr.invars[p], jaxpr.outvars[p]
       if keep or not _is_var(new) or new is old or not jnp.issubdtype(new.aval.dtype,
-                                                                     jnp.floating):
+                                                                     jnp.number):
         continue
       deps = [v for v in _dependencies(jaxpr, old) if v is not new and _numeric(v)]
       if new.aval.shape and deps:
