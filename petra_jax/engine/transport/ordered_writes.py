@@ -84,7 +84,8 @@ def _zero(values: list) -> jax.Array:
 
 
 def _numeric(v) -> bool:
-  return v.aval.shape != () and 0 not in v.aval.shape and (
+  """Whether ``v`` has an element to depend on (not empty, not a key)."""
+  return 0 not in v.aval.shape and (
       jnp.issubdtype(v.aval.dtype, jnp.number) or v.aval.dtype == jnp.bool_)
 
 
