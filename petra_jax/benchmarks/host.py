@@ -103,6 +103,14 @@ def _backprop_seconds(pipe: Pipeline, state_box: list, images, labels, n: int) -
   return time.perf_counter() - start
 
 
+def _random_batch(input_shape, num_classes: int, batch_size: int, seed: int, device) -> tuple:
+  """``(images float32[B, *input_shape], labels int32[B])`` on ``device``, from ``seed``."""
+  rng = np.random.default_rng(seed)
+  images = rng.normal(size=(batch_size, *input_shape)).astype(np.float32)
+  labels = rng.integers(0, num_classes, batch_size).astype(np.int32)
+  return jax.device_put(images, device), jax.device_put(labels, device)
+
+
 def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: int,
               batch_size: int, ticks: int = 200, repeats: int = 5, seed: int = 0,
               periods: int = PERIODS_PER_DISPATCH, executors: Sequence[str] = EXECUTORS,
@@ -132,22 +140,19 @@ def benchmark(stages: Sequence[Stage], input_shape: Sequence[int], num_classes: 
     ``batch_size``, ``device`` and the per-round lists ``rounds_*``.
   """
   J, device = len(stages), jax.devices()[0]
-  rng = np.random.default_rng(seed)
-  images = jax.device_put(rng.normal(size=(batch_size, *input_shape)).astype(np.float32),
-                          device)
-  labels = jax.device_put(rng.integers(0, num_classes, batch_size).astype(np.int32), device)
+  images, labels = _random_batch(input_shape, num_classes, batch_size, seed, device)
   tx = optax.sgd(1e-3, momentum=0.9)
   fill = schedule.drain_ticks(J) + 2
   total = fill + (repeats + 1) * ticks + 1
-  drivers = {}
   variants = [("", "host", 1)] if "host" in executors else []
   if "compiled" in executors:
     variants += [(f"_compiled_u{u}", "compiled", u) for u in unroll_ticks]
+  drivers = {}
   for suffix, executor, unroll in variants:
-    drivers["hollow" + suffix] = _Driver(hollow_pipeline(stages, tx, device), images, labels,
-                                         total, seed, executor, periods, unroll, order_writes)
-    drivers["petra" + suffix] = _Driver(Pipeline(stages, tx, [device]), images, labels, total,
-                                        seed, executor, periods, unroll, order_writes)
+    make = lambda pipe, e=executor, u=unroll: _Driver(  # noqa: E731
+        pipe, images, labels, total, seed, e, periods, u, order_writes)
+    drivers["hollow" + suffix] = make(hollow_pipeline(stages, tx, device))
+    drivers["petra" + suffix] = make(Pipeline(stages, tx, [device]))
   backprop = Pipeline(stages, tx, [device], method="backprop")
   bp_state = [backprop.init(seed, images)]
   for d in drivers.values():  # fill, compile and warm up
