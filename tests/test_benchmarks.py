@@ -322,6 +322,7 @@ def _scaling(args, timeout=240):
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.long  # CI time; two processes: test_multiprocess's transfers, the simulator's tests
 def test_scaling_command_reports_consistent_figures():
   """The plumbing on a 4-stage RevNet of width 2: two processes, two stages
   each. No timing is checked, only the report's fields and their relations,

@@ -14,3 +14,13 @@ def test_change_is_of_the_medians():
   assert rows["backprop"]["change_pct"] == pytest.approx(10.0)  # 220 against (100 + 300) / 2
   assert rows["revprop"]["change_pct"] == pytest.approx(0.0)
   assert rows["petra"]["old"] == [50.0, 70.0] and rows["petra"]["change_pct"] == pytest.approx(0.0)
+
+
+def test_the_first_run_of_a_pair_alternates():
+  assert commits.order(["old", "new"], 4) == ["old", "new", "new", "old"] * 2
+  assert commits.order(["old", "new"], 1) == ["old", "new"]
+
+
+def test_a_commit_against_itself_keeps_two_runs():
+  assert commits.labels("abc", "abc") == ("abc", "abc@2")
+  assert commits.labels("abc", "def") == ("abc", "def")

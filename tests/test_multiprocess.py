@@ -111,6 +111,7 @@ def test_two_processes_of_four_devices_with_data_parallel_equal_single_process(
   assert result["test"]["test_accuracy"] == single_process["test"]["test_accuracy"]
 
 
+@pytest.mark.long  # CI time; int8 on the stage devices: test_quantize_engine, crossing: [4] above
 def test_int8_messages_cross_processes_as_int8(worker_env, cifar10_dir):
   # The int8 messages travel as int8 (plus float32 scales) through the
   # cross-process transfer, and the run equals the single-process int8 run.

@@ -156,6 +156,7 @@ def test_stage_mesh_runs_the_local_methods_as_the_host_executor(method):
   assert_same_run(host, host_params, comp, comp_params)
 
 
+@pytest.mark.long  # CI time; test_compiled's twin draws them on one device, [local] above
 def test_stage_mesh_draws_the_random_guesses_of_the_host_executor():
   """``forward_gradient.guess='random'``: every device takes each period's origin (the run's
   index of the period's key 0), so each micro-batch's guesses are the host's; every loss and

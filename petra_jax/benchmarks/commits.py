@@ -3,9 +3,12 @@
 ``python -m petra_jax.benchmarks.commits OLD NEW [--pairs=2] [--model=revnet18 --width=64
 --batch-size=64 --iters=5]`` exports both commits of this repository (``git archive``) to
 temporary directories and runs ``python -m petra_jax.benchmarks.throughput --json`` from each in
-turn, OLD then NEW, ``--pairs`` times, so that a drift of the machine's speed affects both. It
-prints each run's ms per step of ``backprop``, ``revprop`` and ``petra`` and the change of NEW's
-median against OLD's; run it before a refactor lands.
+turn, ``--pairs`` times, so that a drift of the machine's speed affects both: OLD first in the
+odd pairs, NEW first in the even ones (a run that gains from going first or second, its caches
+warm, gains as often for each). It prints each run's ms per step of ``backprop``, ``revprop``
+and ``petra`` and the change of NEW's median against OLD's; run it before a refactor lands.
+OLD and NEW may be one commit (an A/A sitting: the machine's noise); the second is then named
+``NEW@2``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ def step_ms(tree: str, throughput_args: Sequence[str]) -> dict:
   return {m: report["ms_per_step"][m] for m in METHODS}
 
 
+def order(labels: Sequence[str], pairs: int) -> list[str]:
+  """The runs' labels in the order they run: ``labels`` in turn for pair 1, reversed for pair
+  2, and so on (``order(["a", "b"], 3)`` is ``a b b a a b``)."""
+  return [c for i in range(pairs) for c in (labels if i % 2 == 0 else labels[::-1])]
+
+
+def labels(old: str, new: str) -> tuple[str, str]:
+  """The two runs' names: the commits, the second ``NEW@2`` when both are one commit."""
+  return (old, new if new != old else f"{new}@2")
+
+
 def compare(runs: dict) -> list[dict]:
   """Per method: each commit's runs (ms) and NEW's median change against OLD's (%)."""
   (old, a), (new, b) = runs.items()
@@ -68,16 +82,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args, throughput_args = p.parse_known_args(argv)
   throughput_args = throughput_args or ["--model=revnet18", "--dataset=cifar10",
                                         "--batch-size=64", "--width=64", "--iters=5"]
+  old, new = labels(args.old, args.new)
   with tempfile.TemporaryDirectory() as tmp:
-    trees = {c: export(c, args.repo, tmp) for c in (args.old, args.new)}
+    trees = {old: export(args.old, args.repo, os.path.join(tmp, "old")),
+             new: export(args.new, args.repo, os.path.join(tmp, "new"))}
     runs = {c: [] for c in trees}
-    for _ in range(args.pairs):
-      for c, tree in trees.items():
-        runs[c].append(step_ms(tree, throughput_args))
-        print(f"{c}: " + ", ".join(f"{m} {v:.0f} ms" for m, v in runs[c][-1].items()),
-              flush=True)
+    for c in order([old, new], args.pairs):
+      runs[c].append(step_ms(trees[c], throughput_args))
+      print(f"{c}: " + ", ".join(f"{m} {v:.0f} ms" for m, v in runs[c][-1].items()),
+            flush=True)
   for r in compare(runs):
-    print(f"{r['method']:<9} {args.old}: {r[args.old]}  {args.new}: {r[args.new]}  "
+    print(f"{r['method']:<9} {old}: {r[old]}  {new}: {r[new]}  "
           f"median change {r['change_pct']:+.1f} %")
   return 0
 
