@@ -316,6 +316,20 @@ SCALING_TINY = ["--processes=2", "--model=revnet_fixed", "--depth=2", "--width=2
                 "--iters=2", "--warmup=1"]
 
 
+def test_scaling_removes_the_compilation_cache_it_made(monkeypatch):
+  from petra_jax.benchmarks.scaling import processes
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  seen = []
+  monkeypatch.setattr(processes, "_alternate", lambda args, env: seen.append(
+      (env["JAX_COMPILATION_CACHE_DIR"], os.path.isdir(env["JAX_COMPILATION_CACHE_DIR"]))))
+  processes.measure(types.SimpleNamespace())
+  ((cache, existed),) = seen
+  assert existed and not os.path.exists(cache)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/the/callers/cache")
+  processes.measure(types.SimpleNamespace())
+  assert seen[-1][0] == "/the/callers/cache"
+
+
 def _scaling(args, timeout=240):
   env = without_virtual_devices(os.environ)  # these processes choose their own device count
   return subprocess.run([sys.executable, "-m", "petra_jax.benchmarks.scaling", *args],

@@ -69,10 +69,17 @@ def child_env() -> dict:
 
 
 def measure(args) -> tuple[dict, dict]:
-  """``(single, multi)`` results, run ``args.repeats`` times in alternation, medians."""
+  """``(single, multi)`` results, run ``args.repeats`` times in alternation, medians. The
+  children share one compilation cache: the caller's, or a temporary one removed after."""
+  with tempfile.TemporaryDirectory(prefix="petra_jax_scaling_") as cache:
+    env = child_env()
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+    return _alternate(args, env)
+
+
+def _alternate(args, env: dict) -> tuple[dict, dict]:
+  """:func:`measure`'s runs in ``env``."""
   module = ["-m", "petra_jax.benchmarks.scaling"]
-  env = child_env()
-  env.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="petra_jax_scaling_"))
   multi_env = dict(env, XLA_FLAGS=f"{env['XLA_FLAGS']} {EIGEN_FLAG}", PYTHON=sys.executable,
                    PETRA_MODULE="petra_jax.benchmarks.scaling", LOCAL_DEVICES="1")
   singles, multis = [], []
