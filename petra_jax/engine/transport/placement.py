@@ -44,7 +44,7 @@ class Placement:
   def state_sharding(self) -> jax.sharding.Sharding:
     """The state's sharding (for orbax restore)."""
     if self.size == 1:
-      return jax.sharding.SingleDeviceSharding(self.device)
+      return jax.sharding.make_single_device_sharding(self.device)
     return self.replicated
 
   def __eq__(self, other) -> bool:
@@ -59,7 +59,7 @@ def place(devices: Sequence[jax.Device]) -> Placement:
   devices = tuple(devices)
   if len(devices) == 1:
     d = devices[0]
-    return Placement(devices, d, d, jax.sharding.SingleDeviceSharding(d))
+    return Placement(devices, d, d, jax.sharding.make_single_device_sharding(d))
   mesh = Mesh(np.array(devices), (DATA_AXIS,))
   batch = NamedSharding(mesh, P(DATA_AXIS))
   return Placement(devices, NamedSharding(mesh, P()), batch, batch)

@@ -117,7 +117,7 @@ def _send_shards(leaves, shapes, src: tuple) -> list:
       continue
     pieces = []
     for d in src:
-      on_d = a if a.sharding == jax.sharding.SingleDeviceSharding(d) else jax.device_put(a, d)
+      on_d = a if a.sharding == jax.sharding.make_single_device_sharding(d) else jax.device_put(a, d)
       pieces.append(on_d.reshape(1) if not shape else on_d)
     out.append(pieces)
   return out

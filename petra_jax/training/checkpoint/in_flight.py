@@ -97,7 +97,7 @@ def flatten_in_flight(state: PipelineState, extra_arrays: dict[int, Any]):
 
 def abstract(shape, dtype, device) -> jax.ShapeDtypeStruct:
   """A ``ShapeDtypeStruct`` on ``device`` (a device or a sharding)."""
-  sharding = (jax.sharding.SingleDeviceSharding(device) if isinstance(device, jax.Device)
+  sharding = (jax.sharding.make_single_device_sharding(device) if isinstance(device, jax.Device)
               else device)
   return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
 
