@@ -42,6 +42,9 @@ def initialize_distributed(config: ml_collections.ConfigDict) -> bool:
         f"process {pid} could not join the {num}-process run at {address!r} within "
         f"{d.initialization_timeout_s} s: {str(e).splitlines()[0]}. Start every process "
         "with the same coordinator address (process 0's host:port) and num_processes.") from None
+  if transport.skip_cache_if_it_hangs():
+    logging.info("persistent compilation cache off: this jaxlib's CPU collectives hang in "
+                 "programs loaded from it (docs/multihost.md)")
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())

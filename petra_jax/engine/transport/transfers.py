@@ -9,6 +9,7 @@ owning processes in the same order; compiled once per
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from petra_jax import _xla_flags
 from petra_jax.engine.transport import placement as placement_lib
 
 PyTree = Any
@@ -47,6 +49,26 @@ def is_local(device: jax.Device) -> bool:
 def enable_cpu_collectives() -> None:
   """Selects gloo for CPU cross-process collectives; must run before the backend starts."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+# jaxlib releases [first, past) whose CPU collectives hang in a program loaded from the
+# persistent compilation cache in a run of several processes (docs/multihost.md, "JAX versions").
+CACHED_COLLECTIVES_HANG = ((0, 12), (1, 0))
+
+
+def skip_cache_if_it_hangs() -> bool:
+  """Turns JAX's persistent compilation cache off where its programs' collectives hang.
+
+  That is a run of several processes on the CPU with a jaxlib in
+  :data:`CACHED_COLLECTIVES_HANG`. Call it after ``jax.distributed.initialize``
+  and before anything compiles (JAX decides once per process whether to use the
+  cache). Returns whether it turned the cache off.
+  """
+  if not (jax.process_count() > 1 and jax.default_backend() == "cpu"
+          and _xla_flags.jaxlib_in(CACHED_COLLECTIVES_HANG)):
+    return False
+  jax.config.update("jax_enable_compilation_cache", False)
+  return True
 
 
 def transfer(x: Optional[PyTree], src, dst, spec: PyTree) -> Optional[PyTree]:
@@ -141,19 +163,49 @@ _place = functools.lru_cache(maxsize=None)(placement_lib.place)
 
 @functools.lru_cache(maxsize=None)
 def _compiled(treedef, shapes: tuple, src: tuple, dst: tuple):
-  """``(jitted ppermute src -> dst, input shardings)``; groups ordered by device id."""
+  """``(compiled ppermute src -> dst, input shardings)``; groups ordered by device id."""
+  lowered, shardings = _lowered(treedef, shapes, src, dst)
+  return lowered.compile(), shardings
+
+
+def _lowered(treedef, shapes: tuple, src: tuple, dst: tuple):
+  """``(jax.stages.Lowered, input shardings)`` of the ppermute ``src -> dst``.
+
+  Lowered ahead of the first call, without the caller's traceback in its
+  locations: the two processes call a transfer from different lines (the
+  sender's and the receiver's branch), and jaxlib 0.12's CPU collectives never
+  complete between two programs that differ only in their locations
+  (docs/multihost.md, "JAX versions").
+  """
   del treedef  # part of the cache key: one compilation per boundary
   pair = sorted((src, dst), key=lambda g: g[0].id)
   mesh = Mesh(np.array(pair), (_AXIS, "data"))
   perm = [(0, 1)] if pair[0] == src else [(1, 0)]
   specs = tuple(P((_AXIS, "data")) if _batched(shape, len(src)) else P(_AXIS)
                 for shape, _ in shapes)
+  shardings = tuple(NamedSharding(mesh, spec) for spec in specs)
 
   def body(*xs):
     return tuple(jax.lax.ppermute(x, _AXIS, perm) for x in xs)
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
-  return fn, tuple(NamedSharding(mesh, spec) for spec in specs)
+  args = [jax.ShapeDtypeStruct(_global_shape(shape), dtype, sharding=sh)
+          for (shape, dtype), sh in zip(shapes, shardings)]
+  with _jax_options(jax_include_full_tracebacks_in_locations=False):
+    return fn.lower(*args), shardings
+
+
+@contextlib.contextmanager
+def _jax_options(**options):
+  """Sets JAX configuration options for the block, then restores their values."""
+  before = {name: getattr(jax.config, name) for name in options}
+  try:
+    for name, value in options.items():
+      jax.config.update(name, value)
+    yield
+  finally:
+    for name, value in before.items():
+      jax.config.update(name, value)
 
 
 @functools.lru_cache(maxsize=None)
