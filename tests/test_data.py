@@ -1,6 +1,7 @@
 """Tests for petra_jax.data (data dir, loading, batching, augmentation)."""
 
 import itertools
+import tempfile
 
 import jax
 import numpy as np
@@ -252,6 +253,16 @@ def eval_image_dir(tmp_path_factory):
 
 
 NEW_DATASETS = ("cifar100", "imagenet32", "imagenet")
+
+
+def test_asking_tfds_about_an_unprepared_data_set_leaves_no_temporary_folder(tmp_path, monkeypatch):
+  temp = tmp_path / "temp"
+  temp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(temp))
+  prepared, where = prepare.is_prepared("cifar10", CIFAR10, str(tmp_path / "data"))
+  assert not prepared and where.startswith(str(tmp_path / "data"))
+  assert list(temp.iterdir()) == []  # tfds 4.9 alone leaves an empty tmp*tfds here
+  assert tempfile.tempdir == str(temp)
 
 
 # torchvision's ImageNet channel statistics (in [0, 1] units), which ImageNet

@@ -4,10 +4,12 @@ Records are array_record files read without TensorFlow; images are decoded with 
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import io
 import os
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -119,10 +121,31 @@ class LazySplit:
 
 
 def tfds_builder(info: DatasetInfo, data_dir: str):
-  """tfds' builder of a dataset in ``data_dir``; raises whatever tfds raises."""
+  """tfds' builder of a dataset in ``data_dir``; raises whatever tfds raises.
+
+  Built inside :func:`_scratch_tempdir`: for a data set not prepared in ``data_dir``,
+  tfds 4.9's ``DatasetInfo.initialize_from_bucket`` makes a temporary folder that it
+  leaves behind (empty: tfds reads no bucket here), one per builder.
+  """
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
-  return tfds.builder(info.tfds_name, data_dir=data_dir, file_format="array_record")
+  with _scratch_tempdir():
+    return tfds.builder(info.tfds_name, data_dir=data_dir, file_format="array_record")
+
+
+@contextlib.contextmanager
+def _scratch_tempdir():
+  """``tempfile``'s default folder set to a new one, removed with what is in it at exit.
+
+  Process-wide while it lasts (``tempfile.tempdir``): use it around calls that start
+  no threads and while none of this process's threads makes temporary files.
+  """
+  with tempfile.TemporaryDirectory(prefix="petra_jax_tfds_") as scratch:
+    previous, tempfile.tempdir = tempfile.tempdir, scratch
+    try:
+      yield
+    finally:
+      tempfile.tempdir = previous
 
 
 def data_source(info: DatasetInfo, split: str, data_dir: str):
