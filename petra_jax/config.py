@@ -144,6 +144,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.unroll_ticks = periods.UNROLL_TICKS  # compiled: ticks per iteration of the scan's loop
   c.order_writes = periods.ORDER_WRITES  # compiled: carried slots written after their reads
   c.progress_seconds = 60.0   # output not a terminal: a progress line this often; 0 = off
+  c.profile_steps = ""        # "START:STOP": those updates traced with jax.profiler; "" = off
   c.num_devices = 0           # 0 = all local devices
   c.data_parallel = 1
   c.platform = ""
@@ -236,6 +237,8 @@ HELP = {
                     "copying it (the same values; more small operations)",
     "progress_seconds": "output not a terminal (SLURM, nohup, CI): a progress line this often "
                         "(seconds); 0 = off",
+    "profile_steps": "'START:STOP': trace updates START to STOP with jax.profiler into "
+                     "WORKDIR/profile (TensorBoard's profile tab), whole executor calls; '' = off",
     "num_devices": "devices to spread the stages over; 0 = all local devices",
     "data_parallel": "D: devices per stage (micro-batch sharded over them)",
     "platform": "the platform the run expects: gpu, tpu, cpu; '' = whatever JAX picks",

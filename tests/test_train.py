@@ -118,6 +118,8 @@ def test_petra_per_step_losses_do_not_depend_on_device_count(cifar10_dir, tmp_pa
     ({"keep_checkpoints": 0}, "keep_checkpoints must be >= 1"),
     ({"model.width": 0}, "model.width must be >= 1"),
     ({"compensation.lookahead_momentum": 1.0}, "compensation.lookahead_momentum must be in"),
+    ({"profile_steps": "5:5"}, "profile_steps must be 'START:STOP'"),
+    ({"profile_steps": "100-120"}, "profile_steps must be 'START:STOP'"),
     ({"model.num_stages": 3, "model.stage_sizes": (5, 5)},
      r"model.num_stages=3 disagrees with model.stage_sizes=\(5, 5\)"),
 ])

@@ -17,6 +17,7 @@ from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import console
 from petra_jax.training import distributed
 from petra_jax.training import preemption
+from petra_jax.training import profile_window
 from petra_jax.training import run_record
 from petra_jax.training import validation
 from petra_jax.training.assembly import Progress, Setup, setup
@@ -94,7 +95,8 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
   exits (75). Returns the progress after the last tick."""
   c = run.config
   bar, lines = _progress_display(run, progress.step)
-  with _discard_diverged(run), contextlib.closing(bar):
+  with _discard_diverged(run), contextlib.closing(bar), \
+      profile_window.ProfileWindow(c.profile_steps, run.workdir) as window:
     t = progress.state.tick
     while t < len(run.schedule):
       # A call runs several updates only up to the next one whose hooks read the state
@@ -107,6 +109,7 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
         run.relay.add(out.micro_batch, out.loss)
       updates = _updates_fed(run, t, t + n)
       progress.step = updates[-1] if updates else progress.step
+      window.after_call(progress.step, progress.state)
       t += n
       if t in run.drain_points:  # (checkpoint_drain) the pipeline is empty
         progress.last_save = save_checkpoint(run, progress)
@@ -205,9 +208,8 @@ def _due(run: Setup, step: int) -> _Due:
 
 
 def _begin(config, workdir: str, restart: bool) -> bool:
-  """Before set-up: ``restart`` (a config that fails validation deletes
-  nothing), a note on a changed config; True (and one line) when the
-  workdir's run is finished already."""
+  """Before set-up: ``restart`` (a config that fails validation deletes nothing), a note on a
+  changed config; True (and one line) when the workdir's run is finished already."""
   if restart:
     validation.validate_config(config, len(jax.local_devices()))
   if restart and jax.process_index() == 0:
@@ -391,8 +393,7 @@ def preempt(run: Setup, progress: Progress, signal_name: str) -> None:
 
 def _verified_through(run: Setup) -> int:
   """The updates whose losses are all known finite (process 0's count);
-  raises Diverged on every process if one is NaN/Inf.
-  """
+  raises Diverged on every process if one is NaN/Inf."""
   try:
     run.loss_log.check_finite()
     verified = run.loss_log.next_step
@@ -440,8 +441,7 @@ def _discard_diverged(run: Setup):
 
 def _stop_requested(run: Setup, step: int, stop: preemption.StopOnSignal) -> bool:
   """Whether to stop after update ``step``: a signal here or, multi-process, on
-  any process (agreed only every ``preemption_check_every`` updates).
-  """
+  any process (agreed only every ``preemption_check_every`` updates)."""
   if not run.pipe.multiprocess:
     return stop.requested
   if step % run.config.distributed.preemption_check_every:

@@ -23,6 +23,7 @@ from petra_jax.engine.arrays import precision as precision_lib
 from petra_jax.engine.arrays import quantize as quantize_lib
 from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.optim import compensation
+from petra_jax.training import profile_window
 
 
 class ConfigError(ValueError):
@@ -131,7 +132,8 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
       format; a method the model does not support; a numeric field outside
       its :data:`RANGES`; a warm-up longer than the run; ``model.num_stages``
       and ``model.stage_sizes`` that disagree, more stages than blocks; a
-      batch that does not split into k micro-batches; more devices than exist.
+      batch that does not split into k micro-batches; more devices than exist;
+      a ``profile_steps`` that is not ``'START:STOP'``.
   """
   _check_choices(config)
   _check_task(config)
@@ -140,7 +142,16 @@ def validate_config(config: ml_collections.ConfigDict, num_local_devices: int) -
   _check_batch(config)
   _check_stages(config)
   _check_local(config)
+  _check_profile(config)
   _check_devices(config, num_local_devices)
+
+
+def _check_profile(config) -> None:
+  """``profile_steps`` reads as ``'START:STOP'`` or ``''``."""
+  try:
+    profile_window.parse(config.profile_steps)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _check_devices(config, num_local_devices: int) -> None:

@@ -1,0 +1,44 @@
+"""``--config.profile_steps``: a window of a run traced with jax.profiler
+(petra_jax/training/profile_window.py)."""
+
+import glob
+import os
+
+import jax
+import pytest
+
+from petra_jax import train
+from petra_jax.benchmarks import device_time
+from petra_jax.training import profile_window
+from tests.helpers import tiny_config
+
+
+@pytest.mark.parametrize("spec,bounds", [("", None), ("0:1", (0, 1)), ("100:120", (100, 120))])
+def test_a_window_reads_as_two_update_counts(spec, bounds):
+  assert profile_window.parse(spec) == bounds
+
+
+@pytest.mark.parametrize("spec", ["3:3", "4:2", "-1:2", "5", "1:2:3", "a:b", "100-120"])
+def test_a_window_that_is_not_start_before_stop_is_refused(spec):
+  with pytest.raises(ValueError, match="--config.profile_steps=100:120"):
+    profile_window.parse(spec)
+
+
+def _xla_op_events(workdir: str) -> list:
+  found = glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
+  assert len(found) == 1, found
+  data = jax.profiler.ProfileData.from_file(found[0])
+  return list(device_time.device_events(data, "cpu"))
+
+
+def test_a_run_traces_its_window_and_only_when_asked(cifar10_dir, tmp_path):
+  # 8 updates, one tick a call (the host executor): "2:4" traces updates 3 and 4, "0:8" from the
+  # first tick to the run's end (which stops the trace), 8 updates and the pipeline's filling.
+  for name, spec in (("window", "2:4"), ("whole", "0:8"), ("plain", "")):
+    c = tiny_config(cifar10_dir, max_steps=8, eval_every=0, checkpoint_every=0,
+                    checkpoint_minutes=0, executor="host", profile_steps=spec,
+                    **{"model.width": 2, "model.num_stages": 2})
+    train.train_and_evaluate(c, str(tmp_path / name))
+  window, whole = (len(_xla_op_events(str(tmp_path / n))) for n in ("window", "whole"))
+  assert 0 < window < whole / 2  # the stages' programs ran inside it, for a part of the run
+  assert not os.path.exists(tmp_path / "plain" / "profile")
