@@ -31,6 +31,9 @@ def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
   recipe = next(p.argv for p in parts if p.name == "accelerator_recipe")
   assert {"--config=configs/cifar10.py", "--micro-batches=64", "--accumulation-steps=2",
           "--methods=petra", "--dtypes=float32"} <= set(recipe)
+  profiled = next(p for p in parts if p.name == "train_profile")
+  assert profiled.optional and profiled.until_stopped
+  assert {"--config=configs/cifar10.py", "--config.profile_steps=96:192"} <= set(profiled.argv)
   assert not any("pip" in a for p in parts for a in p.argv)
 
 
@@ -104,6 +107,7 @@ def test_an_optional_part_runs_only_when_named(tmp_path, monkeypatch):
   monkeypatch.setattr(gpu_check, "bundle", lambda out: out + ".tar.gz")
   assert gpu_check.main(["--tiny", f"--out={tmp_path / 'a'}"]) == 0
   assert "accelerator_ordered" not in ran and "accelerator_float32" in ran
+  assert "train_profile" not in ran
   ran.clear()
   assert gpu_check.main(["--tiny", f"--out={tmp_path / 'b'}", "--parts=accelerator_ordered"]) == 0
   assert ran == ["accelerator_ordered"]

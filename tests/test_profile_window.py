@@ -3,12 +3,14 @@
 
 import glob
 import os
+import re
 
 import jax
 import pytest
 
 from petra_jax import train
 from petra_jax.benchmarks import device_time
+from petra_jax.benchmarks import gpu_check
 from petra_jax.training import profile_window
 from tests.helpers import tiny_config
 
@@ -42,3 +44,9 @@ def test_a_run_traces_its_window_and_only_when_asked(cifar10_dir, tmp_path):
   window, whole = (len(_xla_op_events(str(tmp_path / n))) for n in ("window", "whole"))
   assert 0 < window < whole / 2  # the stages' programs ran inside it, for a part of the run
   assert not os.path.exists(tmp_path / "plain" / "profile")
+  # What the GPU check's summary says of such a trace: the device's time inside the window.
+  said = gpu_check.profile_summary(str(tmp_path / "window"))
+  busy, wall, percent = re.match(
+      r"device busy ([0-9.]+) ms of a ([0-9.]+) ms window \(([0-9]+) %", said).groups()
+  assert 0 < float(busy) <= float(wall) and 0 < int(percent) <= 100, said
+  assert gpu_check.profile_summary(str(tmp_path / "plain")).startswith("none (")

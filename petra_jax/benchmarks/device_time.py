@@ -73,17 +73,36 @@ def profile_window(name: str = "petra_jax_timed_window",
         yield window
     finally:
       jax.profiler.stop_trace()
-    data = jax.profiler.ProfileData.from_file(_xplane_file(log_dir))
-    start, end = _window_bounds(data, name)
-    named = list(device_events(data, platform or jax.default_backend()))
-    intervals = [(lo, hi) for _, lo, hi in named]
-    window.wall_ns = end - start
-    window.busy_ns = union_length(intervals, start, end)
-    window.num_events = len(intervals)
-    window.kernels = time_by_name(named, start, end)
+    data = jax.profiler.ProfileData.from_file(xplane_file(log_dir))
+    measure(data, name, platform or jax.default_backend(), window)
 
 
-def _xplane_file(log_dir: str) -> str:
+def measure(data, name: str, platform: str, window: Optional[Window] = None) -> Window:
+  """``window`` (a new one if None) filled from ``data``, a ``jax.profiler.ProfileData``: the
+  host event ``name`` bounds it, ``platform``'s device events fill it. RuntimeError if no event
+  is named ``name``."""
+  window = Window() if window is None else window
+  start, end = _window_bounds(data, name)
+  named = list(device_events(data, platform))
+  intervals = [(lo, hi) for _, lo, hi in named]
+  window.wall_ns = end - start
+  window.busy_ns = union_length(intervals, start, end)
+  window.num_events = len(intervals)
+  window.kernels = time_by_name(named, start, end)
+  return window
+
+
+def platform_of(data) -> str:
+  """``"gpu"``, ``"tpu"`` or ``"cpu"``: the devices whose planes a profile holds."""
+  names = [plane.name for plane in data.planes]
+  for platform in ("gpu", "tpu"):
+    if any(n.lower().startswith(f"/device:{platform}") for n in names):
+      return platform
+  return "cpu"
+
+
+def xplane_file(log_dir: str) -> str:
+  """The newest ``.xplane.pb`` under ``log_dir``; RuntimeError if there is none."""
   found = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
   if not found:
     raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")

@@ -23,6 +23,11 @@ Each part runs as its own process under its own time limit (s), its stdout and s
 - ``summary``: ``DIR/summary.txt``: each part's exit status, the fits ``tick = H + C B`` per
   (method, dtype) from the rows, the last progress line of each training run, and the main
   job's img/s as a percentage of the benchmark's on its recipe.
+- ``train_profile`` (90; only when ``--parts`` names it, beyond the 8 minutes): the main job as
+  ``train`` with ``--config.profile_steps=96:192`` (about three compiled calls of 32 updates at
+  its k = 2), the trace under ``DIR/train_profile/profile``; the summary gives the device's
+  busy fraction inside the window and its five longest kernels: where the main job loses to the
+  benchmark.
 - ``accelerator_ordered`` (40; only when ``--parts`` names it, beyond the 8 minutes): ``petra``
   float32 at 64 and 256 with its carried writes ordered (``--order-writes=1``,
   :mod:`petra_jax.engine.transport.ordered_writes`), beside the float32 rows, which do not
@@ -54,7 +59,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from petra_jax.benchmarks import accelerator
+from petra_jax.benchmarks import device_time
 from petra_jax.engine.compiled import EXECUTORS
+from petra_jax.training import profile_window
 _PY = sys.executable
 GRACE_S = 5  # after SIGTERM at a part's limit, SIGKILL this many seconds later
 MAIN_JOB = "configs/cifar10.py"
@@ -129,7 +136,8 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           "--config.model.context=256", "--config.model.stage_sizes=()",
           "--config.model.num_stages=4", "--config.batch_size=64",
           "--config.accumulation_steps=4", "--config.num_epochs=1000"]
-  times = (30, 150, 150, 150, 150, 150, 150, 150) if tiny else (15, 155, 25, 80, 65, 40, 65, 40)
+  times = ((30, 150, 150, 150, 150, 150, 150, 150, 150) if tiny
+           else (15, 155, 25, 80, 65, 40, 65, 40, 90))
   every = 1 if tiny else 10
   return [Part("info", (_PY, "-m", "petra_jax.benchmarks.gpu_check", "--info"), times[0]),
           _accelerator("accelerator_float32", "float32", tiny, times[1], out, executor),
@@ -143,7 +151,11 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
           dataclasses.replace(
               _accelerator("accelerator_ordered", "float32", tiny, times[7], out, executor,
                            methods="petra", micro_batches="64,256", extra=("--order-writes=1",)),
-              optional=True)]
+              optional=True),
+          dataclasses.replace(
+              _train("train_profile", MAIN_JOB,
+                     main_job + ["--config.profile_steps=" + ("1:3" if tiny else "96:192")],
+                     times[8], out, data_dir, every, executor), optional=True)]
 
 
 def run_part(part: Part, out: str) -> dict:
@@ -225,7 +237,25 @@ def summary(out: str, results: Sequence[dict]) -> str:
                + against_benchmark(main_line, recipe_rows))
   lines.append("language model: " + (last_line(os.path.join(out, "language_model.log"),
                                                "tokens/s") or "no progress line"))
+  if any(r["name"] == "train_profile" for r in results):
+    lines.append("main job's profile: " + profile_summary(os.path.join(out, "train_profile")))
   return "\n".join(lines) + "\n"
+
+
+def profile_summary(workdir: str) -> str:
+  """The device's busy time in the traced window of the run in ``workdir`` and its five longest
+  kernels, or what is missing."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    data = jax.profiler.ProfileData.from_file(
+        device_time.xplane_file(os.path.join(workdir, "profile")))
+    window = device_time.measure(data, profile_window.WINDOW_EVENT, device_time.platform_of(data))
+  except RuntimeError as e:
+    return f"none ({e})"
+  top = ", ".join(f"{name} {ns / 1e6:.1f} ms" for name, ns in list(window.kernels.items())[:5])
+  return (f"device busy {window.busy_ns / 1e6:.1f} ms of a {window.wall_ns / 1e6:.1f} ms window "
+          f"({100 * window.busy_fraction:.0f} %, {window.num_events} device events); "
+          f"longest kernels: {top}")
 
 
 def _rows(path: str) -> list[dict]:

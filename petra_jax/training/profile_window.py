@@ -6,7 +6,8 @@ The trace (XPlane: TensorBoard's profile tab reads it, and so does
 executor calls, as a compiled call runs many updates: the trace starts after the first call
 that reaches update ``START`` and stops after the first call that reaches ``STOP`` (the next
 call if that one did too), once that call's state is computed: the window's one wait on the
-device. A run that ends inside the window stops the trace as it ends.
+device. A run that ends inside the window stops the trace as it ends. A host event named
+:data:`WINDOW_EVENT` spans the window in the trace.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Optional
 from absl import logging
 import jax
 
+WINDOW_EVENT = "petra_jax_profile_window"
 
 def parse(spec: str) -> Optional[tuple[int, int]]:
   """``"START:STOP"`` -> ``(START, STOP)`` in updates; ``""`` -> None (no trace).
@@ -73,6 +75,8 @@ class ProfileWindow:
       options = jax.profiler.ProfileOptions()
       options.python_tracer_level = 0  # (Python's own calls: a large host cost of its own)
       jax.profiler.start_trace(self._dir, profiler_options=options)
+      self._annotation = jax.profiler.TraceAnnotation(WINDOW_EVENT)
+      self._annotation.__enter__()
       self._tracing, self._first_step = True, step
     elif self._tracing and step >= stop:
       state.block_until_ready()
@@ -80,5 +84,6 @@ class ProfileWindow:
       logging.info("profile of updates %d to %d: %s", self._first_step, step, self._dir)
 
   def _stop(self) -> None:
+    self._annotation.__exit__(None, None, None)
     jax.profiler.stop_trace()
     self._tracing, self._done = False, True
