@@ -50,3 +50,10 @@ def test_a_run_traces_its_window_and_only_when_asked(cifar10_dir, tmp_path):
       r"device busy ([0-9.]+) ms of a ([0-9.]+) ms window \(([0-9]+) %", said).groups()
   assert 0 < float(busy) <= float(wall) and 0 < int(percent) <= 100, said
   assert gpu_check.profile_summary(str(tmp_path / "plain")).startswith("none (")
+
+
+def test_a_run_resumed_past_its_window_traces_nothing(tmp_path):
+  with profile_window.ProfileWindow("2:4", str(tmp_path), 4) as window:
+    window.after_call(5, state=None)
+    window.after_call(6, state=None)
+  assert not os.path.exists(tmp_path / "profile")

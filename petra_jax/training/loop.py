@@ -96,7 +96,7 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
   c = run.config
   bar, lines = _progress_display(run, progress.step)
   with _discard_diverged(run), contextlib.closing(bar), \
-      profile_window.ProfileWindow(c.profile_steps, run.workdir) as window:
+      profile_window.ProfileWindow(c.profile_steps, run.workdir, progress.step) as window:
     t = progress.state.tick
     while t < len(run.schedule):
       # A call runs several updates only up to the next one whose hooks read the state

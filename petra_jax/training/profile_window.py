@@ -50,14 +50,15 @@ class ProfileWindow:
   """The trace of one window of a run; a context manager that stops it at exit.
 
   Call :meth:`after_call` after each executor call with the updates run so far and the
-  state it returned (a ``PipelineState``). Raises ValueError for a bad ``spec`` (:func:`parse`).
+  state it returned (a ``PipelineState``). A run resumed at update ``step >= STOP`` traces
+  nothing. Raises ValueError for a bad ``spec`` (:func:`parse`).
   """
 
-  def __init__(self, spec: str, workdir: str):
+  def __init__(self, spec: str, workdir: str, step: int = 0):
     self._bounds = parse(spec)
     self._dir = trace_dir(workdir)
     self._tracing = False
-    self._done = self._bounds is None
+    self._done = self._bounds is None or step >= self._bounds[1]
 
   def __enter__(self) -> "ProfileWindow":
     return self
