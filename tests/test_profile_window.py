@@ -33,27 +33,27 @@ def _xla_op_events(workdir: str) -> list:
   return list(device_time.device_events(data, "cpu"))
 
 
-def test_a_run_traces_its_window_and_only_when_asked(cifar10_dir, tmp_path):
+def test_a_run_traces_its_window(cifar10_dir, tmp_path):
   # 8 updates, one tick a call (the host executor): "2:4" traces updates 3 and 4, "0:8" from the
   # first tick to the run's end (which stops the trace), 8 updates and the pipeline's filling.
-  for name, spec in (("window", "2:4"), ("whole", "0:8"), ("plain", "")):
+  for name, spec in (("window", "2:4"), ("whole", "0:8")):
     c = tiny_config(cifar10_dir, max_steps=8, eval_every=0, checkpoint_every=0,
                     checkpoint_minutes=0, executor="host", profile_steps=spec,
                     **{"model.width": 2, "model.num_stages": 2})
     train.train_and_evaluate(c, str(tmp_path / name))
   window, whole = (len(_xla_op_events(str(tmp_path / n))) for n in ("window", "whole"))
   assert 0 < window < whole / 2  # the stages' programs ran inside it, for a part of the run
-  assert not os.path.exists(tmp_path / "plain" / "profile")
   # What the GPU check's summary says of such a trace: the device's time inside the window.
   said = gpu_check.profile_summary(str(tmp_path / "window"))
   busy, wall, percent = re.match(
       r"device busy ([0-9.]+) ms of a ([0-9.]+) ms window \(([0-9]+) %", said).groups()
   assert 0 < float(busy) <= float(wall) and 0 < int(percent) <= 100, said
-  assert gpu_check.profile_summary(str(tmp_path / "plain")).startswith("none (")
+  assert gpu_check.profile_summary(str(tmp_path / "nowhere")).startswith("none (")
 
 
-def test_a_run_resumed_past_its_window_traces_nothing(tmp_path):
-  with profile_window.ProfileWindow("2:4", str(tmp_path), 4) as window:
-    window.after_call(5, state=None)
-    window.after_call(6, state=None)
+@pytest.mark.parametrize("spec,step", [("", 0), ("2:4", 4)])
+def test_no_window_or_a_run_resumed_past_it_traces_nothing(tmp_path, spec, step):
+  with profile_window.ProfileWindow(spec, str(tmp_path), step) as window:
+    for s in range(step, step + 6):
+      window.after_call(s + 1, state=None)
   assert not os.path.exists(tmp_path / "profile")
