@@ -39,6 +39,7 @@ def test_a_run_traces_its_window(cifar10_dir, tmp_path):
   for name, spec in (("window", "2:4"), ("whole", "0:8")):
     c = tiny_config(cifar10_dir, max_steps=8, eval_every=0, checkpoint_every=0,
                     checkpoint_minutes=0, executor="host", profile_steps=spec,
+                    eval_examples=32, eval_batch_size=32,
                     **{"model.width": 2, "model.num_stages": 2})
     train.train_and_evaluate(c, str(tmp_path / name))
   window, whole = (len(_xla_op_events(str(tmp_path / n))) for n in ("window", "whole"))
