@@ -49,6 +49,11 @@ def test_a_run_traces_its_window(cifar10_dir, tmp_path):
   busy, wall, percent = re.match(
       r"device busy ([0-9.]+) ms of a ([0-9.]+) ms window \(([0-9]+) %", said).groups()
   assert 0 < float(busy) <= float(wall) and 0 < int(percent) <= 100, said
+  calls, taking, between = (float(x) for x in re.search(
+      r"host: ([0-9.]+) ms in executor calls \(([0-9.]+) ms of them taking micro-batches\), "
+      r"(-?[0-9.]+) ms between calls", said).groups())
+  # One thread runs the calls one after another, and takes the micro-batches inside them.
+  assert 0 < taking <= calls <= float(wall) and between >= 0, said
   assert gpu_check.profile_summary(str(tmp_path / "nowhere")).startswith("none (")
 
 

@@ -82,7 +82,7 @@ def measure(data, name: str, platform: str, window: Optional[Window] = None) -> 
   host event ``name`` bounds it, ``platform``'s device events fill it. RuntimeError if no event
   is named ``name``."""
   window = Window() if window is None else window
-  start, end = _window_bounds(data, name)
+  start, end = window_bounds(data, name)
   named = list(device_events(data, platform))
   intervals = [(lo, hi) for _, lo, hi in named]
   window.wall_ns = end - start
@@ -109,7 +109,7 @@ def xplane_file(log_dir: str) -> str:
   return found[-1]
 
 
-def _window_bounds(data, name: str) -> tuple[float, float]:
+def window_bounds(data, name: str) -> tuple[float, float]:
   """``(start_ns, end_ns)`` of the host event named ``name``; RuntimeError if absent."""
   for plane in data.planes:
     for line in plane.lines:
@@ -117,6 +117,14 @@ def _window_bounds(data, name: str) -> tuple[float, float]:
         if e.name == name:
           return float(e.start_ns), float(e.end_ns)
   raise RuntimeError(f"the profile holds no event named {name!r}")
+
+
+def named_time(data, name: str, lo: float, hi: float) -> float:
+  """Total length (ns) of the events named ``name`` on any plane and line of ``data``, each
+  clipped to ``[lo, hi]``; events that overlap each count."""
+  return sum(max(0.0, min(float(e.end_ns), hi) - max(float(e.start_ns), lo))
+             for plane in data.planes for line in plane.lines for e in line.events
+             if e.name == name)
 
 
 def device_intervals(data, platform: str) -> Iterable[tuple[float, float]]:

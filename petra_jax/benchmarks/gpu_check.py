@@ -252,10 +252,14 @@ def profile_summary(workdir: str) -> str:
     window = device_time.measure(data, profile_window.WINDOW_EVENT, device_time.platform_of(data))
   except RuntimeError as e:
     return f"none ({e})"
+  lo, hi = device_time.window_bounds(data, profile_window.WINDOW_EVENT)
+  calls, batches = (device_time.named_time(data, name, lo, hi) / 1e6 for name in
+                    (profile_window.CALL_EVENT, profile_window.BATCHES_EVENT))
   top = ", ".join(f"{name} {ns / 1e6:.1f} ms" for name, ns in list(window.kernels.items())[:5])
   return (f"device busy {window.busy_ns / 1e6:.1f} ms of a {window.wall_ns / 1e6:.1f} ms window "
-          f"({100 * window.busy_fraction:.0f} %, {window.num_events} device events); "
-          f"longest kernels: {top}")
+          f"({100 * window.busy_fraction:.0f} %, {window.num_events} device events); host: "
+          f"{calls:.1f} ms in executor calls ({batches:.1f} ms of them taking micro-batches), "
+          f"{window.wall_ns / 1e6 - calls:.1f} ms between calls; longest kernels: {top}")
 
 
 def _rows(path: str) -> list[dict]:

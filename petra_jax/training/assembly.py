@@ -40,6 +40,7 @@ from petra_jax.training import batch_source
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import distributed
 from petra_jax.training import metrics as metrics_lib
+from petra_jax.training import profile_window
 from petra_jax.training import validation
 from petra_jax.training.loss_log import LossLog, LossRelay
 
@@ -163,9 +164,11 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> tuple[Setup, Progr
                                  config.unroll_ticks, config.order_writes)
   except compiled.Unsupported as e:
     raise validation.ConfigError(str(e)) from None
-  run = Setup(config, workdir, info, train, test, pipe, schedule,
-              batch_source.batch_source(config, info, train, pipe, steps_per_epoch), writer,
-              loss_log, _loss_relay(pipe, loss_log), ckpt, executor, steps_per_epoch,
+  batches = profile_window.traced(  # (a trace shows the loop's waits for data)
+      batch_source.batch_source(config, info, train, pipe, steps_per_epoch),
+      profile_window.BATCHES_EVENT)
+  run = Setup(config, workdir, info, train, test, pipe, schedule, batches, writer, loss_log,
+              _loss_relay(pipe, loss_log), ckpt, executor, steps_per_epoch,
               total_steps, restored_step=restored.step,
               start=start - restored.extra.get("wall_time", 0.0),  # wall_time goes on
               drain_points=types.MappingProxyType(drain_points),

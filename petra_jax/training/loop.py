@@ -101,9 +101,10 @@ def _train(run: Setup, progress: Progress, stop: preemption.StopOnSignal) -> Pro
     while t < len(run.schedule):
       # A call runs several updates only up to the next one whose hooks read the state
       # (evaluation, checkpoint): the hooks then see the state of that very update.
-      progress.state, outputs, n = run.executor.advance(
-          progress.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
-          last_micro_batch=_next_due_step(run, progress.step) * c.accumulation_steps - 1)
+      with jax.profiler.TraceAnnotation(profile_window.CALL_EVENT):
+        progress.state, outputs, n = run.executor.advance(
+            progress.state, run.schedule, t, run.batches, limit=_next_drain_point(run, t),
+            last_micro_batch=_next_due_step(run, progress.step) * c.accumulation_steps - 1)
       run.loss_log.begin_call()
       for out in outputs:
         run.relay.add(out.micro_batch, out.loss)

@@ -6,19 +6,23 @@ The trace (XPlane: TensorBoard's profile tab reads it, and so does
 executor calls, as a compiled call runs many updates: the trace starts after the first call
 that reaches update ``START`` and stops after the first call that reaches ``STOP`` (the next
 call if that one did too), once that call's state is computed: the window's one wait on the
-device. A run that ends inside the window stops the trace as it ends. A host event named
-:data:`WINDOW_EVENT` spans the window in the trace.
+device. A run that ends inside the window stops the trace as it ends. In the trace, a host
+event :data:`WINDOW_EVENT` spans the window's calls as the host ran them (not that last wait),
+:data:`CALL_EVENT` each executor call and :data:`BATCHES_EVENT` each micro-batch the loop takes
+from its batch source (waits included).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from absl import logging
 import jax
 
 WINDOW_EVENT = "petra_jax_profile_window"
+CALL_EVENT = "petra_jax_executor_call"
+BATCHES_EVENT = "petra_jax_batches"
 
 def parse(spec: str) -> Optional[tuple[int, int]]:
   """``"START:STOP"`` -> ``(START, STOP)`` in updates; ``""`` -> None (no trace).
@@ -37,6 +41,15 @@ def parse(spec: str) -> Optional[tuple[int, int]]:
                      f"0 <= START < STOP, got {spec!r}: e.g. --config.profile_steps=100:120, "
                      "or '' for no trace.")
   return start, stop
+
+
+def traced(fn: Callable, name: str) -> Callable:
+  """``fn`` with each call inside a host event ``name`` of a trace (about 0.25 µs a call on
+  the 2-core dev CPU while none is taken)."""
+  def call(*args):
+    with jax.profiler.TraceAnnotation(name):
+      return fn(*args)
+  return call
 
 
 def trace_dir(workdir: str) -> str:
@@ -65,7 +78,7 @@ class ProfileWindow:
 
   def __exit__(self, *exc_info) -> None:
     if self._tracing:
-      self._stop()
+      self._stop(state=None)
 
   def after_call(self, step: int, state) -> None:
     """Starts the trace once ``step >= START``; stops it after a traced call reaching STOP."""
@@ -80,11 +93,14 @@ class ProfileWindow:
       self._annotation.__enter__()
       self._tracing, self._first_step = True, step
     elif self._tracing and step >= stop:
-      state.block_until_ready()
-      self._stop()
+      self._stop(state)
       logging.info("profile of updates %d to %d: %s", self._first_step, step, self._dir)
 
-  def _stop(self) -> None:
+  def _stop(self, state) -> None:
+    """Ends the window's event, waits for ``state`` (if any: the window's device work into the
+    trace), stops the trace."""
     self._annotation.__exit__(None, None, None)
+    if state is not None:
+      state.block_until_ready()
     jax.profiler.stop_trace()
     self._tracing, self._done = False, True
