@@ -430,7 +430,7 @@ def test_in_memory_batches_prepared_ahead_equal_the_direct_ones(tiny_dir):
   """The run's batch source with updates prepared in a background thread (``prefetch``) gives
   the same micro-batches, bit for bit, in training order and after a jump (a resume)."""
   import types  # pylint: disable=g-import-not-at-top
-  from petra_jax.training import batch_source  # pylint: disable=g-import-not-at-top
+  from petra_jax.data import batch_source  # pylint: disable=g-import-not-at-top
   info = data.get_dataset_info("cifar100")
   train = data.load_split("cifar100", "train", data_dir=tiny_dir)
   device = jax.devices()[0]

@@ -36,7 +36,7 @@ from petra_jax.engine import timing
 from petra_jax.engine.transport import transfers as transport
 from petra_jax.engine.pipeline import Pipeline
 from petra_jax.optim import compensation
-from petra_jax.training import batch_source
+from petra_jax.data import batch_source
 from petra_jax.training import checkpoint as checkpoint_lib
 from petra_jax.training import distributed
 from petra_jax.training import metrics as metrics_lib

@@ -16,8 +16,10 @@ from typing import Callable
 import jax
 import numpy as np
 
-from petra_jax import data as data_lib
+from petra_jax.data import batches as batches_lib
 from petra_jax.data import prefetch
+from petra_jax.data import splits
+from petra_jax.data import text
 from petra_jax.data.batches import host_fold_in
 
 
@@ -26,12 +28,12 @@ def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
   k = config.accumulation_steps
   rows = _update_rows(config, len(train), steps_per_epoch)
   data_key = np.asarray(jax.random.key_data(jax.random.key(config.seed + 1, impl="threefry2x32")))
-  if isinstance(train, data_lib.TextSplit):
+  if isinstance(train, text.TextSplit):
     return _TextBatches(train, pipe, rows, k)
   if not pipe.owns_input:
-    return lambda m: (None, data_lib.read_labels(train, _micro_rows(rows, m, k)))
+    return lambda m: (None, splits.read_labels(train, _micro_rows(rows, m, k)))
   if info.lazy:
-    batch_fn = data_lib.make_train_batch_fn(info, pipe.placements[0].batch)
+    batch_fn = batches_lib.make_train_batch_fn(info, pipe.placements[0].batch)
     batches = lambda m: batch_fn(train, _micro_rows(rows, m, k), host_fold_in(data_key, m))
     return prefetch.Prefetcher(batches, config.prefetch) if config.prefetch else batches
   prepare = _UpdateBatches(info, train, pipe, rows, data_key, k).prepare
@@ -42,7 +44,7 @@ def batch_source(config, info, train, pipe, steps_per_epoch: int) -> Callable:
 
 def _update_rows(config, num_examples: int, steps_per_epoch: int) -> Callable:
   """``s -> int [batch_size]``, the example indices of update ``s``."""
-  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: data_lib.batch_indices(
+  epoch_rows = functools.lru_cache(maxsize=2)(lambda epoch: batches_lib.batch_indices(
       num_examples, config.batch_size, config.seed, epoch, steps_per_epoch))
 
   def rows(s: int) -> np.ndarray:
@@ -62,7 +64,7 @@ class _UpdateBatches:
   """In-memory micro-batches, prepared one update at a time (module docstring)."""
 
   def __init__(self, info, train, pipe, rows: Callable, data_key: np.ndarray, k: int):
-    self._fn = data_lib.make_update_batch_fn(info, pipe.placements[0].batch, k)
+    self._fn = batches_lib.make_update_batch_fn(info, pipe.placements[0].batch, k)
     self._labels_to = pipe.placements[-1].batch if pipe.owns_output else None
     self._train, self._rows, self._key, self._k = train, rows, data_key, k
 
