@@ -1,6 +1,7 @@
 """The PETRA engine: Eq. 5 read literally, the tick schedule, device placement."""
 
 import collections
+import functools
 
 import chex
 import flax.linen as nn
@@ -15,6 +16,8 @@ from petra_jax.engine import pipeline
 from petra_jax.engine import schedules as schedule
 from petra_jax.engine.transport import pipeline_state as state_lib
 from petra_jax.engine.stages import steps as steps_lib
+from petra_jax.engine.stages import stage as stage_lib
+from petra_jax.engine.stages import stage_checks
 from petra_jax.engine.stages.stage import Stage
 from helpers import batches_of, random_batch, run_ticks, tiny_revnet
 
@@ -197,6 +200,33 @@ def test_steps_compile_once(monkeypatch):
     expected["reverse_backward_step" if s.reversible else "recompute_backward_step", j] = 2
   expected["loss_step", J - 1] = 1  # (the head never runs a separate forward)
   assert traces == expected
+
+
+def test_init_gives_each_stage_its_seed_rules_variables_and_traces_it_twice(monkeypatch):
+  """Stage ``j``'s variables are ``stage.init(fold_in(key(seed), j), zeros)`` on its input's
+  shape (the rule ``Pipeline.init`` documents, computed here stage by stage), its optimizer
+  state ``tx.init`` of them; ``init`` traces each stage's ``init`` twice (the stage check, the
+  program), not a third time to learn the stages' shapes."""
+  traces = collections.Counter()
+  stage_init = Stage.init
+
+  def counted(self, key, x):
+    traces[self.name] += 1
+    return stage_init(self, key, x)
+  monkeypatch.setattr(Stage, "init", counted)
+  stages, tx = tiny_revnet(), optax.adamw(1e-3)
+  x, _ = random_batch()
+  state = pipeline.Pipeline(stages, tx, jax.devices()[:1]).init(5, x)
+  assert traces == {s.name: 2 for s in stages}
+  one = jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)  # the shapes the check hands on
+  assert stage_checks.checked_outputs(stages, one) == [y for _, y in stage_lib.trace(stages, one)]
+  key, h = jax.random.key(5, impl="rbg"), jnp.zeros((1, *x.shape[1:]))
+  for j, (s, got) in enumerate(zip(stages, state.train_states)):
+    want = jax.jit(functools.partial(stage_init, s))(jax.random.fold_in(key, j), h)
+    chex.assert_trees_all_equal(got.params, want["params"])
+    chex.assert_trees_all_equal(got.batch_stats, want["batch_stats"])
+    chex.assert_trees_all_equal(got.opt_state, tx.init(want["params"]))
+    h = jax.tree.map(jnp.zeros_like, stage_lib.forward(s, want["params"], want["batch_stats"], h)[0])
 
 
 def test_bad_stage_lists_raise():

@@ -30,7 +30,7 @@ from petra_jax.engine.stages import stage as stage_lib
 from petra_jax.engine.transport.messages import Messenger, resolve
 from petra_jax.engine.transport.pipeline_state import PipelineState
 from petra_jax.engine.schedules import Schedule, TaskKind
-from petra_jax.engine.stages.stage import Stage, trace
+from petra_jax.engine.stages.stage import Stage
 from petra_jax.engine.stages.stage_state import StageState
 from petra_jax.engine.stages.steps import BN_POLICIES, PipelineSteps
 from petra_jax.engine.methods.tasks import TaskResult, TickOutput
@@ -57,6 +57,18 @@ def regime(method: methods_lib.Method, observers: bool, multiprocess: bool,
 def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
   """Contiguous blocks of stages per device: stage ``j`` -> ``devices[j*n//J]``."""
   return [p.device for p in placement_lib.assign(num_stages, devices)]
+
+
+def _init_state(stage: Stage, tx, x_spec, key: jax.Array) -> StageState:
+  """Stage ``stage``'s ``StageState`` at step 0 for an input like ``x_spec`` (a
+  ``ShapeDtypeStruct`` pytree), ``key`` its ``fold_in(key(seed), j)``: one jitted program per
+  stage, so that equal stages (equal modules, input shapes and optimizer) compile to one
+  program, which XLA's persistent cache serves once compiled."""
+  def init(key):
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x_spec)
+    v = stage.init(key, zeros)
+    return StageState.create(v["params"], v["batch_stats"], tx)
+  return jax.jit(init)(key)
 
 
 class Pipeline:
@@ -193,21 +205,11 @@ class Pipeline:
     """
     self.input_spec = input_checks.declared(sample_input, self.objective)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
-    stage_checks.check_stages(self.stages, one, objective=self.objective)
-    inputs = [one] + [out for _, out in trace(self.stages, one)[:-1]]
-
-    def init_all(key):
-      states = []
-      for j, (stage, x) in enumerate(zip(self.stages, inputs)):
-        if not self.owned[j]:
-          states.append(None)
-          continue
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x)
-        v = stage.init(jax.random.fold_in(key, j), zeros)
-        states.append(StageState.create(v["params"], v["batch_stats"], self.txs[j]))
-      return states
-
-    states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
+    outputs = stage_checks.checked_outputs(self.stages, one, objective=self.objective)
+    key = jax.random.key(seed, impl="rbg")
+    states = [_init_state(stage, self.txs[j], x, jax.random.fold_in(key, j))
+              if self.owned[j] else None
+              for j, (stage, x) in enumerate(zip(self.stages, [one] + outputs[:-1]))]
     self.messages.start(seed, sample_input, self.multiprocess)
     states = [transport.send(s, p.replicated) if s is not None else None
               for s, p in zip(states, self.placements)]

@@ -35,29 +35,53 @@ def check_stages(stages: Sequence, sample_input: Optional[PyTree] = None,
       giving the objective's logits (``[B, num_classes]`` for classification).
   """
   objective = objective_lib.deprecated_keyword(objective, task)
+  if sample_input is None:
+    _check_list(stages)
+  else:
+    checked_outputs(stages, sample_input, num_classes, objective)
+
+
+def checked_outputs(stages: Sequence, sample_input: PyTree, num_classes: Optional[int] = None,
+                    objective: objective_lib.Objective = objective_lib.CLASSIFICATION) -> list:
+  """:func:`check_stages`'s checks, which trace every stage; each stage's output from them.
+
+  Returns:
+    Per stage its training-mode output for ``sample_input`` as a ``jax.ShapeDtypeStruct``
+    pytree (the last: the logits), what :func:`~petra_jax.engine.stages.stage.trace` gives,
+    so that a caller that checks need not trace the stages again.
+
+  Raises:
+    ValueError: as :func:`check_stages`.
+  """
+  _check_list(stages)
+  x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample_input)
+  outputs = []
+  for s in stages:
+    for b in s.blocks or (s,):
+      x = _check_block(b, x)
+    outputs.append(x)
+  input_shape = jax.tree.leaves(sample_input)[0].shape
+  want = objective.logits_shape(input_shape, num_classes or getattr(x, "shape", (0,))[-1])
+  if getattr(x, "shape", None) != want:
+    raise ValueError(f"the last stage {stages[-1].name!r} gives {getattr(x, 'shape', x)}; it "
+                     f"must give logits {objective.logits_doc} = {list(want)}.")
+  return outputs
+
+
+def _check_list(stages: Sequence) -> None:
+  """At least 2 stages, each block's module linen or NNX; else one ValueError."""
   if len(stages) < 2:
     raise ValueError(f"a pipeline needs at least 2 stages (the last gives the logits), got "
                      f"{len(stages)}; split the model into more petra_jax.Stage's.")
   for s in stages:
     for b in s.blocks or (s,):
       as_linen(b.module, b.name)
-  if sample_input is None:
-    return
-  x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample_input)
-  for s in stages:
-    for b in s.blocks or (s,):
-      x = _check_block(b, x)
-  input_shape = jax.tree.leaves(sample_input)[0].shape
-  want = objective.logits_shape(input_shape, num_classes or getattr(x, "shape", (0,))[-1])
-  if getattr(x, "shape", None) != want:
-    raise ValueError(f"the last stage {stages[-1].name!r} gives {getattr(x, 'shape', x)}; it "
-                     f"must give logits {objective.logits_doc} = {list(want)}.")
 
 
 def _check_block(b, x):
   """Block ``b`` traced as training calls it: init, then the forward in train and
-  eval mode (and a reversible ``F``'s shape); its output. Any failure is one
-  ValueError naming the stage."""
+  eval mode (and a reversible ``F``'s shape); its training-mode output. Any failure is
+  one ValueError naming the stage."""
   try:
     v = jax.eval_shape(lambda x: b.init(jax.random.key(0), x), x)
     if b.reversible:
@@ -68,14 +92,13 @@ def _check_block(b, x):
         raise _StageError(f"reversible stage {b.name!r}: F maps {x1.shape} to "
                           f"{getattr(f, 'shape', f)}; F must keep its input's shape (or make "
                           "the stage reversible=False).")
-    for train in (True, False):
-      out = jax.eval_shape(lambda v, x, train=train: stage_lib.forward(
-          b, v["params"], v["batch_stats"], x, train=train)[0], v, x)
+    out = [jax.eval_shape(lambda v, x, train=train: stage_lib.forward(
+        b, v["params"], v["batch_stats"], x, train=train)[0], v, x) for train in (True, False)]
   except _StageError:
     raise
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(_failure(b, x, e)) from e
-  return out
+  return out[0]
 
 
 class _StageError(ValueError):
