@@ -12,6 +12,7 @@ compilation cache, so only the first one compiles the stages. About 100 s
 together on a loaded 2-core machine. Select them with ``-k multiprocess``.
 """
 
+import glob
 import json
 import os
 import re
@@ -177,3 +178,29 @@ def test_multiprocess_train_writes_the_single_process_grad_quality(worker_env, c
   assert [r["step"] for r in one] == [1, 3]
   assert all(len(r) == 2 + 4 * len(diagnostics.METRICS) for r in one), one[0].keys()
   assert grad_quality(tmp_path / "two") == one  # bit for bit
+
+
+@pytest.mark.long  # two processes through the CLI (CI time); one process: test_profile_window
+@pytest.mark.slow
+def test_each_process_traces_the_window_into_its_own_folder(worker_env, cifar10_dir, tmp_path):
+  # 2 stages over 2 processes, k = 1, the host executor (one tick a call): the window 2:4 holds
+  # the calls of ticks 2 and 3 in each process, as in one process (test_profile_window).
+  import jax  # pylint: disable=g-import-not-at-top
+  from petra_jax.training import profile_window  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in worker_env.items() if k != "PETRA_MODULE"}
+  rc, out = _run([LAUNCH, "2", "--config=configs/cifar10_cpu.py", "--config.model.width=2",
+                  "--config.model.num_stages=2", "--config.model.stage_sizes=()",
+                  "--config.accumulation_steps=1",
+                  "--config.batch_size=32", "--config.executor=host",
+                  "--config.profile_steps=2:4", "--config.max_steps=8", "--config.eval_every=0",
+                  "--config.checkpoint_minutes=0", "--config.checkpoint_every=0",
+                  f"--config.data_dir={cifar10_dir}", f"--workdir={tmp_path}"], env)
+  assert rc == 0, out[-3000:]
+  for i in range(2):
+    found = glob.glob(str(tmp_path / "profile" / f"process_{i}" / "**" / "*.xplane.pb"),
+                      recursive=True)
+    assert len(found) == 1, (i, found)
+    data = jax.profiler.ProfileData.from_file(found[0])
+    names = [e.name for p in data.planes for line in p.lines for e in line.events]
+    assert names.count(profile_window.CALL_EVENT) == 2, (i, names.count(profile_window.CALL_EVENT))
+  assert not glob.glob(str(tmp_path / "profile" / "*.xplane.pb"))
