@@ -60,15 +60,11 @@ def assign_devices(num_stages: int, devices: Sequence[jax.Device]) -> list:
 
 
 def _init_state(stage: Stage, tx, x_spec, key: jax.Array) -> StageState:
-  """Stage ``stage``'s ``StageState`` at step 0 for an input like ``x_spec`` (a
-  ``ShapeDtypeStruct`` pytree), ``key`` its ``fold_in(key(seed), j)``: one jitted program per
-  stage, so that equal stages (equal modules, input shapes and optimizer) compile to one
-  program, which XLA's persistent cache serves once compiled."""
-  def init(key):
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x_spec)
-    v = stage.init(key, zeros)
-    return StageState.create(v["params"], v["batch_stats"], tx)
-  return jax.jit(init)(key)
+  """``stage``'s ``StageState`` at step 0 for an input like ``x_spec`` (a ``ShapeDtypeStruct``
+  pytree): ``stage.init(key, zeros)`` and ``tx.init`` of its parameters."""
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), x_spec)
+  v = stage.init(key, zeros)
+  return StageState.create(v["params"], v["batch_stats"], tx)
 
 
 class Pipeline:
@@ -206,10 +202,13 @@ class Pipeline:
     self.input_spec = input_checks.declared(sample_input, self.objective)  # what run_tick and predict take
     one = jax.ShapeDtypeStruct((1, *sample_input.shape[1:]), sample_input.dtype)
     outputs = stage_checks.checked_outputs(self.stages, one, objective=self.objective)
-    key = jax.random.key(seed, impl="rbg")
-    states = [_init_state(stage, self.txs[j], x, jax.random.fold_in(key, j))
-              if self.owned[j] else None
-              for j, (stage, x) in enumerate(zip(self.stages, [one] + outputs[:-1]))]
+    inputs = [one] + outputs[:-1]
+
+    def init_all(key):  # one program: a compile per stage costs more (RevNet18: docs/performance.md)
+      return [_init_state(stage, self.txs[j], x, jax.random.fold_in(key, j))
+              if self.owned[j] else None for j, (stage, x) in enumerate(zip(self.stages, inputs))]
+
+    states = jax.jit(init_all)(jax.random.key(seed, impl="rbg"))
     self.messages.start(seed, sample_input, self.multiprocess)
     states = [transport.send(s, p.replicated) if s is not None else None
               for s, p in zip(states, self.placements)]
