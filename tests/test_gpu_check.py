@@ -20,7 +20,8 @@ def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
       "accelerator_recipe", "language_model"]
   assert sum(p.seconds + gpu_check.GRACE_S for p in parts if not p.optional) <= 8 * 60
   ordered = next(p.argv for p in parts if p.name == "accelerator_ordered")
-  assert {"--order-writes=1", "--methods=petra", "--dtypes=float32"} <= set(ordered)
+  assert {"--order-writes=0,1", "--methods=petra", "--dtypes=float32",
+          "--executor=compiled"} <= set(ordered)  # (the ordered writes are the compiled executor's)
   for dtype in ("float32", "bfloat16"):
     argv = next(p.argv for p in parts if p.name == f"accelerator_{dtype}")
     assert "--micro-batches=64,256,1024" in argv and f"--dtypes={dtype}" in argv
@@ -35,6 +36,21 @@ def test_full_check_fits_in_eight_minutes_and_covers_the_grid(tmp_path):
   assert profiled.optional and profiled.until_stopped
   assert {"--config=configs/cifar10.py", "--config.profile_steps=96:192"} <= set(profiled.argv)
   assert not any("pip" in a for p in parts for a in p.argv)
+
+
+def test_ordered_rows_are_compared_with_the_same_compiled_program():
+  def row(b, rate=None, ordered=False, unroll=4, executor="compiled"):
+    r = {"method": "petra", "dtype": "float32", "micro_batch": b, "executor": executor}
+    r.update({"unroll_ticks": unroll, "periods_per_dispatch": 64} if executor == "compiled" else {})
+    r.update({"order_writes": True} if ordered else {})
+    return r | ({"images_per_s": rate} if rate is not None else {})
+  rows = [row(64, 100.0), row(64, 80.0, unroll=1), row(64, 110.0, ordered=True),
+          row(256, 50.0, executor="host"), row(256, 40.0, ordered=True), row(1024, ordered=True)]
+  # 110 / 100 - 1 = +10 %; the host row and the other unrolling are not the same program.
+  assert gpu_check.ordered_against_unordered(rows) == (
+      "64: 110.0 against 100.0 (+10.0 %); 256: needs the float32 row of the same compiled "
+      "program; 1024: no rate (incomplete)")
+  assert gpu_check.ordered_against_unordered(rows[:2]) == ""
 
 
 def test_unknown_executor_is_refused(tmp_path):
