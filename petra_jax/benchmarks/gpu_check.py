@@ -125,11 +125,14 @@ def parts(tiny: bool, out: str, executor: str, data_dir: str = "") -> list[Part]
     raise ValueError(f"--executor={executor}: this checkout has the {', '.join(EXECUTORS)} "
                      "executor only")
   if tiny:
-    main_job = ["--config.model.width=2", "--config.max_steps=4", "--config.num_epochs=1",
+    # (enough updates, and train_loss lines, for progress lines: the summary reads the last one)
+    main_job = ["--config.model.width=2", "--config.max_steps=48", "--config.num_epochs=1",
+                "--config.log_every=4",
                 "--config.optim.warmup_epochs=0",
-                "--config.steps_per_epoch=4", "--config.batch_size=8",
+                "--config.steps_per_epoch=48", "--config.batch_size=8",
                 "--config.eval_batch_size=1000"]
-    lm = ["--config.model.width=8", "--config.max_steps=4", "--config.steps_per_epoch=4",
+    lm = ["--config.model.width=8", "--config.max_steps=48", "--config.steps_per_epoch=48",
+          "--config.log_every=4",
           "--config.num_epochs=1", "--config.model.context=16", "--config.batch_size=8",
           "--config.accumulation_steps=2", "--config.eval_batch_size=8"]
   else:
