@@ -145,6 +145,12 @@ def random_variables(stage, x, seed):
   return jax.tree.map(fill, shapes)
 
 
+def jitted(fn, stage, **kwargs):
+  """``fn(stage, *args, **kwargs)`` as one jitted program of ``args``: a stage function run op by
+  op dispatches (and, the first time in a worker, compiles) each primitive on its own."""
+  return jax.jit(lambda *args: fn(stage, *args, **kwargs))
+
+
 def tiny_revnet():
   """stem, rev, downsample, rev, head: a 5-stage RevNet of width 2 (fast to compile)."""
   from petra_jax import models  # pylint: disable=g-import-not-at-top

@@ -5,6 +5,8 @@ Values, gradients and running statistics must agree with autodiff of
 float32 round-off, and the channel sums with a float64 sum.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -131,11 +133,12 @@ def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
         variables, a = [], x
         for j, s in enumerate(stages):
           variables.append(s.init(jax.random.key(j), a))
-          a = stage_lib.forward(s, variables[-1]["params"], variables[-1]["batch_stats"], a)[0]
+          a = jax.jit(functools.partial(stage_lib.forward, s))(
+              variables[-1]["params"], variables[-1]["batch_stats"], a)[0]
       params = [v["params"] for v in variables]
       stats = [v["batch_stats"] for v in variables]
       fn = lambda p: stage_lib.composed_loss(stages, p, stats, x, labels)  # noqa: E731
-      return variables, jax.value_and_grad(fn, has_aux=True)(params)
+      return variables, jax.jit(jax.value_and_grad(fn, has_aux=True))(params)
   fast_vars, fast = loss_and_grad("fast", False)
   _, ref = loss_and_grad("flax", True)
   for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(_rename_all(ref))):

@@ -11,7 +11,7 @@ from petra_jax import models
 
 from petra_jax.engine import pipeline
 from petra_jax.engine.stages import stage as stage_lib
-from helpers import random_batch, rel_err
+from helpers import jitted, random_batch, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,10 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
   stats = [s.batch_stats for s in state.train_states]
   acts = [x]
   for s, p, bs in zip(stages[:-1], params, stats):
-    acts.append(stage_lib.forward(s, p, bs, acts[-1])[0])
+    acts.append(jitted(stage_lib.forward, s)(p, bs, acts[-1])[0])
   # The composed model's parameter gradients and every stage output's cotangent, one grad.
   ref_grads, ref_dys = helpers.composed_cotangents(stages, params, stats, x, y, acts[1:])
-  _, dy, g_last, _ = stage_lib.loss_vjp(stages[-1], params[-1], stats[-1], acts[-1], y)
+  _, dy, g_last, _ = jitted(stage_lib.loss_vjp, stages[-1])(params[-1], stats[-1], acts[-1], y)
   # float32 round-off through 10 stages: relative error ~1e-6 measured; 1e-4
   # leaves room for other CPUs while still catching any real mistake (O(1)).
   assert rel_err(g_last, ref_grads[-1]) < 1e-4
@@ -63,11 +63,11 @@ def test_reverse_vjp_chain_matches_jax_grad(tiny):
     s = stages[j]
     assert rel_err(dy, ref_dys[j]) < 1e-4, j  # the cotangent of stage j's output
     if s.reversible:
-      x_rec, dy, g, _ = stage_lib.reverse_vjp(s, params[j], stats[j], y_rec, dy)
+      x_rec, dy, g, _ = jitted(stage_lib.reverse_vjp, s)(params[j], stats[j], y_rec, dy)
       chex.assert_trees_all_close(x_rec, acts[j], atol=1e-5, rtol=1e-5)
     else:
       x_rec = acts[j]
-      dy, g, _ = stage_lib.recompute_vjp(s, params[j], stats[j], x_rec, dy, input_grad=j > 0)
+      dy, g, _ = jitted(stage_lib.recompute_vjp, s, input_grad=j > 0)(params[j], stats[j], x_rec, dy)
     assert rel_err(g, ref_grads[j]) < 1e-4, (j, s.name)
     y_rec = x_rec
 
