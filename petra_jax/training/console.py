@@ -184,6 +184,26 @@ def rate_text(examples_per_s: float, examples: str = "images",
   return text
 
 
+# XLA's compile of one program, a load from the persistent compilation cache included.
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiling = {"seconds": 0.0, "listening": False}
+
+
+def compile_seconds() -> float:
+  """Seconds this process has spent in XLA compiles (every thread) since the first call: a
+  ``jax.monitoring`` listener, registered by that call, sums the compile events."""
+  if not _compiling["listening"]:
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+    _compiling["listening"] = True
+  return _compiling["seconds"]
+
+
+def _count_compile(event: str, duration_secs: float, **kwargs) -> None:
+  del kwargs
+  if event == _COMPILE_EVENT:
+    _compiling["seconds"] += duration_secs
+
+
 class ProgressLines:
   """Where no progress bar shows (output not a terminal: SLURM, nohup, CI), a line
   ``step S/T (E epochs): train_loss L, R img/s`` at least every ``seconds``
@@ -192,7 +212,9 @@ class ProgressLines:
 
   ``S`` is the update dispatched; ``R`` counts the updates known to have run (``done``:
   the loss log's last line read), since dispatch runs ahead of the device by up to two
-  ``train_loss`` lines; with no update known done since the last line, no line yet.
+  ``train_loss`` lines; with no update known done since the last line, no line yet. ``R`` is
+  wall time; where XLA compiled for a tenth of the line's window or more (the first programs,
+  the drain's at the end), the line ends ``(C s of it compiling)``.
   """
 
   def __init__(self, seconds: float, bar: tqdm, total_steps: int, steps_per_epoch: int,
@@ -203,6 +225,7 @@ class ProgressLines:
     self.batch_size = batch_size
     self.examples, self.tokens_per_example = examples, tokens_per_example
     self.last_time, self.last_done = time.time(), step
+    self.last_compiling = compile_seconds() if self.enabled else 0.0
 
   def update(self, step: int, train_loss: float, done: Optional[int] = None) -> None:
     """After dispatching update ``step`` (``done``: the last update known to have run;
@@ -212,11 +235,13 @@ class ProgressLines:
     now, done = time.time(), step if done is None else done
     if now - self.last_time < self.seconds or done <= self.last_done:
       return
-    rate = (done - self.last_done) * self.batch_size / max(now - self.last_time, 1e-9)
+    window, compiling = max(now - self.last_time, 1e-9), compile_seconds() - self.last_compiling
+    rate = (done - self.last_done) * self.batch_size / window
     loss = f"train_loss {train_loss:.4f}, " if math.isfinite(train_loss) else ""
+    note = f" ({compiling:.1f} s of it compiling)" if compiling >= 0.1 * window else ""
     say(f"step {step}/{self.total} ({step / self.per_epoch:.2f} epochs): {loss}"
-        f"{rate_text(rate, self.examples, self.tokens_per_example)}")
-    self.last_time, self.last_done = now, done
+        f"{rate_text(rate, self.examples, self.tokens_per_example)}{note}")
+    self.last_time, self.last_done, self.last_compiling = now, done, compile_seconds()
 
 
 def outputs(workdir: str, checkpoint_dir: Optional[str]) -> None:
