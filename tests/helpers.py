@@ -11,6 +11,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -19,6 +20,45 @@ import numpy as np
 import optax
 
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
+
+# A user's linen model file, ``tiny(num_classes, width=3)``: stem, 3 reversible Conv-BN-ReLU
+# stages, head. The CLI passes only the arguments the function takes (no depth).
+USER_MODULE = textwrap.dedent('''
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import petra_jax
+
+
+    class F(nn.Module):
+      width: int
+
+      @nn.compact
+      def __call__(self, x, train=True):
+        x = nn.Conv(self.width, (3, 3))(x)
+        return nn.relu(nn.BatchNorm(use_running_average=not train)(x))
+
+
+    class Stem(nn.Module):
+      width: int
+
+      @nn.compact
+      def __call__(self, x, train=True):
+        return tuple(jnp.split(F(2 * self.width)(x, train), 2, axis=-1))
+
+
+    class Head(nn.Module):
+      num_classes: int
+
+      @nn.compact
+      def __call__(self, x, train=True):
+        return nn.Dense(self.num_classes)(jnp.concatenate(x, -1).mean((1, 2)))
+
+
+    def tiny(num_classes, width=3):
+      return ([petra_jax.Stage("stem", Stem(width), False)]
+              + [petra_jax.Stage(f"rev{i}", F(width), True) for i in range(3)]
+              + [petra_jax.Stage("head", Head(num_classes), False)])
+''')
 
 
 def run_optimizer(tx, gs, params):

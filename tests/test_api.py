@@ -8,7 +8,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import textwrap
 import warnings
 
 import jax
@@ -19,46 +18,10 @@ import petra_jax
 from petra_jax import config as config_lib
 from petra_jax import models, train
 from petra_jax.training import checkpoint, metrics, validation
-from helpers import SMALL_EVAL, train_in_process, zero_delay_update_errors
+from helpers import SMALL_EVAL, USER_MODULE, train_in_process, zero_delay_update_errors
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-USER_MODULE = textwrap.dedent('''
-    import flax.linen as nn
-    import jax.numpy as jnp
-    import petra_jax
-
-
-    class F(nn.Module):
-      width: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        x = nn.Conv(self.width, (3, 3))(x)
-        return nn.relu(nn.BatchNorm(use_running_average=not train)(x))
-
-
-    class Stem(nn.Module):
-      width: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        return tuple(jnp.split(F(2 * self.width)(x, train), 2, axis=-1))
-
-
-    class Head(nn.Module):
-      num_classes: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        return nn.Dense(self.num_classes)(jnp.concatenate(x, -1).mean((1, 2)))
-
-
-    def tiny(num_classes, width=3):  # no depth: the CLI passes only what it takes
-      return ([petra_jax.Stage("stem", Stem(width), False)]
-              + [petra_jax.Stage(f"rev{i}", F(width), True) for i in range(3)]
-              + [petra_jax.Stage("head", Head(num_classes), False)])
-''')
 
 
 @pytest.fixture

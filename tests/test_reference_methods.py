@@ -17,7 +17,6 @@ others, so each kind of stage (input, reversible, loss) meets both.
 
 import functools
 import sys
-import textwrap
 
 import jax
 import numpy as np
@@ -26,7 +25,7 @@ import pytest
 
 import reference_loop as ref
 from helpers import drained_run, reference_revnet, reference_revvit
-from helpers import random_batch
+from helpers import USER_MODULE, random_batch
 from petra_jax import config as config_lib
 from petra_jax import models
 from petra_jax.engine.stages import partition
@@ -129,38 +128,6 @@ def test_reference_without_delays_is_jax_grad(reconstructs):
   assert np.mean(exact.losses[-POOL:]) < np.mean(exact.losses[:POOL])  # it trains
 
 
-USER_MODULE = textwrap.dedent('''
-    import flax.linen as nn
-    import jax.numpy as jnp
-    import petra_jax
-
-    class F(nn.Module):
-      width: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        x = nn.Conv(self.width, (3, 3))(x)
-        return nn.relu(nn.BatchNorm(use_running_average=not train)(x))
-
-    class Stem(nn.Module):
-      width: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        return tuple(jnp.split(F(2 * self.width)(x, train), 2, axis=-1))
-
-    class Head(nn.Module):
-      num_classes: int
-
-      @nn.compact
-      def __call__(self, x, train=True):
-        return nn.Dense(self.num_classes)(jnp.concatenate(x, -1).mean((1, 2)))
-
-    def tiny(num_classes, width=3):
-      return ([petra_jax.Stage("stem", Stem(width), False)]
-              + [petra_jax.Stage(f"rev{i}", F(width), True) for i in range(3)]
-              + [petra_jax.Stage("head", Head(num_classes), False)])
-''')
 
 
 @pytest.fixture(scope="module")
