@@ -23,7 +23,6 @@ from helpers import SMALL_EVAL, USER_MODULE, train_in_process, zero_delay_update
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
   d = tmp_path / "user_code"

@@ -5,8 +5,6 @@ Values, gradients and running statistics must agree with autodiff of
 float32 round-off, and the channel sums with a float64 sum.
 """
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -121,6 +119,7 @@ def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
   """A tiny RevNet18 (ReLUs fused into conv_bn) against the same with Flax's layer."""
   from petra_jax.benchmarks import cli, profile_step
   from petra_jax.engine.stages import stage as stage_lib
+  from helpers import jitted
   x = jax.random.normal(jax.random.key(0), (4, 8, 8, 3))
   labels = jnp.arange(4) % 10
 
@@ -133,7 +132,7 @@ def test_revnet_loss_and_gradient_as_with_flax_batchnorm():
         variables, a = [], x
         for j, s in enumerate(stages):
           variables.append(s.init(jax.random.key(j), a))
-          a = jax.jit(functools.partial(stage_lib.forward, s))(
+          a = jitted(stage_lib.forward, s)(
               variables[-1]["params"], variables[-1]["batch_stats"], a)[0]
       params = [v["params"] for v in variables]
       stats = [v["batch_stats"] for v in variables]
