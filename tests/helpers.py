@@ -61,6 +61,22 @@ USER_MODULE = textwrap.dedent('''
 ''')
 
 
+def tree_params():
+  """Float64 weights of the optimizer tests: an attention kernel [4, 2, 3], a dense kernel
+  [6, 4] and bias [4], a norm scale [4] (the names optimizers mask on)."""
+  rng = np.random.default_rng(0)
+  return {"attn": {"query": {"kernel": rng.normal(size=(4, 2, 3))}},
+          "dense": {"kernel": rng.normal(size=(6, 4)), "bias": rng.normal(size=(4,))},
+          "norm": {"scale": rng.normal(size=(4,))}}
+
+
+def gradient_sequence(n, seed=1, scale=1.0):
+  """``n`` float64 gradients shaped as :func:`tree_params`, normal with std ``scale``."""
+  rng = np.random.default_rng(seed)
+  return [jax.tree.map(lambda a: scale * rng.normal(size=a.shape), tree_params())
+          for _ in range(n)]
+
+
 def run_optimizer(tx, gs, params):
   """Applies ``tx`` (jitted) to the gradients ``gs`` (cast to float32) from ``params``; the
   params after each call and the last state."""

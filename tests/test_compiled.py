@@ -222,7 +222,7 @@ def test_a_call_returns_before_the_device_has_finished():
   """Dispatch is asynchronous: the host does not wait inside a call, so host and device
   time overlap. With a large micro-batch, the call's losses are not ready when it returns."""
   pipe = Pipeline(tiny_revnet(), optax.sgd(0.02), jax.devices()[:1], method="petra")
-  batches = _batches(batch_size=1024)
+  batches = _batches(batch_size=256)  # 8 ticks: a few hundred ms of device work (measured)
   state = pipe.init(0, batches(0)[0])
   table, ex = pipe.schedule(40), compiled.CompiledExecutor(pipe, 8)
   t = 0

@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from helpers import gradient_sequence, tree_params
 
 from petra_jax import optim
 from petra_jax.optim import compensation as comp
@@ -38,18 +39,6 @@ def lr_at(n):
   return LR * min(n / SPE, 1.0)
 
 
-def params0():
-  rng = np.random.default_rng(0)
-  return {"attn": {"query": {"kernel": rng.normal(size=(4, 2, 3))}},
-          "dense": {"kernel": rng.normal(size=(6, 4)), "bias": rng.normal(size=(4,))},
-          "norm": {"scale": rng.normal(size=(4,))}}
-
-
-def grad_seq(n, seed=1):
-  rng = np.random.default_rng(seed)
-  return [jax.tree.map(lambda a: rng.normal(size=a.shape), params0()) for _ in range(n)]
-
-
 def f32(tree):
   return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
 
@@ -60,7 +49,7 @@ def is_kernel(path):
 
 def run(tx, gs):
   """Applies ``tx`` to the gradients ``gs``; the params after each update and the state."""
-  p = f32(params0())
+  p = f32(tree_params())
   state, out = tx.init(p), []
   for g in gs:
     u, state = tx.update(f32(g), state, p)
@@ -73,7 +62,7 @@ def np_adamw(gs, b1=B1, nesterov=False, feedback=0.0):
   """Float64 AdamW (Loshchilov & Hutter, 2019; NAdam's first moment, Dozat 2016,
   with ``nesterov``; error feedback ``u_t + h (u_t - u_{t-1})``, ``u_{-1} = u_0``):
   per update the params, the step and the moments."""
-  p, m, v = params0(), *(jax.tree.map(np.zeros_like, params0()) for _ in range(2))
+  p, m, v = tree_params(), *(jax.tree.map(np.zeros_like, tree_params()) for _ in range(2))
   out, prev = [], None
   for t, g in enumerate(gs, start=1):
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
@@ -102,7 +91,7 @@ def assert_close(got, want, rtol, atol=0.0):
 @pytest.mark.parametrize("name", NEW)
 def test_delay_zero_is_the_plain_optimizer_bit_for_bit(name):
   c = make_config(k=2)
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   want, _ = run(optim.make_optimizer(c, SPE), gs)
   got, _ = run(comp.make_compensated_optimizer(c, SPE, name=name, delay_ticks=0), gs)
   jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -111,7 +100,7 @@ def test_delay_zero_is_the_plain_optimizer_bit_for_bit(name):
 
 def test_muon_error_feedback_at_delay_zero_is_muon_bit_for_bit():
   c = make_config("muon")
-  gs = grad_seq(5)
+  gs = gradient_sequence(5)
   want, _ = run(optim.make_optimizer(c, SPE), gs)
   got, _ = run(comp.make_compensated_optimizer(c, SPE, name="error_feedback", delay_ticks=0), gs)
   jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -119,7 +108,7 @@ def test_muon_error_feedback_at_delay_zero_is_muon_bit_for_bit():
 
 def test_plain_adam_transcription_holds():
   """The NumPy AdamW below is optim.make_optimizer's ``adam`` (the base of the others)."""
-  gs = grad_seq(6)
+  gs = gradient_sequence(6)
   got, _ = run(optim.make_optimizer(make_config(), SPE), gs)
   assert_close(got[-1], np_adamw(gs)[-1][0], rtol=1e-5, atol=1e-6)
 
@@ -128,7 +117,7 @@ def test_plain_adam_transcription_holds():
 def test_adam_prediction_is_pipeoptim(scale):
   """w_hat = w - eta_N (s D) (m_hat / (sqrt(v_hat) + eps) + wd w), D = tau / k = 4 / 2."""
   c = make_config(k=2, prediction_scale=scale)
-  gs = grad_seq(10)
+  gs = gradient_sequence(10)
   tx = comp.make_compensated_optimizer(c, SPE, name="adam_prediction", delay_ticks=4)
   got_p, state = run(tx, gs)
   pred = comp.make_predictor(c, SPE, name="adam_prediction", delay_ticks=4)
@@ -146,7 +135,7 @@ def test_adam_prediction_is_pipeoptim(scale):
 def test_lookahead_adam_is_nadam_with_delay_grown_beta1(name, nesterov):
   """Ajanthan et al. (2025): the delayed stage's b1 = gamma(D) = b1 + (0.99 - b1) D / D_ref
   (D = 2, D_ref = 3 updates), NAdam's first moment for adam_lookahead."""
-  gs = grad_seq(6)
+  gs = gradient_sequence(6)
   tx = comp.make_compensated_optimizer(make_config(), SPE, name=name, delay_ticks=2,
                                        max_delay_ticks=3)
   got, _ = run(tx, gs)
@@ -157,7 +146,7 @@ def test_lookahead_adam_is_nadam_with_delay_grown_beta1(name, nesterov):
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_error_feedback_feeds_back_the_stale_update(scale):
   """applied_t = u_t + h (u_t - u_{t-1}), applied_0 = u_0; h = scale * D, D = 3."""
-  gs = grad_seq(6)
+  gs = gradient_sequence(6)
   tx = comp.make_compensated_optimizer(make_config(prediction_scale=scale), SPE,
                                        name="error_feedback", delay_ticks=3)
   got, _ = run(tx, gs)
@@ -179,10 +168,10 @@ def np_newton_schulz(x, steps=5, coeffs=(3.4445, -4.775, 2.0315), eps=1e-8):
 def test_muon_matrices_and_adamw_rest():
   """Muon (Jordan et al., 2024) on the kernels, the 3-D query kernel as a 4 x 6
   matrix; AdamW on the bias and the norm's scale (no weight decay there)."""
-  gs = grad_seq(4)
+  gs = gradient_sequence(4)
   got, _ = run(optim.make_optimizer(make_config("muon"), SPE), gs)
   ref = np_adamw(gs)[-1][0]  # the bias and scale leaves
-  p = params0()
+  p = tree_params()
   mom = jax.tree.map(np.zeros_like, p)
   for t, g in enumerate(gs, start=1):
     for key in ("attn", "dense"):

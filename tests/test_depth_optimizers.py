@@ -5,7 +5,7 @@ per-stage hyper-parameters; and bit for bit the plain optimizer at delay 0."""
 import jax
 import numpy as np
 import pytest
-from helpers import run_optimizer
+from helpers import gradient_sequence, run_optimizer, tree_params
 
 from petra_jax import optim
 from petra_jax.optim import compensation as comp
@@ -34,18 +34,6 @@ def lr_at(n):
   return LR * min(n / SPE, 1.0)
 
 
-def params0():
-  rng = np.random.default_rng(0)
-  return {"attn": {"query": {"kernel": rng.normal(size=(4, 2, 3))}},
-          "dense": {"kernel": rng.normal(size=(6, 4)), "bias": rng.normal(size=(4,))},
-          "norm": {"scale": rng.normal(size=(4,))}}
-
-
-def grad_seq(n, seed=1, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return [jax.tree.map(lambda a: scale * rng.normal(size=a.shape), params0()) for _ in range(n)]
-
-
 def means(gs, k):
   """MultiSteps' update gradients: the mean of each k consecutive micro-batch gradients."""
   return [jax.tree.map(lambda *a: sum(a) / k, *gs[i:i + k]) for i in range(0, len(gs), k)]
@@ -57,7 +45,7 @@ def is_kernel(path):
 
 def run(tx, gs):
   """Applies ``tx`` (jitted) to ``gs`` (float32); the params after each call and the last state."""
-  return run_optimizer(tx, gs, params0())
+  return run_optimizer(tx, gs, tree_params())
 
 
 def assert_close(got, want, rtol=1e-5, atol=1e-6):
@@ -68,7 +56,7 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
 def np_adamw(gs, b1=B1, nesterov=False, lr_factor=1.0):
   """Float64 AdamW (Loshchilov & Hutter), NAdam's first moment with ``nesterov`` (optax's
   form: b1 m_t / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t)); params after each update."""
-  p, m, v = params0(), *(jax.tree.map(np.zeros_like, params0()) for _ in range(2))
+  p, m, v = tree_params(), *(jax.tree.map(np.zeros_like, tree_params()) for _ in range(2))
   out = []
   for t, g in enumerate(gs, start=1):
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
@@ -101,7 +89,7 @@ def test_adam_lookahead_own_delay_per_stage_with_k2():
   with b1_j = min(1 - 0.1 / (1 + D_j), 0.99) on the mean of its 2 micro-batch gradients; the
   last stage (D = 0) is plain AdamW. Never depends on the run's largest delay."""
   c = make_config(k=2, name="adam_lookahead", lookahead_rule="own_delay")
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   txs = comp.stage_optimizers(c, SPE, 8)
   for j in (0, 4, 7):  # D = 7, 3, 0
     d = 7 - j
@@ -119,7 +107,7 @@ def test_run_max_rule_is_kept_as_default():
   D / D_max: still the default."""
   c = make_config(name="adam_lookahead")
   assert c.compensation.lookahead_rule == "run_max"
-  gs = grad_seq(4)
+  gs = gradient_sequence(4)
   got, _ = run(comp.make_compensated_optimizer(c, SPE, delay_ticks=2, max_delay_ticks=4), gs)
   assert_close(got[-1], np_adamw(gs, b1=B1 + (0.99 - B1) * 0.5, nesterov=True)[-1])
   with pytest.raises(ValueError, match="lookahead_rule"):
@@ -134,7 +122,7 @@ def test_run_max_rule_is_kept_as_default():
     ("muon", "update_prediction+error_feedback", {}), ("adam", "lr_scale", {})])
 def test_delay_zero_is_the_plain_optimizer_bit_for_bit(opt, name, extra):
   c = make_config(opt, k=2, **extra)
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   want, _ = run(optim.make_optimizer(c, SPE), gs)
   got, _ = run(comp.make_compensated_optimizer(c, SPE, name=name, delay_ticks=0), gs)
   jax.tree.map(np.testing.assert_array_equal, got, want)
@@ -149,7 +137,7 @@ def np_nadamw(gs, b1, psi=0.004, clip=0.0):
   (Ajanthan et al.'s optimizer): mu_t = b1 (1 - 0.5 0.96^(t psi)), P_t = prod mu;
   w <- w - lr ((1-mu_t)/(1-P_t) g + mu_{t+1}/(1-P_t mu_{t+1}) m) / (sqrt(v/(1-b2^t)) + eps)
   - lr wd w; g first clipped to global norm ``clip``."""
-  p, m, v = params0(), *(jax.tree.map(np.zeros_like, params0()) for _ in range(2))
+  p, m, v = tree_params(), *(jax.tree.map(np.zeros_like, tree_params()) for _ in range(2))
   prod, out = 1.0, []
   for t, g in enumerate(gs, start=1):
     norm = np.sqrt(sum(np.sum(x * x) for x in jax.tree.leaves(g)))
@@ -175,7 +163,7 @@ def test_nadamw_is_ajanthan_et_al_optimizer(k, clip):
   gradients' global norm is about 5), k micro-batches per update."""
   c = make_config("nadamw", k=k)
   c.optim.adam_b1, c.optim.clip_norm = 0.99, clip
-  gs = grad_seq(6 * k)
+  gs = gradient_sequence(6 * k)
   got, _ = run(optim.make_optimizer(c, SPE), gs)
   want = np_nadamw(means(gs, k), 0.99, clip=clip)
   assert_close(got[k - 1::k], want, rtol=2e-5, atol=2e-6)
@@ -200,7 +188,7 @@ def np_muon(gs, feedback=0.0, lr_factor=1.0):
   matrix), AdamW on the rest, with error feedback applied_t = u_t + h (u_t - u_{t-1})
   (Zmushko et al., 2026; none at t = 1), every step times ``lr_factor`` (a float, or a
   function of the update number t >= 1). The params and the applied updates per update."""
-  p = params0()
+  p = tree_params()
   mom, m, v = {}, {}, {}
   prev, out = None, []
   for t, g in enumerate(gs, start=1):
@@ -252,7 +240,7 @@ def _set(tree, keys, value):
 
 
 def test_muon_transcription_holds():
-  gs = grad_seq(4)
+  gs = gradient_sequence(4)
   got, _ = run(optim.make_optimizer(make_config("muon"), SPE), gs)
   assert_close(got[-1], np_muon(gs)[-1][0], rtol=1e-4, atol=1e-5)
 
@@ -261,7 +249,7 @@ def test_muon_error_feedback_with_k2_per_stage():
   """4 stages (6, 4, 2, 0 ticks), k = 2: stage j feeds back h = D_j = (3 - j) times the
   change of its Muon update, on the mean of its micro-batch gradients."""
   c = make_config("muon", k=2, name="error_feedback")
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   txs = comp.stage_optimizers(c, SPE, 4)
   for j in (0, 2):
     got, _ = run(txs[j], gs)
@@ -273,7 +261,7 @@ def test_muon_error_feedback_with_k2_per_stage():
 def test_update_prediction_with_muon(scale):
   """w_hat = w + (s D) u_t, u_t the last Muon update applied (marin #6431), D = 4 / 2."""
   c = make_config("muon", k=2, name="update_prediction", prediction_scale=scale)
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=4)
   got, state = run(tx, gs)
   want = np_muon(means(gs, 2))
@@ -288,7 +276,7 @@ def test_update_prediction_with_a_delay_scaled_muon_rate():
   """lr_scale+update_prediction, p = 1/2, D = 8 / 2 = 4: every Muon step times 4^-1/2, and the
   forward's w_hat = w + D u_t along that scaled step (the update actually applied)."""
   c = make_config("muon", k=2, name="lr_scale+update_prediction", lr_power=0.5)
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=8)
   got, state = run(tx, gs)
   want = np_muon(means(gs, 2), lr_factor=0.5)
@@ -302,7 +290,7 @@ def test_update_prediction_with_pipemare_annealed_muon_rate():
   """pipemare+update_prediction, K = 1 epoch = 4 updates, D = 8 / 2 = 4: update t's Muon step
   times 4^-(1 - min((t - 1) / K, 1)) (PipeMare's T1, Yang et al., 2021), the prediction along it."""
   c = make_config("muon", k=2, name="pipemare+update_prediction", pipemare_warmup_epochs=1.0)
-  gs = grad_seq(12)
+  gs = gradient_sequence(12)
   tx = comp.make_compensated_optimizer(c, SPE, delay_ticks=8)
   got, state = run(tx, gs)
   want = np_muon(means(gs, 2), lr_factor=lambda t: 4.0 ** -(1.0 - min((t - 1) / SPE, 1.0)))
@@ -320,7 +308,7 @@ def test_update_prediction_excludes_the_other_predictions():
 def test_delay_scaled_learning_rate_per_stage_with_k2():
   """PipeMare's T1 (lr_scale): stage j's rate times max(D_j, 1)^-1, D_j = (6 - 2j) / 2."""
   c = make_config(k=2, name="lr_scale")
-  gs = grad_seq(8)
+  gs = gradient_sequence(8)
   for j, tx in enumerate(comp.stage_optimizers(c, SPE, 4)):
     got, _ = run(tx, gs)
     assert_close(got[1::2], np_adamw(means(gs, 2), lr_factor=1 / max(3.0 - j, 1.0)))
