@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from helpers import REPO, SMALL_EVAL, train_losses, wait_for
+from helpers import REPO, SMALL_EVAL, train_losses, wait_for, without_virtual_devices
 
 LAUNCH = os.path.join(REPO, "launch", "local.sh")
 TIMEOUT_S = 300
@@ -46,10 +46,8 @@ def _args(data_dir, workdir, *extra):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  # XLA's default options, not conftest's: with LLVM at -O0 and the loop emitters, the resumed
-  # 2-process run's first loss differs from the 1-process run's in the last bit.
-  e = dict(os.environ)
-  e.pop("XLA_FLAGS", None)  # (and not conftest's 4 virtual devices: launch/local.sh sets them)
+  # conftest's compile options, not its 4 virtual devices (launch/local.sh sets them)
+  e = without_virtual_devices(os.environ)
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "PETRA_MODULE"):
     e.pop(k, None)
   e.update(PYTHON=sys.executable, JAX_PLATFORMS="cpu", LOCAL_GRACE_S="30")

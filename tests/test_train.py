@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -284,6 +285,30 @@ def test_stage_sizes_balanced_on_measured_costs(monkeypatch, tmp_path):
   assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) == [3, 7]
   c.model.stage_sizes, c.model.num_stages = (), 0  # the paper: one block per stage
   assert assembly.stage_sizes(c, _blocks(), (2, 16, 16, 3), 10, str(tmp_path)) is None
+
+
+def test_split_cache_decodes_once_under_a_lock_then_reads_the_file(monkeypatch, tmp_path):
+  """The test-support split cache: the decoding process holds ``<file>.lock`` (another open
+  file cannot take it), a later call reads the file and decodes nothing."""
+  import fcntl  # noqa: PLC0415  (the hook's POSIX lock)
+  images, labels = np.arange(24, dtype=np.uint8).reshape(2, 2, 2, 3), np.array([3, 7], np.int32)
+  calls = []
+
+  def fake_open(dataset, split, data_dir, limit=None, download=False):
+    del dataset, split, data_dir, limit, download
+    (lock,) = tmp_path.glob("*.lock")
+    with open(lock, "w") as f, pytest.raises(BlockingIOError):
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    calls.append(1)
+    return types.SimpleNamespace(images=images, labels=labels)
+
+  monkeypatch.setenv(assembly.TEST_SPLIT_CACHE, str(tmp_path))
+  monkeypatch.setattr(assembly, "_OPEN_SPLIT", fake_open)
+  for _ in range(2):
+    split = assembly._open_split_test_cached(fake_open, "cifar10", "train", "/d", limit=1)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(split.images, images[:1])
+    np.testing.assert_array_equal(split.labels, labels[:1])
+  assert len(calls) == 1
 
 
 def test_time_balanced_run_resumes_with_its_saved_grouping(monkeypatch, tmp_path):

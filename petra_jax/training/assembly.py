@@ -7,6 +7,7 @@ the run's :class:`Progress` (its state, step, last checkpoint, last evaluation).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -227,7 +228,7 @@ def _open_data(config):
   return info, train, test
 
 
-TEST_SPLIT_CACHE = "PETRA_JAX_TEST_SPLIT_CACHE"  # set by tests/conftest.py only
+TEST_SPLIT_CACHE = "PETRA_JAX_TEST_SPLIT_CACHE"  # set by tests/conftest.py and .ci/run only
 _OPEN_SPLIT = data_lib.open_split  # the hook leaves a replaced open_split alone
 
 
@@ -236,9 +237,10 @@ def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optiona
   """``open_fn(dataset, split, data_dir, limit=limit, download=False)``: the
   split's first ``limit`` examples (None: all). Test-support hook:
   with the environment variable ``PETRA_JAX_TEST_SPLIT_CACHE`` set to a
-  directory, a decoded in-memory split is saved there as ``.npy`` once and
-  read back by later processes (the test session's CLI runs), byte for byte
-  the decoded arrays, instead of decoding the PNGs again in each process."""
+  directory, a decoded in-memory split is saved there as ``.npz`` once and
+  read back by later processes (the test session's CLI runs, CI's newest-stack
+  check), byte for byte the decoded arrays, instead of decoding the PNGs again
+  in each process; processes that ask at once wait for the first one's file."""
   cache = os.environ.get(TEST_SPLIT_CACHE)
   if (not cache or open_fn is not _OPEN_SPLIT
       or data_lib.get_dataset_info(dataset).lazy):
@@ -246,18 +248,32 @@ def _open_split_test_cached(open_fn, dataset: str, split: str, data_dir: Optiona
   key = "-".join(s.replace("/", "_") for s in (
       os.path.realpath(data_dir or "default"), dataset, split)).lstrip("-")
   path = os.path.join(cache, key + ".npz")
-  if os.path.exists(path):
-    with np.load(path) as z:
-      images, labels = z["images"], z["labels"]
-  else:
-    opened = open_fn(dataset, split, data_dir, download=False)
-    images, labels = opened.images, opened.labels
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, images=images, labels=labels)
-    os.replace(tmp, path)  # atomic: concurrent test processes read whole files only
+  with _cache_lock(path):  # one process decodes, the others wait and read its file
+    if os.path.exists(path):
+      with np.load(path) as z:
+        images, labels = z["images"], z["labels"]
+    else:
+      opened = open_fn(dataset, split, data_dir, download=False)
+      images, labels = opened.images, opened.labels
+      tmp = f"{path}.{os.getpid()}.tmp.npz"
+      np.savez(tmp, images=images, labels=labels)
+      os.replace(tmp, path)  # atomic: a reader without the lock sees whole files only
   images, labels = images[:limit], labels[:limit]
   images.flags.writeable = labels.flags.writeable = False
   return data_lib.Split(images=images, labels=labels)
+
+
+@contextlib.contextmanager
+def _cache_lock(path: str):
+  """An exclusive ``flock`` on ``path + '.lock'`` (POSIX; elsewhere no lock)."""
+  try:
+    import fcntl  # noqa: PLC0415  (POSIX only)
+  except ImportError:
+    yield
+    return
+  with open(path + ".lock", "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    yield
 
 
 def _prepare_data(config) -> None:
