@@ -12,6 +12,10 @@ import petra_jax
 from petra_jax.engine.stages.stage_state import StageState
 from helpers import batches_of, random_batch, run_ticks
 
+# Flax's deprecations are errors here: the NNX path (petra_jax/engine/stages/nnx_modules.py) uses
+# only current NNX API (a user would otherwise see flax's warnings on every run).
+pytestmark = pytest.mark.filterwarnings("error::DeprecationWarning:flax")
+
 
 class LinenStem(nn.Module):
   width: int

@@ -75,7 +75,7 @@ class FromNNX(nn.Module):
       (model.train if train else model.eval)()
       out = model(x)
     if stats and self.is_mutable_collection("batch_stats") and not self.is_initializing():
-      _assign(stats, nnx.state(model, nnx.BatchStat).to_pure_dict())
+      _assign(stats, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
     return out
 
 
@@ -95,7 +95,7 @@ def as_linen(module, name: str = "?"):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   graphdef, params, stats, rest = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
   takes_train = "train" in inspect.signature(type(module).__call__).parameters
-  return FromNNX(graphdef, (params.to_pure_dict(), stats.to_pure_dict(), rest), takes_train,
+  return FromNNX(graphdef, (nnx.to_pure_dict(params), nnx.to_pure_dict(stats), rest), takes_train,
                  source=module)
 
 
@@ -127,5 +127,5 @@ def update_nnx(module, variables: dict) -> None:
     state = nnx.state(module, kind)
     if variables.get(collection):  # (as jax arrays: the host's NumPy ones are read-only)
       values = jax.tree.map(jnp.asarray, variables[collection])
-      state.replace_by_pure_dict(_like(values, state.to_pure_dict()))
+      nnx.replace_by_pure_dict(state, _like(values, nnx.to_pure_dict(state)))
       nnx.update(module, state)
