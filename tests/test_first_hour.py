@@ -352,6 +352,9 @@ def test_every_cli_option_has_help(module, monkeypatch):
 
 @pytest.mark.parametrize("module", ["simulate", "reversible_backward", "memory.model",
                                     "memory.live", "scaling.processes", "scaling.roles"])
+# (run in this process, where the module is already imported: runpy says so; a user's
+# `python -m` prints no such warning, the next test)
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import:RuntimeWarning")
 def test_benchmark_libraries_name_their_command(module, monkeypatch, capsys):
   import runpy
   monkeypatch.setattr(sys, "argv", [module, "--help"])
